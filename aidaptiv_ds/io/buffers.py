@@ -1,0 +1,142 @@
+"""Page-aligned host buffers for direct I/O, and the registry that answers ``is_pinned``.
+
+``O_DIRECT`` needs the host address, the file offset and the length to be multiples of the
+device's logical block size. torch's CPU allocator only aligns to 64 bytes, so every buffer the
+engine does I/O on comes from :func:`alloc_aligned`, which over-allocates and slices at a page
+boundary (pinned ``cudaHostAlloc`` memory when CUDA is available, which is page aligned already).
+
+DeepSpeed asserts ``aio_handle.is_pinned(t)`` for *views or slices* of buffers the handle gave out
+(``ops/csrc/pin_memory/deepspeed_pin_tensor.cpp:83-98`` does a range check); on a CPU-only torch
+build ``Tensor.pin_memory()`` raises, so we keep our own range registry (:data:`REGISTRY`).
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+
+import torch
+
+PAGE_BYTES = 4096
+
+
+def round_up(nbytes: int, alignment: int) -> int:
+    """Smallest multiple of ``alignment`` that is >= ``nbytes`` (both in bytes)."""
+    return -(-int(nbytes) // alignment) * alignment
+
+
+def round_down(nbytes: int, alignment: int) -> int:
+    """Largest multiple of ``alignment`` that is <= ``nbytes`` (both in bytes)."""
+    return (int(nbytes) // alignment) * alignment
+
+
+def cuda_pinning_available() -> bool:
+    """True when page-locked host memory can be allocated (a CUDA device is visible)."""
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - broken CUDA installs
+        return False
+
+
+class BufferRegistry:
+    """Address ranges ``[start, end)`` of host buffers handed out as "pinned".
+
+    ``contains(t)`` is True when all bytes of tensor ``t`` (any dtype, any view) lie inside one
+    registered buffer. Like DeepSpeed's C++ pinned-tensor manager, the registry holds a strong
+    reference to each buffer until :meth:`remove` is called, so an address range can never be
+    recycled by the allocator while it is still registered.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._entries: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        with self._lock:
+            if start not in self._entries:
+                bisect.insort(self._starts, start)
+            self._entries[start] = (end, t)
+
+    def remove(self, t: torch.Tensor) -> bool:
+        """Forget the buffer that starts at ``t``'s first byte; False when none was registered."""
+        start = t.data_ptr()
+        with self._lock:
+            if self._entries.pop(start, None) is None:
+                return False
+            i = bisect.bisect_left(self._starts, start)
+            self._starts.pop(i)
+            return True
+
+    def contains(self, t: torch.Tensor) -> bool:
+        if t.device.type != "cpu":
+            return False
+        p = t.data_ptr()
+        e = p + t.numel() * t.element_size()
+        with self._lock:
+            i = bisect.bisect_right(self._starts, p) - 1
+            return i >= 0 and e <= self._entries[self._starts[i]][0]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+REGISTRY = BufferRegistry()
+
+
+def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int = PAGE_BYTES,
+                  pin: bool | None = None, zero: bool = False, register: bool = False) -> torch.Tensor:
+    """Allocate a 1-D host tensor whose first byte is ``alignment``-aligned.
+
+    Args:
+        nbytes: capacity in bytes; rounded up to a multiple of ``alignment`` and of the dtype size.
+        dtype: element type of the returned tensor (shape ``(rounded_nbytes // itemsize,)``).
+        alignment: address alignment in bytes (a power of two, default 4096 = one page).
+        pin: page-lock the memory (``cudaHostAlloc``); default: only when CUDA is available.
+        zero: fill with zeros (otherwise the content is undefined).
+        register: record the range in :data:`REGISTRY` (``is_pinned`` then holds for the buffer and
+            its views until ``REGISTRY.remove`` is called).
+
+    Returns:
+        A CPU tensor of ``ceil(nbytes / itemsize)`` elements (rounded as above).
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = round_up(max(int(nbytes), 1), max(alignment, itemsize))
+    if pin is None:
+        pin = cuda_pinning_available()
+    if pin:
+        raw = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        if raw.data_ptr() % alignment:
+            raw = torch.empty(nbytes + alignment, dtype=torch.uint8).pin_memory()
+    else:
+        raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % alignment
+    buf = raw[skip:skip + nbytes]
+    if zero:
+        buf.zero_()
+    out = buf.view(dtype)
+    if register:
+        REGISTRY.add(out)
+    return out
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a 1-D ``uint8`` view (no copy).
+
+    Raises:
+        ValueError: when ``t`` is not contiguous (its bytes are not one range).
+    """
+    if not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous tensor; call .contiguous() first")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def memview(t: torch.Tensor) -> memoryview:
+    """A writable ``memoryview`` over the bytes of a contiguous CPU tensor (no copy)."""
+    return memoryview(byte_view(t).numpy())
+
+
+def address_aligned(t: torch.Tensor, alignment: int) -> bool:
+    """True when the first byte of ``t`` sits at a multiple of ``alignment``."""
+    return t.data_ptr() % alignment == 0

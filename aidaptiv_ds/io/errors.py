@@ -1,0 +1,64 @@
+"""Errors raised by the I/O and storage layers. Each names the path, the offset and the fix."""
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class StorageError(RuntimeError):
+    """Base class of every error aidaptiv_ds raises about cache drives."""
+
+
+class StorageIOError(StorageError, OSError):
+    """A read or write failed after the bounded retries.
+
+    Attributes:
+        path: the file (slab or DeepSpeed swap file).
+        offset: byte offset of the failed request in that file.
+        nbytes: length of the failed request in bytes.
+        errno: the OS error number (``EIO``, ``ENOSPC``, ...), or None for a short transfer.
+    """
+
+    def __init__(self, op: str, path: str, offset: int, nbytes: int, err: int | None, detail: str = "",
+                 attempts: int = 1) -> None:
+        self.op, self.path, self.offset, self.nbytes, self.attempts = op, path, offset, nbytes, attempts
+        what = os.strerror(err) if err else "short transfer"
+        fix = {
+            _errno.ENOSPC: "free space on this drive or point aidaptiv.cache_paths at a larger one",
+            _errno.EIO: "the drive reported a media error; check `dmesg` and the drive's SMART log, "
+                        "then resume from the last checkpoint",
+            _errno.EROFS: "the filesystem is read-only; remount it read-write or choose another cache path",
+            _errno.EACCES: "make the cache path writable by this user",
+        }.get(err or 0, "check the drive and the path, then resume from the last checkpoint")
+        msg = (f"aidaptiv_ds: {op} of {nbytes} bytes at offset {offset} in {path} failed "
+               f"after {attempts} attempt(s): {what}{(' (' + detail + ')') if detail else ''}. Fix: {fix}.")
+        StorageError.__init__(self, msg)
+        self.errno = err
+        self.strerror = what
+        self.filename = path
+
+    def __str__(self) -> str:  # OSError.__str__ would print "[Errno n] ..." instead of our message
+        return self.args[0]
+
+
+class StorageFullError(StorageError):
+    """A cache path lacks the space a plan or a write needs. Raised before any data is written."""
+
+    def __init__(self, path: str, needed: int, free: int, what: str = "") -> None:
+        from ..units import format_bytes
+        self.path, self.needed, self.free = path, needed, free
+        super().__init__(
+            f"aidaptiv_ds: cache path {path} needs {format_bytes(needed)} ({needed} bytes){' for ' + what if what else ''}"
+            f" but has {format_bytes(free)} ({free} bytes) free. Fix: free space there, add another path to "
+            f"aidaptiv.cache_paths, or raise aidaptiv.dram_budget so less state goes to the drive.")
+
+
+class ChecksumError(StorageError):
+    """An extent read back does not match the checksum recorded when it was written."""
+
+    def __init__(self, key: str, path: str, offset: int, nbytes: int, expected: int, got: int) -> None:
+        self.key, self.path, self.offset, self.nbytes = key, path, offset, nbytes
+        super().__init__(
+            f"aidaptiv_ds: checksum mismatch for extent {key!r} ({nbytes} bytes at offset {offset} in {path}): "
+            f"stored crc32 {expected:#010x}, read {got:#010x}. The drive returned corrupted data. Fix: resume "
+            f"from the last checkpoint; if it repeats, check the drive (SMART log) and stop using it.")

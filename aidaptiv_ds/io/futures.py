@@ -1,0 +1,125 @@
+"""Completion handles for asynchronous requests."""
+from __future__ import annotations
+
+import threading
+import time
+
+
+class IOFuture:
+    """Completion of one request that the engine may have split into several chunks.
+
+    ``wait()`` blocks until every chunk finished and returns the bytes transferred, or raises the
+    first chunk's error (a :class:`~aidaptiv_ds.io.errors.StorageIOError` naming path and offset).
+    A request never reports success unless all of its bytes were transferred.
+    """
+
+    __slots__ = ("nbytes", "_pending", "_lock", "_event", "_error", "_callbacks", "submitted_at", "finished_at",
+                 "_keepalive")
+
+    def __init__(self, nbytes: int, chunks: int, keepalive=None) -> None:
+        self.nbytes = nbytes
+        self._pending = chunks
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._callbacks: list = []
+        self.submitted_at = time.perf_counter()
+        self.finished_at: float | None = None
+        self._keepalive = keepalive  # the buffer: must outlive the I/O
+        if chunks == 0:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.finished_at = time.perf_counter()
+        self._keepalive = None
+        self._event.set()
+        for cb in self._callbacks:
+            cb(self)
+        self._callbacks = []
+
+    def _chunk_done(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self._finish()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._event.is_set() else None
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(self)`` on completion (at once, on this thread, if already complete)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until complete; return bytes transferred.
+
+        Raises:
+            TimeoutError: if ``timeout`` seconds pass first.
+            StorageIOError: the first failed chunk's error.
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"I/O request of {self.nbytes} bytes not complete after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.nbytes
+
+
+def wait_all(futures) -> int:
+    """Wait for every future (all of them, even after an error); return total bytes or raise the first error."""
+    total, first = 0, None
+    for f in futures:
+        try:
+            total += f.wait()
+        except BaseException as e:  # noqa: BLE001 - re-raised below after all are drained
+            first = first or e
+    if first is not None:
+        raise first
+    return total
+
+
+def completed(nbytes: int = 0) -> IOFuture:
+    """A future that is already complete (for requests served from memory)."""
+    return IOFuture(nbytes, 0)
+
+
+def combine(futures: list[IOFuture], nbytes: int, finalizer=None, keepalive=None) -> IOFuture:
+    """One future that completes when all ``futures`` have, then runs ``finalizer()`` (whose exception,
+    e.g. a checksum mismatch, becomes the combined error). The first sub-request error wins and the
+    finalizer is skipped then."""
+    out = IOFuture(nbytes, 1, keepalive=keepalive)
+    if not futures:
+        _finish(out, None, finalizer)
+        return out
+    lock = threading.Lock()
+    state = [len(futures), None]
+
+    def on_done(f: IOFuture) -> None:
+        with lock:
+            state[0] -= 1
+            state[1] = state[1] or f.exception()
+            last = state[0] == 0
+        if last:
+            _finish(out, state[1], finalizer)
+
+    for f in futures:
+        f.add_done_callback(on_done)
+    return out
+
+
+def _finish(out: IOFuture, err: BaseException | None, finalizer) -> None:
+    if err is None and finalizer is not None:
+        try:
+            finalizer()
+        except BaseException as e:  # noqa: BLE001
+            err = e
+    out._chunk_done(err)

@@ -1,0 +1,9 @@
+"""Where bytes live: slab files on cache paths, extents, striping, checksums, the endurance ledger."""
+from .allocator import ExtentAllocator, OutOfSpace
+from .layout import CachePathError, Namespace, StoreInUseError, list_namespaces
+from .ledger import EnduranceLedger, EnduranceRating, projection
+from .store import Extent, PathSpec, SlabStore
+from .striping import StripeLayout
+
+__all__ = ["ExtentAllocator", "OutOfSpace", "CachePathError", "Namespace", "StoreInUseError", "list_namespaces",
+           "EnduranceLedger", "EnduranceRating", "projection", "Extent", "PathSpec", "SlabStore", "StripeLayout"]

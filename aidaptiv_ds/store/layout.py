@@ -1,0 +1,197 @@
+"""Where a store's files live under each cache path, and the lock that keeps two owners apart.
+
+Layout under every cache path (so ranks, nodes sharing a network path, and runs never collide)::
+
+    <cache_path>/aidaptiv_ds/<host>/ledger.json              endurance ledger of this node on this path
+    <cache_path>/aidaptiv_ds/<host>/<run>/rank<R>/slab.bin    the preallocated slab of rank R
+    <cache_path>/aidaptiv_ds/<host>/<run>/rank<R>/owner.lock  flock held by the owning process
+    <cache_path>/aidaptiv_ds/<host>/<run>/rank<R>/index.json  extent index (first path only)
+
+The owner lock is an ``fcntl.flock`` on ``owner.lock`` of every path, taken without blocking: a
+second process asking for the same (host, run, rank) gets :class:`StoreInUseError` naming the
+holder's pid, and the kernel drops the lock when a process dies, so a crash leaves no stale lock.
+Nothing here deletes a directory it does not own.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import shutil
+import socket
+
+from ..io.errors import StorageError
+
+ROOT_NAME = "aidaptiv_ds"
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class StoreInUseError(StorageError):
+    """Another live process owns this (host, run, rank) namespace."""
+
+
+class CachePathError(StorageError, ValueError):
+    """A cache path is missing, not a directory, or not writable."""
+
+
+def safe_name(name: str) -> str:
+    """``name`` reduced to characters that are safe in a path component."""
+    out = _SAFE.sub("_", str(name)).strip("._")
+    return out or "_"
+
+
+def hostname() -> str:
+    return safe_name(socket.gethostname())
+
+
+def check_cache_path(path: str, field: str = "aidaptiv.cache_paths") -> str:
+    """Absolute path of an existing, writable directory.
+
+    Raises:
+        CachePathError: naming ``field``, the path, what is wrong and the fix.
+    """
+    ap = os.path.abspath(os.path.expanduser(str(path)))
+    if not os.path.exists(ap):
+        raise CachePathError(f"{field}: {path!r} does not exist. Fix: create it (mkdir -p {ap}) or list an "
+                             f"existing directory on the cache drive.")
+    if not os.path.isdir(ap):
+        raise CachePathError(f"{field}: {path!r} is not a directory. Fix: give the directory on the cache drive "
+                             f"(a mount point or a folder below it).")
+    if not os.access(ap, os.W_OK | os.X_OK):
+        raise CachePathError(f"{field}: {path!r} is not writable by this user (uid {os.getuid()}). Fix: "
+                             f"chown/chmod it, or choose a writable directory.")
+    return ap
+
+
+class Namespace:
+    """The directories of one store (``host``, ``run``, ``rank``) under each cache path.
+
+    Args:
+        cache_paths: user directories on the cache drives (must exist and be writable).
+        run: run name (a path component; two concurrent runs need different names).
+        rank: global rank of the owning process.
+        host: node name (default: this machine's host name).
+    """
+
+    def __init__(self, cache_paths: list[str], run: str, rank: int, host: str | None = None) -> None:
+        self.cache_paths = [check_cache_path(p) for p in cache_paths]
+        self.run = safe_name(run)
+        self.rank = int(rank)
+        self.host = safe_name(host) if host else hostname()
+        self._lock_fds: list[int] = []
+
+    def node_dir(self, i: int) -> str:
+        """``<cache_path_i>/aidaptiv_ds/<host>``."""
+        return os.path.join(self.cache_paths[i], ROOT_NAME, self.host)
+
+    def run_dir(self, i: int) -> str:
+        return os.path.join(self.node_dir(i), self.run)
+
+    def rank_dir(self, i: int) -> str:
+        return os.path.join(self.run_dir(i), f"rank{self.rank}")
+
+    def slab_path(self, i: int) -> str:
+        return os.path.join(self.rank_dir(i), "slab.bin")
+
+    def index_path(self) -> str:
+        return os.path.join(self.rank_dir(0), "index.json")
+
+    def acquire(self) -> None:
+        """Create the rank directories and take the owner lock on every path.
+
+        Raises:
+            StoreInUseError: another live process holds the lock on one of the paths.
+        """
+        for i in range(len(self.cache_paths)):
+            d = self.rank_dir(i)
+            os.makedirs(d, exist_ok=True)
+            lock = os.path.join(d, "owner.lock")
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
+                    raise
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                self.release()
+                raise StoreInUseError(
+                    f"aidaptiv_ds: {d} is in use by another process (pid {holder}): run {self.run!r}, rank "
+                    f"{self.rank} on host {self.host}. Two runs must not share a namespace. Fix: set a "
+                    f"different aidaptiv.run_name, or leave it at \"auto\" so each run gets its own.") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            self._lock_fds.append(fd)
+
+    def release(self) -> None:
+        for fd in self._lock_fds:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+        self._lock_fds = []
+
+    @property
+    def locked(self) -> bool:
+        return bool(self._lock_fds)
+
+    def remove_files(self) -> None:
+        """Delete this namespace's rank directories (only while we hold their locks), then the run
+        directory when it is empty. Other ranks' and runs' directories are never touched."""
+        if not self.locked:
+            raise StorageError("aidaptiv_ds: refusing to delete a namespace this process does not own")
+        for i in range(len(self.cache_paths)):
+            d = self.rank_dir(i)
+            for name in os.listdir(d):
+                if name != "owner.lock":
+                    p = os.path.join(d, name)
+                    shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+        self.release()
+        for i in range(len(self.cache_paths)):
+            d = self.rank_dir(i)
+            try:
+                os.unlink(os.path.join(d, "owner.lock"))
+                os.rmdir(d)
+                os.rmdir(self.run_dir(i))
+            except OSError:
+                pass  # another rank of the run is still there
+
+
+def list_namespaces(cache_path: str) -> list[dict]:
+    """Every (host, run, rank) store under ``cache_path``, with its slab size and whether it is live.
+
+    A store is live when its owner lock is held; a dead one (e.g. after ``kill -9``) can be removed
+    with ``aidaptiv-ds gc``.
+    """
+    root = os.path.join(os.path.abspath(cache_path), ROOT_NAME)
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for host in sorted(os.listdir(root)):
+        hdir = os.path.join(root, host)
+        if not os.path.isdir(hdir):
+            continue
+        for run in sorted(os.listdir(hdir)):
+            rdir = os.path.join(hdir, run)
+            if not os.path.isdir(rdir):
+                continue
+            for rank in sorted(os.listdir(rdir)):
+                d = os.path.join(rdir, rank)
+                if not (os.path.isdir(d) and rank.startswith("rank")):
+                    continue
+                live = False
+                lock = os.path.join(d, "owner.lock")
+                if os.path.exists(lock):
+                    fd = os.open(lock, os.O_RDWR)
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                    except OSError:
+                        live = True
+                    finally:
+                        os.close(fd)
+                size = sum(os.stat(os.path.join(d, f)).st_blocks * 512 for f in os.listdir(d))
+                out.append({"host": host, "run": run, "rank": rank, "dir": d, "live": live, "bytes_on_disk": size})
+    return out

@@ -1,0 +1,477 @@
+"""The slab store: named extents in one logical space, striped over the slabs of N cache paths.
+
+* **Extents.** ``allocate(key, nbytes)`` gives an aligned range of the logical space; the same key
+  always maps to the same range (stable placement: rewriting a key overwrites its bytes in place),
+  ``free(key)`` returns it for reuse.
+* **Placement.** ``"striped"``: one weighted RAID-0 segment over all paths (see
+  :mod:`~aidaptiv_ds.store.striping`), so large transfers use every drive and bytes per path follow
+  the weights. ``"affinity"``: segment 0 is the rank's primary path alone, segment 1 the other
+  paths striped; allocation fills segment 0 first and spills only when it is full.
+* **Space.** Each path's capacity is its configured limit or its free space at open minus a
+  reserve. :meth:`preflight` refuses a plan that does not fit, naming the path, the bytes needed
+  and the bytes free, before anything is written; slabs grow with ``fallocate``.
+* **Integrity.** Optional CRC32 per ``checksum_block`` of logical space, recorded for each block a
+  write covers entirely and verified for each block a read covers entirely.
+* **Accounting.** Bytes read and written per path, and the endurance ledger of each path.
+* **Restart.** :meth:`save_index` persists keys, extents and checksums; reopening the same
+  namespace restores them (the layout must be the same).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import zlib
+
+import numpy as np
+import torch
+
+from ..io.buffers import alloc_aligned, byte_view, round_up
+from ..io.engine import READ_DEMAND, WRITE_BACK, IOEngine, default_engine
+from ..io.errors import ChecksumError, StorageError, StorageFullError
+from ..io.futures import IOFuture, combine
+from .allocator import ExtentAllocator, OutOfSpace
+from .layout import Namespace
+from .ledger import EnduranceLedger, EnduranceRating
+from .slab import Slab, free_bytes
+from .striping import StripeLayout
+
+log = logging.getLogger("aidaptiv_ds")
+
+INDEX_VERSION = 1
+
+
+@dataclasses.dataclass
+class PathSpec:
+    """One cache path as the store sees it.
+
+    Attributes:
+        path: directory on the cache drive.
+        weight: relative bandwidth (GB/s from ``bench-io`` or the data sheet); sets its stripe share.
+        capacity: most bytes the store may put there (None: free space at open minus the reserve).
+        rating: the drive's endurance rating (for the ledger's projections).
+    """
+    path: str
+    weight: float = 1.0
+    capacity: int | None = None
+    rating: EnduranceRating = dataclasses.field(default_factory=EnduranceRating)
+
+
+@dataclasses.dataclass(frozen=True)
+class Extent:
+    """A named, aligned range ``[offset, offset + nbytes)`` of the store's logical space (bytes)."""
+    key: str
+    offset: int
+    nbytes: int
+
+
+class _Segment:
+    def __init__(self, start: int, end: int, layout: StripeLayout) -> None:
+        self.start, self.end, self.layout = start, end, layout
+
+
+class SlabStore:
+    """Named extents striped over one slab per cache path. One per process and namespace.
+
+    Args:
+        namespace: where the files go (host/run/rank directories; locked while open).
+        paths: the cache paths, in the order of ``namespace.cache_paths``.
+        engine: the I/O engine (default: the process-wide one).
+        policy: ``"striped"`` or ``"affinity"`` (see module docstring).
+        primary: index of the primary path for ``"affinity"``.
+        stripe_unit: stripe unit in bytes.
+        alignment: extent and I/O alignment in bytes (the direct-I/O block size).
+        checksum: record and verify CRC32 per ``checksum_block`` bytes.
+        keep: keep the files on :meth:`close` (default: delete them on a clean shutdown).
+
+    Raises:
+        StoreInUseError: another process owns the namespace.
+        StorageError: a persisted index with a different layout exists in the namespace.
+    """
+
+    def __init__(self, namespace: Namespace, paths: list[PathSpec], engine: IOEngine | None = None,
+                 policy: str = "striped", primary: int = 0, stripe_unit: int = 1 << 20, alignment: int = 4096,
+                 checksum: bool = False, checksum_block: int = 1 << 20, keep: bool = False) -> None:
+        if len(paths) != len(namespace.cache_paths):
+            raise ValueError("one PathSpec per namespace cache path")
+        if policy not in ("striped", "affinity"):
+            raise ValueError(f"aidaptiv.placement: {policy!r} is not a policy; use 'striped' or 'affinity'")
+        if stripe_unit % alignment or checksum_block % alignment:
+            raise ValueError(f"aidaptiv.stripe_unit ({stripe_unit}) and checksum block ({checksum_block}) must be "
+                             f"multiples of the I/O alignment ({alignment} bytes)")
+        self.ns = namespace
+        self.paths = paths
+        self.engine = engine or default_engine()
+        self.policy = policy
+        self.primary = primary % len(paths)
+        self.stripe_unit = stripe_unit
+        self.alignment = alignment
+        self.checksum = checksum
+        self.checksum_block = checksum_block
+        self.keep = keep
+        self._lock = threading.RLock()
+        self._extents: dict[str, Extent] = {}
+        self._crc = np.full(0, -1, dtype=np.int64)
+        self.bytes_written = [0] * len(paths)
+        self.bytes_read = [0] * len(paths)
+        self._ledgered = [0] * len(paths)
+        self._closed = False
+
+        namespace.acquire()
+        try:
+            self.slabs = [Slab(namespace.slab_path(i), namespace.cache_paths[i], self.engine,
+                               drive=namespace.cache_paths[i], alignment=alignment) for i in range(len(paths))]
+            self.ledgers = [EnduranceLedger(namespace.node_dir(i), namespace.cache_paths[i], p.rating,
+                                            namespace.run, namespace.rank) for i, p in enumerate(paths)]
+            index = self._load_index()
+            caps = index["phys_caps"] if index else self._phys_caps()
+            self._build_segments({int(k): v for k, v in caps.items()} if index else caps)
+            self.allocator = ExtentAllocator(alignment, capacity=self.segments[-1].end)
+            if index:
+                self._restore(index)
+        except BaseException:
+            namespace.release()
+            raise
+
+    # ------------------------------------------------------------------ layout
+    def _phys_caps(self) -> dict[int, int]:
+        """Bytes each path may hold: its configured capacity, else a weighted share of the free space
+        of its filesystem (paths on one filesystem split it, so the sum is never over-counted),
+        minus a reserve of 2% of the filesystem, at most 1 GiB."""
+        caps: dict[int, int] = {}
+        by_fs: dict[int, list[int]] = {}
+        for i, p in enumerate(self.paths):
+            if p.capacity is not None:
+                caps[i] = int(p.capacity)
+            else:
+                by_fs.setdefault(os.stat(self.ns.cache_paths[i]).st_dev, []).append(i)
+        for members in by_fs.values():
+            cp = self.ns.cache_paths[members[0]]
+            st = os.statvfs(cp)
+            reserve = min(1 << 30, st.f_blocks * st.f_frsize // 50)
+            pool = max(free_bytes(cp) + sum(self.slabs[i].size for i in members) - reserve, 0)
+            wsum = sum(self.paths[i].weight for i in members)
+            for i in members:
+                caps[i] = int(pool * self.paths[i].weight / wsum)
+        return {i: caps[i] // self.stripe_unit * self.stripe_unit for i in range(len(self.paths))}
+
+    def _build_segments(self, caps: dict[int, int]) -> None:
+        self.phys_caps = caps
+        idx = list(range(len(self.paths)))
+        if self.policy == "striped" or len(idx) == 1:
+            lay = StripeLayout(idx, [self.paths[i].weight for i in idx], self.stripe_unit)
+            self.segments = [_Segment(0, lay.logical_capacity(caps), lay)]
+        else:
+            first = StripeLayout([self.primary], [1.0], self.stripe_unit)
+            rest = [i for i in idx if i != self.primary]
+            second = StripeLayout(rest, [self.paths[i].weight for i in rest], self.stripe_unit)
+            c0 = first.logical_capacity(caps)
+            self.segments = [_Segment(0, c0, first), _Segment(c0, c0 + second.logical_capacity(caps), second)]
+
+    def planned_share(self) -> list[float]:
+        """Fraction of the first segment's bytes that lands on each path (the "intended share")."""
+        lay = self.segments[0].layout
+        return [lay.share(i) for i in range(len(self.paths))]
+
+    def _map(self, logical: int, length: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """``[(path, phys, [(offset_in_request, length), ...]), ...]`` for logical bytes."""
+        out = []
+        for seg in self.segments:
+            a, b = max(logical, seg.start), min(logical + length, seg.end)
+            if a >= b:
+                continue
+            for path, runs in seg.layout.map(a - seg.start, b - a).items():
+                for r in runs:
+                    out.append((path, r.phys, [(o + a - logical, n) for o, n in r.parts]))
+        return out
+
+    def _ensure_physical(self, logical_end: int, what: str) -> None:
+        for seg in self.segments:
+            if logical_end <= seg.start:
+                break
+            need = seg.layout.phys_size(min(logical_end, seg.end) - seg.start)
+            for path, nbytes in need.items():
+                self.slabs[path].ensure(seg.layout.phys_base[path] + nbytes, what)
+
+    # ------------------------------------------------------------------ space
+    def capacity(self) -> int:
+        """Logical bytes the store can hold in total."""
+        return self.segments[-1].end
+
+    def allocated(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._extents.values())
+
+    def preflight(self, nbytes: int, what: str = "the training state") -> None:
+        """Refuse, before anything is written, a plan that needs ``nbytes`` more bytes than fit.
+
+        Also reserves the space (grows the slabs with ``fallocate``), so it cannot be taken later.
+
+        Raises:
+            StorageFullError: naming the first path short of space, the bytes it needs and has free.
+        """
+        with self._lock:
+            need_end = self.allocator.high_water + round_up(nbytes, self.alignment)
+            fits = need_end <= self.capacity()
+            if not fits:
+                self._raise_full(need_end, what)
+            self._ensure_physical(need_end, what)
+
+    def _raise_full(self, logical_end: int, what: str) -> None:
+        """Raise :class:`StorageFullError` for the first path whose share of ``[0, logical_end)`` exceeds it."""
+        for k, seg in enumerate(self.segments):
+            if logical_end <= seg.start:
+                break
+            end = logical_end if k == len(self.segments) - 1 else min(logical_end, seg.end)
+            for path, nbytes in sorted(seg.layout.phys_size(end - seg.start).items()):
+                need = seg.layout.phys_base[path] + nbytes
+                if need > self.phys_caps[path]:
+                    cp = self.ns.cache_paths[path]
+                    free = min(free_bytes(cp) + self.slabs[path].size, self.phys_caps[path])
+                    raise StorageFullError(cp, need, free, what)
+        raise StorageFullError(self.ns.cache_paths[0], logical_end, self.capacity(), what)
+
+    # ------------------------------------------------------------------ extents
+    def allocate(self, key: str, nbytes: int) -> Extent:
+        """The extent of ``key``, allocated on first use (``nbytes`` rounded up to the alignment).
+
+        Stable placement: an existing extent of at least ``nbytes`` is returned unchanged; a smaller
+        one is freed and a new one allocated (its old bytes are not carried over).
+
+        Raises:
+            StorageFullError: the paths cannot hold it (nothing is written).
+        """
+        n = round_up(max(int(nbytes), 1), self.alignment)
+        with self._lock:
+            ext = self._extents.get(key)
+            if ext is not None and ext.nbytes >= n:
+                return ext
+            if ext is not None:
+                self.free(key)
+            try:
+                off = self.allocator.alloc(n)
+            except OutOfSpace:
+                self._raise_full(self.allocator.high_water + n, f"extent {key!r}")
+            try:
+                self._ensure_physical(off + n, f"extent {key!r}")
+            except BaseException:
+                self.allocator.free(off, n)
+                raise
+            ext = self._extents[key] = Extent(key, off, n)
+            self._invalidate_crc(off, n)
+            return ext
+
+    def extent(self, key: str) -> Extent | None:
+        with self._lock:
+            return self._extents.get(key)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._extents)
+
+    def free(self, key: str) -> None:
+        """Return ``key``'s extent for reuse (its bytes become undefined)."""
+        with self._lock:
+            ext = self._extents.pop(key, None)
+            if ext is not None:
+                self.allocator.free(ext.offset, ext.nbytes)
+                self._invalidate_crc(ext.offset, ext.nbytes)
+
+    # ------------------------------------------------------------------ I/O
+    def write(self, key: str, buf: torch.Tensor, offset: int = 0, priority: int = WRITE_BACK) -> IOFuture:
+        """Write contiguous CPU tensor ``buf`` at byte ``offset`` of extent ``key``.
+
+        ``offset`` and ``buf``'s byte length must be multiples of the alignment (use :meth:`put`
+        for arbitrary tensors). ``buf`` must stay untouched until the future completes.
+
+        Raises:
+            KeyError: no such extent; ValueError: out of the extent's range or unaligned.
+        """
+        return self._io(True, key, buf, offset, priority)
+
+    def read(self, key: str, buf: torch.Tensor, offset: int = 0, priority: int = READ_DEMAND) -> IOFuture:
+        """Read ``buf``'s byte length at byte ``offset`` of extent ``key`` into ``buf``.
+
+        The future raises :class:`ChecksumError` if checksums are on and a fully read block differs.
+        """
+        return self._io(False, key, buf, offset, priority)
+
+    def _io(self, write: bool, key: str, buf: torch.Tensor, offset: int, priority: int) -> IOFuture:
+        if self._closed:
+            raise StorageError("aidaptiv_ds: store is closed")
+        raw = byte_view(buf)
+        n = raw.numel()
+        with self._lock:
+            ext = self._extents.get(key)
+        if ext is None:
+            raise KeyError(f"aidaptiv_ds: no extent {key!r} in the store")
+        if offset < 0 or offset + n > ext.nbytes:
+            raise ValueError(f"extent {key!r}: bytes [{offset}, {offset + n}) outside its {ext.nbytes} bytes")
+        if offset % self.alignment or n % self.alignment:
+            raise ValueError(f"extent {key!r}: offset {offset} and length {n} must be multiples of {self.alignment}")
+        logical = ext.offset + offset
+        finalizer = None
+        if self.checksum:
+            if write:
+                self._record_crc(logical, raw)
+            else:
+                finalizer = self._verifier(key, logical, raw)
+        futs = []
+        for path, phys, parts in self._map(logical, n):
+            f = self.engine.submit(self.slabs[path].fh, write, phys, [raw[o:o + m] for o, m in parts], priority)
+            f.add_done_callback(self._counter(path, write, sum(m for _, m in parts)))
+            futs.append(f)
+        return combine(futs, n, finalizer, keepalive=buf)
+
+    def _counter(self, path: int, write: bool, nbytes: int):
+        def count(f: IOFuture) -> None:
+            if f.exception() is None:
+                with self._lock:
+                    (self.bytes_written if write else self.bytes_read)[path] += nbytes
+        return count
+
+    def put(self, key: str, tensor: torch.Tensor, priority: int = WRITE_BACK) -> IOFuture:
+        """Store any contiguous tensor under ``key`` (copied into an aligned, zero-padded buffer)."""
+        raw = byte_view(tensor.detach().cpu().contiguous())
+        self.allocate(key, raw.numel())
+        staging = alloc_aligned(round_up(max(raw.numel(), 1), self.alignment), zero=True)
+        staging[: raw.numel()].copy_(raw)
+        return self.write(key, staging, 0, priority)
+
+    def get(self, key: str, out: torch.Tensor, priority: int = READ_DEMAND) -> IOFuture:
+        """Read ``out``'s byte length from the start of ``key`` into contiguous ``out`` (any dtype)."""
+        raw = byte_view(out)
+        staging = alloc_aligned(round_up(max(raw.numel(), 1), self.alignment))
+        fut = self.read(key, staging, 0, priority)
+        return combine([fut], raw.numel(), finalizer=lambda: raw.copy_(staging[: raw.numel()]), keepalive=out)
+
+    # ------------------------------------------------------------------ checksums
+    def _blocks(self, logical: int, n: int) -> tuple[int, int, int, int]:
+        b = self.checksum_block
+        first_full = -(-logical // b)
+        last_full = (logical + n) // b  # exclusive
+        return first_full, last_full, logical // b, -(-(logical + n) // b)
+
+    def _grow_crc(self, nblocks: int) -> None:
+        if nblocks > len(self._crc):
+            grown = np.full(max(nblocks, 2 * len(self._crc)), -1, dtype=np.int64)
+            grown[: len(self._crc)] = self._crc
+            self._crc = grown
+
+    def _invalidate_crc(self, logical: int, n: int) -> None:
+        if not self.checksum:
+            return
+        _, _, lo, hi = self._blocks(logical, n)
+        self._grow_crc(hi)
+        self._crc[lo:hi] = -1
+
+    def _record_crc(self, logical: int, raw: torch.Tensor) -> None:
+        n = raw.numel()
+        full_lo, full_hi, lo, hi = self._blocks(logical, n)
+        b = self.checksum_block
+        mv = memoryview(raw.numpy())
+        with self._lock:
+            self._grow_crc(hi)
+            self._crc[lo:hi] = -1
+            for blk in range(full_lo, full_hi):
+                s = blk * b - logical
+                self._crc[blk] = zlib.crc32(mv[s:s + b])
+
+    def _verifier(self, key: str, logical: int, raw: torch.Tensor):
+        full_lo, full_hi, _, _ = self._blocks(logical, raw.numel())
+        b = self.checksum_block
+
+        def verify() -> None:
+            mv = memoryview(raw.numpy())
+            for blk in range(full_lo, full_hi):
+                with self._lock:
+                    want = int(self._crc[blk]) if blk < len(self._crc) else -1
+                if want < 0:
+                    continue
+                s = blk * b - logical
+                got = zlib.crc32(mv[s:s + b])
+                if got != want:
+                    path, phys, _ = self._map(blk * b, b)[0]
+                    raise ChecksumError(key, self.slabs[path].path, phys, b, want, got)
+        return verify
+
+    # ------------------------------------------------------------------ accounting
+    def io_counters(self) -> dict:
+        """Bytes read and written per cache path by this store since it opened."""
+        with self._lock:
+            return {p: {"bytes_read": r, "bytes_written": w}
+                    for p, r, w in zip(self.ns.cache_paths, self.bytes_read, self.bytes_written)}
+
+    def flush_ledger(self) -> None:
+        """Book bytes written since the last call in each path's endurance ledger."""
+        with self._lock:
+            deltas = [w - done for w, done in zip(self.bytes_written, self._ledgered)]
+            self._ledgered = list(self.bytes_written)
+        for led, d in zip(self.ledgers, deltas):
+            led.add(d)
+            led.flush()
+
+    # ------------------------------------------------------------------ persistence
+    def save_index(self) -> None:
+        """Persist extents, layout and checksums beside the slab (temp file, fsync, rename)."""
+        with self._lock:
+            data = {
+                "version": INDEX_VERSION, "policy": self.policy, "primary": self.primary,
+                "stripe_unit": self.stripe_unit, "alignment": self.alignment,
+                "weights": [p.weight for p in self.paths], "phys_caps": self.phys_caps,
+                "checksum_block": self.checksum_block,
+                "extents": {k: [e.offset, e.nbytes] for k, e in self._extents.items()},
+                "crc": self._crc.tolist() if self.checksum else None,
+            }
+        for s in self.slabs:
+            s.sync()
+        path = self.ns.index_path()
+        tmp = path + ".tmp"
+        payload = json.dumps(data).encode()
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        with self._lock:
+            self.bytes_written[0] += len(payload)
+
+    def _load_index(self) -> dict | None:
+        try:
+            with open(self.ns.index_path()) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return None
+        mine = {"policy": self.policy, "primary": self.primary, "stripe_unit": self.stripe_unit,
+                "alignment": self.alignment, "weights": [p.weight for p in self.paths]}
+        theirs = {k: data.get(k) for k in mine}
+        if data.get("version") != INDEX_VERSION or theirs != mine:
+            raise StorageError(
+                f"aidaptiv_ds: {self.ns.index_path()} was written with a different layout ({theirs}) than this "
+                f"store's ({mine}). Fix: use the same placement settings to reopen it, or a new aidaptiv.run_name.")
+        return data
+
+    def _restore(self, data: dict) -> None:
+        for key, (off, n) in sorted(data["extents"].items(), key=lambda kv: kv[1][0]):
+            self.allocator.reserve(off, n)
+            self._extents[key] = Extent(key, off, n)
+        if self.checksum and data.get("crc") is not None and data.get("checksum_block") == self.checksum_block:
+            self._crc = np.asarray(data["crc"], dtype=np.int64)
+
+    def close(self, keep: bool | None = None) -> None:
+        """Flush the ledger; keep the files (with an index) or delete them; release the namespace."""
+        if self._closed:
+            return
+        keep = self.keep if keep is None else keep
+        self.flush_ledger()
+        if keep:
+            self.save_index()
+        for s in self.slabs:
+            s.close()
+        self._closed = True
+        if keep:
+            self.ns.release()
+        else:
+            self.ns.remove_files()

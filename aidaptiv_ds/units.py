@@ -1,0 +1,48 @@
+"""Byte sizes: parse ``"8GiB"`` / ``"1.5TB"`` / ``8589934592`` and format them for people."""
+from __future__ import annotations
+
+import re
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB, "pib": 1 << 50,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, field: str = "size") -> int:
+    """Bytes from an int, a float (``1e9``) or a string with a unit.
+
+    Decimal units (``KB MB GB TB``, also ``K M G T``) are powers of 1000 as drive vendors use them;
+    binary units (``KiB MiB GiB TiB``) are powers of 1024. Case-insensitive.
+
+    Raises:
+        ValueError: naming ``field``, the value and the accepted forms, for negative numbers,
+            unknown units or anything else that is not a size.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field}: {value!r} is not a size; give bytes as an integer or a string like '8GiB'")
+    if isinstance(value, (int, float)):
+        if value < 0 or value != value:
+            raise ValueError(f"{field}: {value!r} is negative or NaN; give a size >= 0 such as 0, 4096 or '8GiB'")
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"{field}: {value!r} is not a size; use an integer number of bytes or a string such as "
+                     f"'512MiB', '8GiB', '2TB' (units: B, KB/MB/GB/TB = 1000^n, KiB/MiB/GiB/TiB = 1024^n)")
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``; binary units, two decimals."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} PiB"  # pragma: no cover
