@@ -1,0 +1,100 @@
+"""Which training state stays in DRAM under a byte budget, and what that costs the drive per step.
+
+Per optimizer step of ZeRO-3 with both offloads on the cache tier, every byte of state that does
+not stay in DRAM is written once (DeepSpeed 0.19.8 writes all of it: 2 B bf16 parameter + 4 B
+fp32 gradient + 12 B fp32 master weight and Adam moments = 18 B per parameter, see
+``deepspeed-seams.md`` Appendix A). Every byte kept in DRAM saves exactly one byte of writes per
+step whatever it holds, so the choice is made on what else it saves:
+
+1. **gradients** first: produced in backward and consumed by the optimizer in the same step, so
+   keeping them costs no read-ahead and saves the write *and* the read back (4 B/param);
+2. **parameters** next: each is read twice per step (forward and backward), so a resident
+   parameter saves two reads per byte (2 B/param in bf16);
+3. **optimizer sub-groups** (fp32 master + moments) last, whole sub-groups in step order.
+
+What remains of the budget caches clean parameter slices (reads only, never writes).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class StateSizes:
+    """Bytes of training state of one rank (all in bytes).
+
+    Attributes:
+        param_bytes: low-precision parameter partitions (numel x 2 for bf16/fp16, x 4 for fp32).
+        grad_bytes: fp32 gradient partitions (numel x 4).
+        subgroup_bytes: per optimizer sub-group, fp32 master + optimizer state (numel x 12 for Adam).
+    """
+    param_bytes: int
+    grad_bytes: int
+    subgroup_bytes: list[int]
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return sum(self.subgroup_bytes)
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclasses.dataclass
+class ResidencyPlan:
+    """What stays in DRAM, and the resulting writes per optimizer step.
+
+    Attributes:
+        budget: the DRAM budget in bytes this plan was made for.
+        grads_resident: gradients of all sub-groups stay in DRAM.
+        params_resident: all parameter partitions stay in DRAM (never read back or rewritten).
+        resident_subgroups: indices of optimizer sub-groups kept in DRAM (never written per step).
+        resident_bytes: bytes held by the above.
+        cache_bytes: what is left of the budget for clean parameter slices.
+        write_bytes_per_step: bytes written to the cache tier per optimizer step.
+        read_bytes_per_step: bytes read per step, before clean-cache hits (params read twice).
+    """
+    budget: int
+    grads_resident: bool
+    params_resident: bool
+    resident_subgroups: list[int]
+    resident_bytes: int
+    cache_bytes: int
+    write_bytes_per_step: int
+    read_bytes_per_step: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
+    """Fill ``budget`` bytes of DRAM in the order gradients, parameters, optimizer sub-groups.
+
+    Each item is taken whole or not at all (gradients and parameters as one block each, sub-groups
+    one by one in step order; a sub-group that does not fit is skipped and a later, smaller one may
+    still fit). Bytes written per step = non-resident parameters + non-resident gradients +
+    non-resident sub-groups; bytes read per step = 2 x non-resident parameters + non-resident
+    gradients + non-resident sub-groups.
+    """
+    left = max(int(budget), 0)
+    grads = sizes.grad_bytes <= left
+    if grads:
+        left -= sizes.grad_bytes
+    params = sizes.param_bytes <= left
+    if params:
+        left -= sizes.param_bytes
+    resident = []
+    for i, b in enumerate(sizes.subgroup_bytes):
+        if b <= left:
+            resident.append(i)
+            left -= b
+    opt_written = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in resident)
+    p_w = 0 if params else sizes.param_bytes
+    g_w = 0 if grads else sizes.grad_bytes
+    return ResidencyPlan(
+        budget=int(budget), grads_resident=grads, params_resident=params, resident_subgroups=resident,
+        resident_bytes=int(budget) - left if budget > 0 else 0, cache_bytes=left,
+        write_bytes_per_step=p_w + g_w + opt_written,
+        read_bytes_per_step=2 * p_w + g_w + opt_written,
+    )

@@ -1,0 +1,84 @@
+"""Process-wide I/O and memory counters, read once per optimizer step by the training loop.
+
+The runtime that moves bytes (the aidaptiv_ds swappers) registers a *provider*, a function that
+returns its cumulative counters; :func:`snapshot` merges all providers with the process's own I/O
+counters from ``/proc/self/io`` (bytes that really reached the block layer, for any backend,
+DeepSpeed's native NVMe offload included). All byte counts are cumulative since process start;
+take differences between two snapshots for per-step figures.
+
+Snapshot keys (all ints unless noted):
+    ``bytes_read`` / ``bytes_written``: dict tier -> bytes moved by aidaptiv_ds (tier ``"cache"``:
+        the SSD slabs); empty when no provider is registered.
+    ``per_path``: dict cache path -> {"bytes_read", "bytes_written"}.
+    ``dram_bytes``: bytes the DRAM tier holds now; ``dram_peak_bytes``: the most it held.
+    ``io_wait_s`` (float): seconds the training thread waited on I/O.
+    ``proc_read_bytes`` / ``proc_write_bytes``: ``/proc/self/io`` read_bytes / write_bytes.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+_providers: dict[str, Callable[[], dict]] = {}
+_lock = threading.Lock()
+
+
+def register_provider(name: str, fn: Callable[[], dict]) -> None:
+    """Add (or replace) a counter source; ``fn()`` returns a dict with the snapshot keys it knows."""
+    with _lock:
+        _providers[name] = fn
+
+
+def unregister_provider(name: str) -> None:
+    with _lock:
+        _providers.pop(name, None)
+
+
+def proc_io() -> dict:
+    """``read_bytes`` and ``write_bytes`` of this process from ``/proc/self/io`` (0 where unavailable)."""
+    out = {"read_bytes": 0, "write_bytes": 0}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in out:
+                    out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+def snapshot() -> dict:
+    """Cumulative counters of every provider plus ``/proc/self/io`` (see module docstring)."""
+    snap: dict = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, "dram_bytes": 0, "dram_peak_bytes": 0,
+                  "io_wait_s": 0.0}
+    with _lock:
+        providers = list(_providers.values())
+    for fn in providers:
+        d = fn()
+        for tier_key in ("bytes_read", "bytes_written"):
+            for tier, v in d.get(tier_key, {}).items():
+                snap[tier_key][tier] = snap[tier_key].get(tier, 0) + v
+        for path, v in d.get("per_path", {}).items():
+            cur = snap["per_path"].setdefault(path, {"bytes_read": 0, "bytes_written": 0})
+            for k in cur:
+                cur[k] += v.get(k, 0)
+        for k in ("dram_bytes", "dram_peak_bytes", "io_wait_s"):
+            snap[k] += d.get(k, 0)
+    p = proc_io()
+    snap["proc_read_bytes"], snap["proc_write_bytes"] = p["read_bytes"], p["write_bytes"]
+    return snap
+
+
+def delta(after: dict, before: dict) -> dict:
+    """Per-interval figures from two snapshots (gauges ``dram_bytes``/``dram_peak_bytes`` taken from ``after``)."""
+    out: dict = {}
+    for k in ("bytes_read", "bytes_written"):
+        out[k] = {t: after[k].get(t, 0) - before[k].get(t, 0) for t in after[k]}
+    out["per_path"] = {p: {kk: v[kk] - before["per_path"].get(p, {}).get(kk, 0) for kk in v}
+                       for p, v in after["per_path"].items()}
+    out["io_wait_s"] = after["io_wait_s"] - before["io_wait_s"]
+    out["proc_read_bytes"] = after["proc_read_bytes"] - before["proc_read_bytes"]
+    out["proc_write_bytes"] = after["proc_write_bytes"] - before["proc_write_bytes"]
+    out["dram_bytes"], out["dram_peak_bytes"] = after["dram_bytes"], after["dram_peak_bytes"]
+    return out
