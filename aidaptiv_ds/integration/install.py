@@ -1,0 +1,149 @@
+"""Install and uninstall the DeepSpeed hooks, with a version guard.
+
+What :func:`install` changes in DeepSpeed 0.19.8 (all by assigning module or class attributes; no
+DeepSpeed file is edited; ``deepspeed-seams.md`` §8):
+
+* ``partition_parameters.AsyncPartitionedParameterSwapper`` -> :func:`param_swapper_factory`, which
+  returns DeepSpeed's own class for configs without an enabled ``"aidaptiv"`` section and our
+  per-dtype process singleton otherwise;
+* ``stage3.DeepSpeedZeroOptimizer_Stage3`` -> a subclass that is DeepSpeed's own class for such
+  configs (see :mod:`aidaptiv_ds.integration.stage3`);
+* the coordinator's NVMe prefetch -> :mod:`aidaptiv_ds.integration.prefetch` (it falls back to
+  DeepSpeed's for parameters of DeepSpeed's own swapper);
+* ``deepspeed.initialize`` and ``deepspeed.zero.Init`` -> wrappers that validate an enabled section
+  before anything is built, so a bad config fails with its message, not deep inside.
+
+On a DeepSpeed version other than :data:`SUPPORTED_DEEPSPEED`, only the validating wrappers are
+installed, and they raise :class:`UnsupportedDeepSpeedError` for configs that enable aidaptiv_ds.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+from .config import AidaptivConfigError, load_ds_dict, section_enabled, validate
+
+log = logging.getLogger("aidaptiv_ds")
+
+SUPPORTED_DEEPSPEED = ("0.19.8",)
+_STATE: dict = {}
+_LOCK = threading.RLock()
+
+
+class UnsupportedDeepSpeedError(AidaptivConfigError):
+    """aidaptiv_ds hooks DeepSpeed internals that only one DeepSpeed release is known to have."""
+
+
+def _check_version():
+    import deepspeed
+    if deepspeed.__version__ not in SUPPORTED_DEEPSPEED:
+        raise UnsupportedDeepSpeedError(
+            f"aidaptiv_ds supports DeepSpeed {', '.join(SUPPORTED_DEEPSPEED)}; this environment has "
+            f"{deepspeed.__version__}. Fix: pip install deepspeed=={SUPPORTED_DEEPSPEED[-1]}, or remove the "
+            f"\"aidaptiv\" section (or set \"enabled\": false) to run DeepSpeed's own offload.")
+
+
+def param_swapper_factory(ds_config, model_dtype):
+    """``AsyncPartitionedParameterSwapper(ds_config, model_dtype)`` as DeepSpeed calls it
+    (``partition_parameters.py:1174``): ours when the section is enabled, DeepSpeed's otherwise."""
+    raw = getattr(ds_config, "_param_dict", None)
+    if not section_enabled(raw):
+        return _STATE["orig_param_swapper"](ds_config, model_dtype)
+    from .param_swapper import AidaptivParamSwapper
+    from .runtime import get_runtime
+    rt = get_runtime(validate(raw))
+    sw = rt.param_swappers.get(model_dtype)
+    if sw is None:
+        sw = rt.param_swappers[model_dtype] = AidaptivParamSwapper(rt, model_dtype)
+    return sw
+
+
+def _validate_if_enabled(config) -> None:
+    ds = load_ds_dict(config)
+    if section_enabled(ds):
+        _check_version()
+        validate(ds)
+
+
+def _wrap_initialize(orig):
+    @functools.wraps(orig)
+    def initialize(*args, **kwargs):
+        config = kwargs.get("config") or kwargs.get("config_params")
+        if config is None:
+            a = kwargs.get("args", args[0] if args else None)
+            config = getattr(a, "deepspeed_config", None) if a is not None else None
+        _validate_if_enabled(config)
+        return orig(*args, **kwargs)
+    initialize._aidaptiv_wrapped = orig
+    return initialize
+
+
+def _wrap_init(orig_init):
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("config_dict_or_path", kwargs.get("config"))
+        _validate_if_enabled(config)
+        return orig_init(self, *args, **kwargs)
+    __init__._aidaptiv_wrapped = orig_init
+    return __init__
+
+
+def install() -> bool:
+    """Install the hooks (idempotent). Returns True when the swapper hooks are active.
+
+    Called by ``import aidaptiv_ds`` once DeepSpeed is imported (see :mod:`aidaptiv_ds._autoload`).
+    """
+    with _LOCK:
+        if _STATE.get("installed"):
+            return _STATE["active"]
+        import deepspeed
+        import deepspeed.runtime.zero.partition_parameters as pp
+
+        _STATE["orig_initialize"] = deepspeed.initialize
+        deepspeed.initialize = _wrap_initialize(deepspeed.initialize)
+        _STATE["orig_zinit"] = pp.Init.__init__
+        pp.Init.__init__ = _wrap_init(pp.Init.__init__)
+        active = deepspeed.__version__ in SUPPORTED_DEEPSPEED
+        if active:
+            import deepspeed.runtime.zero.parameter_offload as po
+            import deepspeed.runtime.zero.stage3 as s3
+
+            from . import prefetch
+            from .stage3 import make_stage3_class
+
+            _STATE["orig_param_swapper"] = pp.AsyncPartitionedParameterSwapper
+            pp.AsyncPartitionedParameterSwapper = param_swapper_factory
+            _STATE["orig_stage3"] = s3.DeepSpeedZeroOptimizer_Stage3
+            s3.DeepSpeedZeroOptimizer_Stage3 = make_stage3_class(s3.DeepSpeedZeroOptimizer_Stage3)
+            prefetch.install(po.PartitionedParameterCoordinator)
+        else:
+            log.warning("aidaptiv_ds: DeepSpeed %s is not supported (%s); configs that enable aidaptiv will be "
+                        "refused", deepspeed.__version__, ", ".join(SUPPORTED_DEEPSPEED))
+        _STATE.update(installed=True, active=active)
+        return active
+
+
+def uninstall() -> None:
+    """Restore every DeepSpeed attribute :func:`install` replaced (for tests and embedding)."""
+    with _LOCK:
+        if not _STATE.get("installed"):
+            return
+        import deepspeed
+        import deepspeed.runtime.zero.partition_parameters as pp
+
+        deepspeed.initialize = _STATE.pop("orig_initialize")
+        pp.Init.__init__ = _STATE.pop("orig_zinit")
+        if _STATE.get("active"):
+            import deepspeed.runtime.zero.parameter_offload as po
+            import deepspeed.runtime.zero.stage3 as s3
+
+            from . import prefetch
+            pp.AsyncPartitionedParameterSwapper = _STATE.pop("orig_param_swapper")
+            s3.DeepSpeedZeroOptimizer_Stage3 = _STATE.pop("orig_stage3")
+            prefetch.uninstall(po.PartitionedParameterCoordinator)
+        _STATE.clear()
+
+
+def is_installed() -> bool:
+    return bool(_STATE.get("installed"))

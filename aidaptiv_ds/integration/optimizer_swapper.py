@@ -1,0 +1,371 @@
+"""Optimizer swapper: DeepSpeed's ``PartitionedOptimizerSwapper`` contract on our store and tier.
+
+Per optimizer sub-group (``deepspeed-seams.md`` §2):
+
+* **One extent, one transfer.** The fp32 master weights and every per-element optimizer state
+  tensor (Adam's ``exp_avg``, ``exp_avg_sq``) are slots of one extent, read and written as one
+  sequential transfer into one host slice; the tensors are views of that slice (no copies).
+* **Pipelined.** ``swap_in_optimizer_state(i, async_parameter=i+1)`` waits for sub-group *i* and
+  starts reading *i+1*; ``swap_out_optimizer_state(i)`` issues the write-back of *i* at write-back
+  priority and returns, so reading *i+1*, updating *i* and writing *i-1* overlap.
+* **Never write clean data.** A sub-group is dirty only after the optimizer stepped on it (the
+  Stage-3 subclass brackets DeepSpeed's initialisation, which swaps sub-groups in and out
+  unchanged); a clean swap-out is a drop.
+* **DRAM first.** The residency plan (:mod:`aidaptiv_ds.planner.residency`) keeps gradients,
+  parameters and whole sub-groups in DRAM as the budget allows; resident sub-groups are never
+  written per step, resident gradients never leave DRAM. Everything else is written and counted.
+* **Gradients** match DeepSpeed's CPU-offload semantics bit for bit: one persistent fp32 buffer per
+  sub-group, zero at start, fragments copied in at the accumulation boundary; a parameter that got
+  no gradient keeps its previous values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from ..io.buffers import alloc_aligned, round_up
+from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
+from ..planner.residency import ResidencyPlan
+from ..store.packed import PackedRegion
+from ..tiers.host_tier import Slice
+from .runtime import Runtime
+
+log = logging.getLogger("aidaptiv_ds")
+
+#: Optimizer classes whose per-element state is two tensors (first and second moment).
+_TWO_STATE = ("Adam", "AdamW", "DeepSpeedCPUAdam", "FusedAdam", "DeepSpeedCPUAdagrad")
+
+
+def expected_state_slots(optimizer) -> int:
+    """Per-element state tensors the optimizer will create (2 for Adam-type, else 0: grown on demand)."""
+    name = type(optimizer).__name__
+    return 2 if any(name == n or name.endswith(n) for n in _TWO_STATE) else 0
+
+
+@dataclasses.dataclass
+class _Group:
+    key: str
+    numel: int
+    slot_bytes: int
+    slots: int  # capacity of the extent in slots (master + states)
+    state_names: list = dataclasses.field(default_factory=list)
+    resident: bool = False
+    grads_resident: bool = False
+    grad_host: torch.Tensor | None = None  # resident gradient buffer (fp32, numel)
+    grad_region: PackedRegion | None = None
+    grad_written: bool = False
+    slice: Slice | None = None
+    grad_slice: Slice | None = None
+
+    @property
+    def valid_slots(self) -> int:
+        return 1 + len(self.state_names)
+
+
+class AidaptivOptimizerSwapper:
+    """Holds every swappable sub-group of one DeepSpeed Stage-3 optimizer.
+
+    Args:
+        runtime: the process runtime.
+        optimizer: the wrapped torch/DeepSpeed optimizer (its ``state`` dict is read and rebound).
+        dtype: master-weight dtype (fp32 unless DeepSpeed runs bf16 master weights).
+        engine_id: distinguishes the sub-group keys of several engines in one process.
+    """
+
+    def __init__(self, runtime: Runtime, optimizer, dtype: torch.dtype, engine_id: int) -> None:
+        self.rt = runtime
+        self.optimizer = optimizer
+        self.dtype = dtype
+        self.elsize = torch.empty((), dtype=dtype).element_size()
+        self.engine_id = engine_id
+        self.groups: dict[str, _Group] = {}
+        self.order: list[str] = []
+        self.plan: ResidencyPlan | None = None
+        self.init_phase = False
+        self.expected_states = expected_state_slots(optimizer)
+        self.swap_folder = os.path.join(runtime.namespace.rank_dir(0), f"optimizer{engine_id}")
+        os.makedirs(self.swap_folder, exist_ok=True)
+
+    # ------------------------------------------------------------------ helpers
+    def _group(self, parameter) -> _Group:
+        g = self.groups.get(str(parameter.ds_id))
+        if g is None:
+            raise KeyError(f"aidaptiv_ds: optimizer sub-group {parameter.ds_id} was never initialised")
+        return g
+
+    def _extent_key(self, g: _Group) -> str:
+        return f"opt{self.engine_id}/{g.key}"
+
+    def _slot(self, g: _Group, s: Slice, j: int) -> torch.Tensor:
+        return s.buf[j * g.slot_bytes: j * g.slot_bytes + g.numel * self.elsize].view(self.dtype)
+
+    def _writeback(self, g: _Group):
+        def write(s: Slice):
+            return self.rt.store.write(self._extent_key(g), s.buf[: g.valid_slots * g.slot_bytes], 0, WRITE_BACK)
+        return write
+
+    def _new_slice(self, g: _Group, buf: torch.Tensor | None = None) -> Slice:
+        buf = alloc_aligned(g.slots * g.slot_bytes) if buf is None else buf
+        s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident,
+                  writeback=self._writeback(g), on_drop=lambda sl, g=g: self._dropped(g, sl))
+        g.slice = s
+        return self.rt.tier.add(s)
+
+    def _dropped(self, g: _Group, s: Slice) -> None:
+        if g.slice is s:
+            g.slice = None
+
+    def _load(self, g: _Group, priority: int) -> Slice:
+        """The host slice of ``g``, reading it (master + valid state slots) if not in DRAM."""
+        if g.slice is not None:
+            return g.slice
+        n = g.valid_slots * g.slot_bytes
+        buf = alloc_aligned(g.slots * g.slot_bytes)
+        fut = self.rt.store.read(self._extent_key(g), buf[:n], 0, priority)
+        s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, ready=fut,
+                  prefetched=priority == READ_PREFETCH, writeback=self._writeback(g),
+                  on_drop=lambda sl, g=g: self._dropped(g, sl))
+        g.slice = s
+        self.rt.tier.add(s)
+        return s
+
+    def _grad_slice(self, g: _Group, priority: int) -> Slice | None:
+        if g.grads_resident or not g.grad_written:
+            return None
+        if g.grad_slice is not None:
+            return g.grad_slice
+        fut, buf, _ = g.grad_region.read(0, g.numel * 4, priority=priority)
+        s = Slice(("grad", self.engine_id, g.key), buf, kind="grad", ready=fut, prefetched=priority == READ_PREFETCH,
+                  on_drop=lambda sl, g=g: setattr(g, "grad_slice", None) if g.grad_slice is sl else None)
+        g.grad_slice = s
+        return self.rt.tier.add(s)
+
+    # ------------------------------------------------------------------ DeepSpeed API
+    def init_timers(self) -> None:
+        """DeepSpeed resets its swap timers here; our per-step figures come from the counters."""
+
+    def log_timers(self) -> None:
+        """Debug log of this swapper's DRAM and store figures (DeepSpeed logs its timers here)."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("aidaptiv_ds optimizer swapper: %s", self.rt.counters())
+
+    def pre_backward(self) -> None:
+        """Backward is about to start: nothing to do (gradients arrive at the boundary)."""
+
+    def post_backward(self) -> None:
+        """Backward finished: the first sub-group is needed next, so start reading it."""
+        if self.order:
+            g = self.groups[self.order[0]]
+            self._load(g, READ_PREFETCH)
+            self._grad_slice(g, READ_PREFETCH)
+
+    def is_swappable_tensor(self, tensor=None, numel=None) -> bool:
+        """Every sub-group is ours (resident ones just never leave DRAM); honours ``tensor.swappable``."""
+        if tensor is not None and not getattr(tensor, "swappable", True):
+            return False
+        return True
+
+    def initialize_parameters(self, parameters, src_tensors) -> None:
+        """Create each sub-group's extent and store its initial fp32 master weights (synchronous)."""
+        futs = []
+        for param, src in zip(parameters, src_tensors):
+            key = str(param.ds_id)
+            numel = src.numel()
+            slot_bytes = round_up(numel * self.elsize, self.rt.store.alignment)
+            g = _Group(key, numel, slot_bytes, 1 + self.expected_states)
+            if self.plan is not None:  # the residency plan indexes sub-groups in creation order
+                g.resident = len(self.order) in self.plan.resident_subgroups
+                g.grads_resident = self.plan.grads_resident
+            self.groups[key] = g
+            self.order.append(key)
+            self.rt.store.allocate(self._extent_key(g), g.slots * slot_bytes)
+            g.grad_region = PackedRegion(self.rt.store, f"grad{self.engine_id}/{key}",
+                                         chunk_bytes=round_up(numel * 4, self.rt.store.alignment))
+            g.grad_region.append(numel * 4)
+            s = self._new_slice(g)
+            self._slot(g, s, 0).copy_(src.reshape(-1))
+            self.rt.tier.mark_dirty(s)
+            if not g.resident:
+                futs.append(self.rt.tier.write_back(s))
+        with self.rt.io_wait:
+            for f in futs:
+                if f is not None:
+                    f.wait()
+        self.rt.tier.wait_writes()
+
+    def initialize_from_swapped_fp16_params(self, fp16_partitions_info, fp16_num_elems, fp16_pinned_buffers,
+                                            fp32_parameters) -> None:
+        """``fast_init``: build each sub-group's fp32 master from its partitions in our param store.
+
+        ``fp16_partitions_info`` holds ``[(ds_tensor, numel, path or None), ...]`` per sub-group
+        (``stage3.py:1054-1064``); swapped partitions are read through the parameter swapper.
+        """
+        swapper = next(iter(self.rt.param_swappers.values()), None)
+        for info, numel, param in zip(fp16_partitions_info, fp16_num_elems, fp32_parameters):
+            flat = torch.empty(int(numel), dtype=self.dtype)
+            swapped = [t for t, _, path in info if path is not None]
+            data = iter(swapper.read_partition_tensors(swapped)) if swapped else iter(())
+            off = 0
+            for tensor, n, path in info:
+                src = next(data) if path is not None else tensor.data
+                flat[off:off + n].copy_(src.reshape(-1)[:n])
+                off += n
+            self.initialize_parameters([param], [flat])
+
+    def swap_in_optimizer_state(self, parameter, async_parameter=None) -> None:
+        """Bind ``parameter`` (fp32 master), its state tensors and ``.grad`` to host buffers; prefetch the next."""
+        g = self._group(parameter)
+        s = self._load(g, READ_DEMAND)
+        gs = self._grad_slice(g, READ_DEMAND)
+        if async_parameter is not None:  # start the next sub-group's read before waiting for ours
+            nxt = self.groups.get(str(async_parameter.ds_id))
+            if nxt is not None:
+                self._load(nxt, READ_PREFETCH)
+                self._grad_slice(nxt, READ_PREFETCH)
+        with self.rt.io_wait:
+            s.wait_ready()
+            if gs is not None:
+                gs.wait_ready()
+        self.rt.tier.acquire(s)
+        parameter.data = self._slot(g, s, 0)
+        state = self.optimizer.state.get(parameter, {})
+        for j, name in enumerate(g.state_names, start=1):
+            if name in state:
+                state[name].data = self._slot(g, s, j)
+        if g.grads_resident:
+            if g.grad_host is None:
+                g.grad_host = torch.zeros(g.numel, dtype=torch.float32)
+            parameter.grad = g.grad_host
+        elif gs is not None:
+            self.rt.tier.acquire(gs)
+            parameter.grad = gs.buf[: g.numel * 4].view(torch.float32)
+        else:  # never received a gradient: zeros, as DeepSpeed's CPU-offload buffer starts
+            parameter.grad = torch.zeros(g.numel, dtype=torch.float32)
+
+    def _adopt_states(self, g: _Group, parameter, s: Slice) -> Slice:
+        """Move per-element state tensors the optimizer created into slots of the extent (once)."""
+        state = self.optimizer.state.get(parameter, {})
+        names = sorted(k for k, v in state.items()
+                       if torch.is_tensor(v) and v.numel() == g.numel and getattr(v, "swappable", True))
+        new = [n for n in names if n not in g.state_names]
+        if not new:
+            return s
+        names = g.state_names + new
+        if 1 + len(names) > g.slots:  # more state than planned: grow the extent (one-time)
+            g.slots = 1 + len(names)
+            self.rt.store.allocate(self._extent_key(g), g.slots * g.slot_bytes)
+            bigger = alloc_aligned(g.slots * g.slot_bytes)
+            bigger[: s.buf.numel()].copy_(s.buf)
+            parameter.data = bigger[: g.numel * self.elsize].view(self.dtype)
+            self.rt.tier.release(s)
+            self.rt.tier.drop(s)
+            s = self._new_slice(g, bigger)
+            self.rt.tier.acquire(s)
+            for j, n in enumerate(g.state_names, start=1):
+                state[n].data = self._slot(g, s, j)
+        for j, n in enumerate(names, start=1):
+            if n in new:
+                view = self._slot(g, s, j)
+                view.copy_(state[n].data.reshape(-1))
+                state[n].data = view
+        g.state_names = names
+        return s
+
+    def swap_out_optimizer_state(self, parameter, async_swap: bool = False) -> None:
+        """Release the sub-group's views; write it back (async) if it changed and is not resident."""
+        g = self._group(parameter)
+        s = g.slice
+        if s is None:
+            return
+        s = self._adopt_states(g, parameter, s)
+        if not self.init_phase:
+            self.rt.tier.mark_dirty(s)
+        self._release(g, parameter)
+        if not g.resident:
+            self.rt.tier.write_back(s)
+        self.rt.tier.enforce_budget()
+
+    def _release(self, g: _Group, parameter) -> None:
+        empty = torch.empty(0, dtype=self.dtype)
+        parameter.data = empty
+        state = self.optimizer.state.get(parameter, {})
+        for n in g.state_names:
+            if n in state:
+                state[n].data = torch.empty(0, dtype=self.dtype)
+        if g.slice is not None and g.slice.refs:
+            self.rt.tier.release(g.slice)
+        if g.grad_slice is not None:
+            gs = g.grad_slice
+            if gs.refs:
+                self.rt.tier.release(gs)
+            self.rt.tier.drop(gs)  # gradients are consumed by the step; their stored copy stays
+        if parameter.grad is not None and parameter.grad is not g.grad_host:
+            parameter.grad = None
+
+    def release_swap_buffers(self, parameter) -> None:
+        """Drop the in-memory views without writing (read-only access is over)."""
+        g = self._group(parameter)
+        self._release(g, parameter)
+        self.rt.tier.enforce_budget()
+
+    def writeback_optimizer_state_and_gradients(self, parameter, write_opt_state: bool, write_gradients: bool
+                                                ) -> None:
+        """Persist the state and/or ``parameter.grad`` selectively, then release."""
+        g = self._group(parameter)
+        if write_gradients and parameter.grad is not None:
+            self._store_grad(g, [(0, parameter.grad.reshape(-1))], full=True)
+        if write_opt_state and g.slice is not None:
+            s = self._adopt_states(g, parameter, g.slice)
+            self.rt.tier.mark_dirty(s)
+            self._release(g, parameter)
+            if not g.resident:
+                self.rt.tier.write_back(s)
+        else:
+            self._release(g, parameter)
+        self.rt.tier.enforce_budget()
+
+    def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors) -> None:
+        """Store fp32 gradient fragments (offsets in elements within the sub-group's flat buffer)."""
+        g = self._group(parameter)
+        self._store_grad(g, list(zip(gradient_offsets, gradient_tensors)), full=False)
+
+    def _store_grad(self, g: _Group, frags: list, full: bool) -> None:
+        if g.grads_resident:
+            if g.grad_host is None:
+                g.grad_host = torch.zeros(g.numel, dtype=torch.float32)
+            for off, t in frags:
+                if t.data_ptr() != g.grad_host.data_ptr():
+                    g.grad_host[off:off + t.numel()].copy_(t.reshape(-1))
+            return
+        if not g.grad_written and not full:  # first write: the whole buffer, zeros where no fragment
+            flat = torch.zeros(g.numel, dtype=torch.float32)
+            for off, t in frags:
+                flat[off:off + t.numel()].copy_(t.reshape(-1))
+            frags, full = [(0, flat)], True
+        for off, t in sorted(frags, key=lambda x: x[0]):
+            n = t.numel()
+
+            def fill(view, t=t):
+                view.view(torch.float32).copy_(t.reshape(-1).to(torch.float32))
+
+            self.rt.tier.reserve_write(n * 4)
+            fut, _, _ = g.grad_region.write(off * 4, n * 4, fill, priority=WRITE_BACK)
+            self.rt.tier.track_write(fut, n * 4)
+        g.grad_written = True
+        if g.grad_slice is not None and not g.grad_slice.refs:
+            self.rt.tier.drop(g.grad_slice)
+
+    def purge_state(self) -> None:
+        """Forget per-element state (DeepSpeed calls this before loading optimizer state)."""
+        for g in self.groups.values():
+            g.state_names = []
+
+    def flush(self) -> None:
+        """Write back every dirty sub-group (resident ones too) and wait: the store is then current."""
+        for g in self.groups.values():
+            if g.slice is not None and g.slice.dirty:
+                self.rt.tier.write_back(g.slice)
+        self.rt.tier.wait_writes()

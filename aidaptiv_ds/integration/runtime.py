@@ -1,0 +1,193 @@
+"""The process-wide aidaptiv_ds runtime: one I/O engine, one store, one DRAM tier per process.
+
+DeepSpeed builds a parameter swapper per ``zero.Init`` and an optimizer swapper per engine; two of
+DeepSpeed's own swappers on one ``nvme_path`` delete each other's files (``deepspeed-seams.md``
+§1.1, case B03). Here every swapper of a process shares one :class:`Runtime`, whose store lives in
+its own (host, run, rank) namespace under each cache path, so engines, ranks and runs can share
+drives without ever touching each other's data.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import threading
+import time
+
+import torch
+
+from ..io.engine import IOEngine
+from ..store.layout import Namespace
+from ..store.ledger import EnduranceRating
+from ..store.store import PathSpec, SlabStore
+from ..telemetry import counters
+from ..tiers.eviction import AccessOrder
+from ..tiers.host_tier import HostTier
+from ..units import format_bytes
+from .config import AidaptivConfig
+
+log = logging.getLogger("aidaptiv_ds")
+
+_RUNTIME: "Runtime | None" = None
+_LOCK = threading.Lock()
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def resolve_run_name(name: str) -> str:
+    """``name``, or for ``"auto"`` a fresh ``YYYYmmdd-HHMMSS-<hex>`` chosen by rank 0 and broadcast."""
+    if name != "auto":
+        return name
+    fresh = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        box = [fresh]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+    return fresh
+
+
+def auto_dram_budget() -> int:
+    """Bytes of DRAM for the tier when ``dram_budget`` is ``"auto"`` (the planner's rule, per rank)."""
+    from ..planner.auto import auto_dram_budget as plan_budget
+    from ..telemetry.sysinfo import host_memory
+
+    mem = host_memory()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return plan_budget(mem["available_bytes"], mem["total_bytes"], local_world)
+
+
+class Timer:
+    """Accumulates seconds the training thread spends blocked on I/O (``with rt.io_wait(): ...``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds += time.perf_counter() - self._t0
+        return False
+
+
+class Runtime:
+    """Shared state of every aidaptiv_ds swapper in this process.
+
+    Attributes:
+        cfg: the validated ``"aidaptiv"`` section.
+        rank: global rank; local_rank: rank on this node.
+        engine: the I/O engine; store: the slab store; tier: the DRAM tier; order: the access order.
+        budget: the resolved DRAM budget in bytes.
+    """
+
+    def __init__(self, cfg: AidaptivConfig) -> None:
+        self.cfg = cfg
+        self.rank, self.world = _dist_rank_world()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.engine = IOEngine(block_size=cfg.io.block_size, threads_per_drive=cfg.io.threads_per_drive,
+                               max_retries=cfg.io.max_retries, direct=cfg.io.direct)
+        run = resolve_run_name(cfg.run_name)
+        paths = cfg.cache_paths
+        weights = cfg.path_weights or [1.0] * len(paths)
+        rating = EnduranceRating(cfg.endurance.capacity, cfg.endurance.rated_dwpd, cfg.endurance.warranty_years)
+        primary = self.local_rank % len(paths) if cfg.primary_path == "local_rank" else int(cfg.primary_path)
+        self.namespace = Namespace(paths, run, self.rank)
+        self.store = SlabStore(self.namespace, [PathSpec(p, w, None, rating) for p, w in zip(paths, weights)],
+                               engine=self.engine, policy=cfg.placement, primary=primary,
+                               stripe_unit=cfg.stripe_unit, checksum=cfg.checksum, keep=cfg.keep_files)
+        self.budget = auto_dram_budget() if cfg.dram_budget == "auto" else int(cfg.dram_budget)
+        wb = 512 << 20 if cfg.writeback_bytes == "auto" else int(cfg.writeback_bytes)
+        self.order = AccessOrder()
+        self.tier = HostTier(self.budget, writeback_limit=wb, order=self.order)
+        self.io_wait = Timer()
+        self.param_swappers: dict[torch.dtype, object] = {}
+        self.optimizer_swappers: list = []
+        self.closed = False
+        counters.register_provider("aidaptiv_ds", self.counters)
+        if self.rank == 0:
+            log.info("aidaptiv_ds: run %s, %d cache path(s) %s (%s), DRAM budget %s", run, len(paths), paths,
+                     cfg.placement, format_bytes(self.budget))
+
+    def prefetch_bytes(self, largest_slice: int) -> int:
+        """Read-ahead window in bytes: the configured value, or half the budget clamped to
+        [2 x largest slice, 1 GiB] (at least 2 x 64 MiB) when ``"auto"``."""
+        if self.cfg.prefetch_bytes != "auto":
+            return int(self.cfg.prefetch_bytes)
+        from ..planner.auto import prefetch_bytes_from_budget
+        return prefetch_bytes_from_budget(self.budget, largest_slice)
+
+    def counters(self) -> dict:
+        """Cumulative counters for :mod:`aidaptiv_ds.telemetry.counters`."""
+        io = self.store.io_counters()
+        return {
+            "bytes_read": {"cache": sum(v["bytes_read"] for v in io.values())},
+            "bytes_written": {"cache": sum(v["bytes_written"] for v in io.values())},
+            "per_path": io,
+            "dram_bytes": self.tier.held_bytes,
+            "dram_peak_bytes": self.tier.peak_bytes,
+            "io_wait_s": self.io_wait.seconds,
+        }
+
+    def flush(self) -> None:
+        """Finish every write in flight and book the ledger."""
+        for sw in list(self.param_swappers.values()):
+            sw.synchronize_writes()
+        self.tier.wait_writes()
+        self.store.flush_ledger()
+
+    def close(self) -> None:
+        """Flush, then delete the store's files (or keep them with ``keep_files``) and free the namespace."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.flush()
+            if self.cfg.keep_files:
+                self.tier.flush()
+        finally:
+            counters.unregister_provider("aidaptiv_ds")
+            self.store.close()
+            self.engine.close()
+
+
+def get_runtime(cfg: AidaptivConfig) -> Runtime:
+    """The process's runtime, created on first use.
+
+    Raises:
+        AidaptivConfigError: a later config asks for different cache paths than the first one.
+    """
+    global _RUNTIME
+    with _LOCK:
+        if _RUNTIME is not None and not _RUNTIME.closed:
+            if [os.path.abspath(p) for p in _RUNTIME.cfg.cache_paths] != [os.path.abspath(p) for p in cfg.cache_paths]:
+                from .config import AidaptivConfigError
+                raise AidaptivConfigError(
+                    f"aidaptiv.cache_paths: {cfg.cache_paths} differs from {_RUNTIME.cfg.cache_paths}, which this "
+                    f"process already uses; one aidaptiv_ds store serves a whole process. Fix: give every engine "
+                    f"of the process the same cache_paths.")
+            return _RUNTIME
+        _RUNTIME = Runtime(cfg)
+        return _RUNTIME
+
+
+def current_runtime() -> Runtime | None:
+    return _RUNTIME if _RUNTIME is not None and not _RUNTIME.closed else None
+
+
+def shutdown() -> None:
+    """Close the runtime (called at interpreter exit; safe to call twice)."""
+    global _RUNTIME
+    with _LOCK:
+        rt, _RUNTIME = _RUNTIME, None
+    if rt is not None:
+        rt.close()
+
+
+atexit.register(shutdown)

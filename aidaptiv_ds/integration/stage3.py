@@ -1,0 +1,111 @@
+"""A ``DeepSpeedZeroOptimizer_Stage3`` subclass that plugs in our optimizer swapper and residency plan.
+
+Installed as ``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3`` (the engine imports the
+name at call time, ``engine.py:2747``). Constructing it with a config whose ``"aidaptiv"`` section
+is absent or disabled returns an instance of DeepSpeed's own class, untouched.
+
+Overrides (``deepspeed-seams.md`` §2.5, §6.4):
+
+* ``__init__`` sees the raw config dict (the optimizer swapper's constructor does not) and
+  validates the section before anything is built;
+* ``_configure_tensor_swapping`` builds :class:`AidaptivOptimizerSwapper` instead of DeepSpeed's;
+* ``initialize_optimizer_states`` runs DeepSpeed's initialisation with both swappers in their init
+  phase: the sub-groups and partitions it swaps in and out there are unchanged, so nothing is
+  rewritten; then the residency plan is applied and the store is preflighted for the rest.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+from ..planner.residency import StateSizes, plan_residency
+from ..units import format_bytes
+from .config import section_enabled, validate
+from .optimizer_swapper import AidaptivOptimizerSwapper
+from .runtime import get_runtime
+
+log = logging.getLogger("aidaptiv_ds")
+_ENGINE_IDS = itertools.count()
+
+
+def make_stage3_class(base: type) -> type:
+    """Subclass DeepSpeed's Stage-3 optimizer class ``base`` (kept as ``AidaptivStage3.__base__``)."""
+
+    class AidaptivZeroOptimizer_Stage3(base):
+        """DeepSpeed ZeRO-3 optimizer whose NVMe offload runs on aidaptiv_ds (see module docstring)."""
+
+        def __new__(cls, *args, **kwargs):
+            ds_config = kwargs.get("ds_config")
+            if not section_enabled(ds_config if isinstance(ds_config, dict) else None):
+                return base(*args, **kwargs)  # DeepSpeed's own class, untouched
+            return super().__new__(cls)
+
+        def __init__(self, *args, **kwargs):
+            ds_config = kwargs.get("ds_config")
+            self._aidaptiv_cfg = validate(ds_config)
+            self._aidaptiv_rt = get_runtime(self._aidaptiv_cfg)
+            self._aidaptiv_engine_id = next(_ENGINE_IDS)
+            super().__init__(*args, **kwargs)
+
+        def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
+            rt = self._aidaptiv_rt
+            self.optimizer_swapper = sw = AidaptivOptimizerSwapper(rt, self.optimizer,
+                                                                   self.master_weights_and_grads_dtype,
+                                                                   self._aidaptiv_engine_id)
+            rt.optimizer_swappers.append(sw)
+            self._aidaptiv_plan()
+
+        def initialize_optimizer_states(self):
+            sw = self.optimizer_swapper
+            psw = self._aidaptiv_param_swapper()
+            sw.init_phase = True
+            if psw is not None:
+                psw.init_phase = True
+            try:
+                super().initialize_optimizer_states()
+            finally:
+                sw.init_phase = False
+                if psw is not None:
+                    psw.init_phase = False
+
+        def _aidaptiv_param_swapper(self):
+            for group in self.fp16_groups:
+                for p in group:
+                    s = getattr(p, "nvme_swapper", None)
+                    if s is not None:
+                        return s
+            return None
+
+        def _aidaptiv_plan(self) -> None:
+            """Choose what stays in DRAM, preflight the store for the rest, load resident parameters.
+
+            Raises:
+                StorageFullError: the cache paths cannot hold the optimizer state and gradients.
+            """
+            rt = self._aidaptiv_rt
+            sw = self.optimizer_swapper
+            psw = self._aidaptiv_param_swapper()
+            numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
+            align = rt.store.alignment
+            slot = [-(-n * sw.elsize // align) * align for n in numels]
+            slots = 1 + sw.expected_states
+            sizes = StateSizes(param_bytes=psw.partition_bytes() if psw is not None else 0,
+                               grad_bytes=sum(numels) * 4,
+                               subgroup_bytes=[n * sw.elsize * slots for n in numels])
+            plan = plan_residency(sizes, rt.budget)
+            sw.plan = plan
+            store_bytes = sum(b * slots for b in slot) + sum(-(-n * 4 // align) * align for n in numels)
+            rt.store.preflight(store_bytes, "the optimizer state and gradients")
+            if psw is not None and plan.params_resident:
+                psw.make_resident()
+            self.aidaptiv_plan = plan
+            self.aidaptiv_sizes = sizes
+            if rt.rank == 0:
+                log.info("aidaptiv_ds: DRAM budget %s -> gradients %s, parameters %s, %d/%d optimizer sub-groups in "
+                         "DRAM; %s written to the cache tier per step",
+                         format_bytes(rt.budget), "in DRAM" if plan.grads_resident else "on the cache tier",
+                         "in DRAM" if plan.params_resident else "on the cache tier", len(plan.resident_subgroups),
+                         len(numels), format_bytes(plan.write_bytes_per_step))
+
+    AidaptivZeroOptimizer_Stage3.__qualname__ = "AidaptivZeroOptimizer_Stage3"
+    return AidaptivZeroOptimizer_Stage3

@@ -1,0 +1,175 @@
+"""A packed region: items laid end to end at byte granularity, read and written in aligned blocks.
+
+Parameter partitions are packed in creation order (so one module's partitions are one contiguous
+range and one fetch is one sequential read) with no per-item padding (so a 128-byte norm weight
+costs 128 bytes of writes, not a 4 KiB block). The region lives in store extents of
+``chunk_bytes`` ("chunks") appended as it grows.
+
+I/O is always block-aligned (``store.alignment``): a write of ``[start, end)`` becomes a write of
+the enclosing aligned range ``[A, B)`` whose partial head and tail blocks are filled
+read-modify-write. The latest content of each boundary block is kept in a small *edge cache*, so
+consecutive writes (the sub-groups of an optimizer step) do not read them back, and writes whose
+blocks overlap are issued in order (a later write waits for an earlier overlapping one), so an
+older boundary block can never land last.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from ..io.buffers import alloc_aligned, round_down, round_up
+from ..io.engine import READ_DEMAND, WRITE_BACK
+from ..io.futures import IOFuture, combine, wait_all
+from .store import SlabStore
+
+
+class PackedRegion:
+    """Byte-granular items in block-aligned store extents.
+
+    Args:
+        store: the slab store holding the chunks.
+        name: key prefix of the chunks (``"<name>/<k>"``).
+        chunk_bytes: size of each chunk extent in bytes (a multiple of the store's alignment).
+        edge_cache_blocks: boundary blocks kept in memory (4 KiB each at the default alignment).
+    """
+
+    def __init__(self, store: SlabStore, name: str, chunk_bytes: int = 256 << 20, edge_cache_blocks: int = 4096
+                 ) -> None:
+        self.store = store
+        self.name = name
+        self.block = store.alignment
+        self.chunk_bytes = round_up(chunk_bytes, self.block)
+        self.size = 0
+        self._chunks = 0
+        self._lock = threading.RLock()
+        self._edges: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
+        self._edge_limit = edge_cache_blocks
+        self._inflight: list[tuple[int, int, IOFuture]] = []
+        self.boundary_reads = 0
+
+    # ------------------------------------------------------------------ space
+    def append(self, nbytes: int, align: int = 1) -> int:
+        """Reserve ``nbytes`` at the end (start aligned to ``align`` bytes); return the start offset.
+
+        Raises:
+            StorageFullError: a new chunk does not fit on the cache paths.
+        """
+        with self._lock:
+            start = round_up(self.size, align)
+            end = start + int(nbytes)
+            while self._chunks * self.chunk_bytes < end:
+                self.store.allocate(f"{self.name}/{self._chunks}", self.chunk_bytes)
+                self._chunks += 1
+            self.size = end
+            return start
+
+    def reopen(self, size: int) -> None:
+        """Adopt ``size`` bytes already in the store (after :meth:`SlabStore` reopened an index)."""
+        with self._lock:
+            self.size = size
+            self._chunks = -(-size // self.chunk_bytes)
+            for k in range(self._chunks):
+                if self.store.extent(f"{self.name}/{k}") is None:
+                    raise KeyError(f"{self.name}: chunk {k} missing from the store index")
+
+    def _pieces(self, a: int, b: int):
+        """``(chunk_key, offset_in_chunk, offset_in_request, length)`` for aligned region bytes ``[a, b)``."""
+        out = []
+        pos = a
+        while pos < b:
+            k, off = divmod(pos, self.chunk_bytes)
+            n = min(self.chunk_bytes - off, b - pos)
+            out.append((f"{self.name}/{k}", off, pos - a, n))
+            pos += n
+        return out
+
+    # ------------------------------------------------------------------ reads
+    def aligned(self, start: int, end: int) -> tuple[int, int]:
+        """The block-aligned range ``[A, B)`` that encloses ``[start, end)``."""
+        return round_down(start, self.block), round_up(end, self.block)
+
+    def read(self, start: int, end: int, buf: torch.Tensor | None = None, priority: int = READ_DEMAND
+             ) -> tuple[IOFuture, torch.Tensor, int]:
+        """Read the aligned range enclosing ``[start, end)``.
+
+        Returns:
+            ``(future, buf, skip)``: ``buf`` (uint8, ``B - A`` bytes, page aligned; allocated when not
+            given) holds region bytes ``[A, B)`` once the future completes, so region byte ``x`` is
+            ``buf[x - A]`` and ``start`` is at ``buf[skip]``.
+        """
+        a, b = self.aligned(start, end)
+        if buf is None:
+            buf = alloc_aligned(b - a)
+        futs = [self.store.read(key, buf[rel:rel + n], off, priority) for key, off, rel, n in self._pieces(a, b)]
+        return combine(futs, b - a, keepalive=buf), buf, start - a
+
+    # ------------------------------------------------------------------ writes
+    def write(self, start: int, nbytes: int, fill, priority: int = WRITE_BACK) -> tuple[IOFuture, torch.Tensor, int]:
+        """Write region bytes ``[start, start + nbytes)``.
+
+        Args:
+            start, nbytes: the byte range in the region.
+            fill: ``fill(view)`` writes the new bytes into ``view`` (uint8, ``nbytes`` long) — e.g. a
+                cast copy of fp32 master weights into bf16 — so the data is staged exactly once.
+            priority: engine priority of the write.
+
+        Returns:
+            ``(future, staging, skip)``: the write's future; the staging buffer (region bytes
+            ``[A, B)``, valid now and usable as a clean copy once the future completes); the offset
+            of ``start`` in it. The staging buffer must not be modified before the future completes.
+        """
+        end = start + nbytes
+        a, b = self.aligned(start, end)
+        staging = alloc_aligned(b - a)
+        with self._lock:
+            self._wait_overlapping(a, b)
+            if start > a:
+                staging[: self.block].copy_(self._edge_block(a))
+            if end < b and (b - self.block >= a + self.block or start == a):
+                staging[b - a - self.block:].copy_(self._edge_block(b - self.block))
+            fill(staging[start - a:end - a])
+            futs = [self.store.write(key, staging[rel:rel + n], off, priority)
+                    for key, off, rel, n in self._pieces(a, b)]
+            fut = combine(futs, b - a, keepalive=staging)
+            self._inflight.append((a, b, fut))
+            self._remember_edges(a, b, staging)
+        return fut, staging, start - a
+
+    def _wait_overlapping(self, a: int, b: int) -> None:
+        keep = []
+        for s, e, f in self._inflight:
+            if s < b and a < e:
+                f.wait()
+            elif not f.done():
+                keep.append((s, e, f))
+        self._inflight = keep
+
+    def _edge_block(self, blk_start: int) -> torch.Tensor:
+        idx = blk_start // self.block
+        cached = self._edges.get(idx)
+        if cached is not None:
+            self._edges.move_to_end(idx)
+            return cached
+        self.boundary_reads += 1
+        fut, buf, _ = self.read(blk_start, blk_start + self.block)
+        fut.wait()
+        return buf
+
+    def _remember_edges(self, a: int, b: int, staging: torch.Tensor) -> None:
+        first, last = a // self.block, (b // self.block) - 1
+        for idx in [i for i in self._edges if first < i < last]:
+            del self._edges[idx]
+        for idx in {first, last}:
+            rel = (idx - first) * self.block
+            self._edges[idx] = staging[rel:rel + self.block].clone()
+            self._edges.move_to_end(idx)
+        while len(self._edges) > self._edge_limit:
+            self._edges.popitem(last=False)
+
+    def flush(self) -> None:
+        """Wait for every write issued so far."""
+        with self._lock:
+            pending, self._inflight = self._inflight, []
+        wait_all([f for _, _, f in pending])

@@ -1,0 +1,65 @@
+"""Which cached slice to drop: furthest next use (Belady's MIN) from a recorded access order, LRU before.
+
+Belady (1966), "A study of replacement algorithms for a virtual-storage computer": evicting the
+item whose next use lies furthest in the future minimises misses for a known reference string.
+ZeRO-3 training repeats the same parameter order every step (DeepSpeed's coordinator records it
+in its first step, ``deepspeed-seams.md`` §5), so the order is known from step 2 on and treated
+as cyclic: an id not used again this step is next used at its first position of the next step.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Iterable, Sequence
+
+
+class AccessOrder:
+    """The cyclic future access order of ids (e.g. parameter ``ds_id``s) and the current position."""
+
+    def __init__(self) -> None:
+        self._positions: dict[Hashable, list[int]] = {}
+        self.length = 0
+        self.position = 0
+
+    @property
+    def known(self) -> bool:
+        return self.length > 0
+
+    def set_order(self, order: Sequence[Hashable]) -> None:
+        """Record one period of the access sequence (position 0 = its first access)."""
+        pos: dict[Hashable, list[int]] = {}
+        for i, x in enumerate(order):
+            pos.setdefault(x, []).append(i)
+        self._positions, self.length, self.position = pos, len(order), 0
+
+    def advance_to(self, position: int) -> None:
+        """The access at index ``position`` (of the current period) is the next one to happen."""
+        self.position = position
+
+    def next_use(self, ids: Iterable[Hashable]) -> float:
+        """Accesses from now until the first use of any of ``ids`` (``inf`` if none is ever used)."""
+        best = float("inf")
+        for x in ids:
+            p = self._positions.get(x)
+            if not p:
+                continue
+            i = bisect.bisect_left(p, self.position)
+            d = (p[i] - self.position) if i < len(p) else (p[0] + self.length - self.position)
+            best = min(best, d)
+        return best
+
+
+class EvictionPolicy:
+    """Pick victims among candidate slices: Belady when the order is known, else least recently used.
+
+    A slice exposes ``members`` (ids it holds) and ``last_use`` (a monotonic counter).
+    """
+
+    def __init__(self, order: AccessOrder | None = None) -> None:
+        self.order = order or AccessOrder()
+
+    def victim(self, candidates: list) -> object:
+        if not candidates:
+            raise ValueError("no eviction candidates")
+        if self.order.known:
+            return max(candidates, key=lambda s: (self.order.next_use(s.members), -s.last_use))
+        return min(candidates, key=lambda s: s.last_use)

@@ -1,0 +1,287 @@
+"""The host (DRAM) tier: slices of state in host memory under a byte budget.
+
+A *slice* is the unit the scheduler moves: the packed partitions one module fetch needs, or one
+optimizer sub-group's master weights and moments (one extent, one sequential transfer). Memory is
+booked in three classes:
+
+* **resident** slices, chosen by the planner to live in DRAM for good (never evicted; dirty ones
+  are written only on :meth:`HostTier.flush`, i.e. at a checkpoint);
+* **cached** slices: unreferenced copies kept for reuse; ``resident + cached <= budget``, and the
+  excess is evicted by :class:`EvictionPolicy` (furthest next use, LRU before the order is known).
+  Evicting a clean slice writes nothing; evicting a dirty one writes it back first;
+* **working** slices: referenced by compute, prefetched and not yet used, or being written back.
+  These are bounded by their owners (DeepSpeed's live-parameter limit, the prefetch window, the
+  write-back limit), not by the cache budget, so a budget of 0 still streams everything.
+
+Write-back is issued at ``WRITE_BACK`` priority, behind reads, and the bytes in flight are bounded
+by ``writeback_limit``: past it, issuing waits for the oldest write to finish.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Callable, Hashable
+
+import torch
+
+from ..io.futures import IOFuture
+from .eviction import AccessOrder, EvictionPolicy
+
+
+class Slice:
+    """Host bytes of one unit of state.
+
+    Attributes:
+        key: identity in the tier.
+        buf: the host buffer (any dtype; ``nbytes`` is what is booked).
+        members: ids used to compute the next use (default ``(key,)``).
+        resident: planned to stay in DRAM (never evicted).
+        refs: compute references (a referenced slice is never evicted).
+        dirty: the bytes differ from the copy below; ``writeback`` must run before it may be dropped.
+        ready: pending read filling ``buf`` (wait before use), or None.
+        writing: pending write-back from ``buf``, or None.
+        prefetched: read ahead of use and not used yet (booked as working memory).
+        writeback: ``fn(slice) -> IOFuture`` that writes ``buf`` below.
+        on_drop: ``fn(slice)`` called when the slice leaves the tier (owners unmap it there).
+    """
+
+    __slots__ = ("key", "buf", "nbytes", "members", "resident", "refs", "dirty", "ready", "writing", "prefetched",
+                 "writeback", "on_drop", "last_use", "kind")
+
+    def __init__(self, key: Hashable, buf: torch.Tensor, nbytes: int | None = None, members=None,
+                 resident: bool = False, kind: str = "", writeback: Callable | None = None,
+                 on_drop: Callable | None = None, ready: IOFuture | None = None, prefetched: bool = False) -> None:
+        self.key = key
+        self.buf = buf
+        self.nbytes = int(nbytes if nbytes is not None else buf.numel() * buf.element_size())
+        self.members = tuple(members) if members is not None else (key,)
+        self.resident = resident
+        self.refs = 0
+        self.dirty = False
+        self.ready = ready
+        self.writing: IOFuture | None = None
+        self.prefetched = prefetched
+        self.writeback = writeback
+        self.on_drop = on_drop
+        self.last_use = 0
+        self.kind = kind
+
+    def wait_ready(self) -> None:
+        """Block until the slice's read (if any) completed; raise its error."""
+        if self.ready is not None:
+            self.ready.wait()
+            self.ready = None
+
+
+class HostTier:
+    """Slices in DRAM under ``budget`` bytes (see module docstring).
+
+    Args:
+        budget: bytes for resident + cached slices.
+        writeback_limit: most bytes of write-back in flight.
+        order: the access order used for Belady eviction (shared with the prefetcher).
+    """
+
+    def __init__(self, budget: int, writeback_limit: int = 512 << 20, order: AccessOrder | None = None) -> None:
+        self.budget = int(budget)
+        self.writeback_limit = int(writeback_limit)
+        self.order = order or AccessOrder()
+        self.policy = EvictionPolicy(self.order)
+        self._slices: dict[Hashable, Slice] = {}
+        self._writes: collections.deque[tuple[int, IOFuture, Slice | None]] = collections.deque()
+        self._clock = itertools.count(1)
+        self._lock = threading.RLock()
+        self.held_bytes = 0
+        self.peak_bytes = 0
+        self.evictions = 0
+        self.dirty_evictions = 0
+        self.hits = 0
+        self.misses = 0
+
+    # ------------------------------------------------------------------ lookup
+    def get(self, key: Hashable) -> Slice | None:
+        """The slice under ``key`` (counts a hit or a miss)."""
+        with self._lock:
+            s = self._slices.get(key)
+            if s is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                s.last_use = next(self._clock)
+            return s
+
+    def peek(self, key: Hashable) -> Slice | None:
+        with self._lock:
+            return self._slices.get(key)
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._slices
+
+    def slices(self) -> list[Slice]:
+        with self._lock:
+            return list(self._slices.values())
+
+    # ------------------------------------------------------------------ booking
+    def resident_bytes(self) -> int:
+        return sum(s.nbytes for s in self._slices.values() if s.resident)
+
+    def cached_bytes(self) -> int:
+        return sum(s.nbytes for s in self._slices.values() if self._cached(s))
+
+    def prefetched_bytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self._slices.values() if s.prefetched)
+
+    @staticmethod
+    def _cached(s: Slice) -> bool:
+        return not s.resident and s.refs == 0 and not s.prefetched and s.writing is None
+
+    def add(self, s: Slice) -> Slice:
+        """Insert ``s`` (replacing nothing: the key must be free) and evict to stay in budget.
+
+        Raises:
+            KeyError: a slice with that key is already in the tier.
+        """
+        with self._lock:
+            if s.key in self._slices:
+                raise KeyError(f"slice {s.key!r} already in the host tier")
+            s.last_use = next(self._clock)
+            self._slices[s.key] = s
+            self.held_bytes += s.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self.enforce_budget()
+            return s
+
+    def acquire(self, s: Slice) -> None:
+        """Take a compute reference (the slice cannot be evicted until :meth:`release`)."""
+        with self._lock:
+            s.refs += 1
+            s.prefetched = False
+            s.last_use = next(self._clock)
+
+    def release(self, s: Slice) -> None:
+        """Drop a compute reference; an unreferenced slice becomes cached and may be evicted."""
+        with self._lock:
+            if s.refs <= 0:
+                raise RuntimeError(f"slice {s.key!r} released more often than acquired")
+            s.refs -= 1
+            if s.refs == 0:
+                self.enforce_budget()
+
+    def mark_dirty(self, s: Slice) -> None:
+        with self._lock:
+            s.dirty = True
+
+    # ------------------------------------------------------------------ write-back
+    def write_back(self, s: Slice) -> IOFuture | None:
+        """Write ``s`` below if dirty (at most ``writeback_limit`` bytes in flight); return the future."""
+        with self._lock:
+            if not s.dirty:
+                return s.writing
+            if s.writing is not None:  # an older write of this slice is still running
+                s.writing.wait()
+                s.writing = None
+            self.reserve_write(s.nbytes)
+            s.dirty = False
+            fut = s.writeback(s)
+            s.writing = fut
+            self._writes.append((s.nbytes, fut, s))
+            return fut
+
+    def reserve_write(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more of write-back fit under ``writeback_limit`` (oldest writes first)."""
+        with self._lock:
+            self._reap_writes()
+            while self._writes and self._pending_write_bytes() + nbytes > self.writeback_limit:
+                self._writes[0][1].wait()
+                self._reap_writes()
+
+    def add_writing(self, s: Slice, fut: IOFuture) -> Slice:
+        """Insert a clean slice whose bytes are being written below by ``fut`` (booked as working
+        memory until the write completes; the caller reserved the bytes with :meth:`reserve_write`)."""
+        with self._lock:
+            s.writing = fut
+            self._writes.append((s.nbytes, fut, s))
+            return self.add(s)
+
+    def track_write(self, fut: IOFuture, nbytes: int) -> None:
+        """Count a write that no slice keeps (its staging buffer is the future's keep-alive)."""
+        with self._lock:
+            self._writes.append((int(nbytes), fut, None))
+
+    def _pending_write_bytes(self) -> int:
+        return sum(n for n, f, _ in self._writes if not f.done())
+
+    def _reap_writes(self) -> None:
+        while self._writes and self._writes[0][1].done():
+            n, fut, sl = self._writes.popleft()
+            if sl is not None and sl.writing is fut:
+                sl.writing = None
+            fut.wait()  # raises the write's error here, on the training thread
+
+    def wait_writes(self) -> None:
+        """Wait for every write-back in flight (raises the first error)."""
+        with self._lock:
+            while self._writes:
+                self._writes[0][1].wait()
+                self._reap_writes()
+            self.enforce_budget()
+
+    def flush(self) -> None:
+        """Write back every dirty slice (resident ones included) and wait for all writes."""
+        with self._lock:
+            for s in list(self._slices.values()):
+                if s.dirty:
+                    self.write_back(s)
+            self.wait_writes()
+
+    # ------------------------------------------------------------------ eviction
+    def enforce_budget(self) -> None:
+        """Evict cached slices while resident + cached bytes exceed the budget."""
+        with self._lock:
+            self._reap_writes()
+            over = self.resident_bytes() + self.cached_bytes() - self.budget
+            while over > 0:
+                candidates = [s for s in self._slices.values() if self._cached(s)]
+                if not candidates:
+                    return
+                victim = self.policy.victim(candidates)
+                over -= victim.nbytes
+                self.evict(victim)
+
+    def evict(self, s: Slice) -> None:
+        """Remove an unreferenced slice; a dirty one is written back first (and waited for)."""
+        with self._lock:
+            if s.refs:
+                raise RuntimeError(f"slice {s.key!r} is in use and cannot be evicted")
+            if s.dirty:
+                self.dirty_evictions += 1
+                self.write_back(s)
+            if s.writing is not None:
+                s.writing.wait()
+                s.writing = None
+            self.evictions += 1
+            self._remove(s)
+
+    def drop(self, s: Slice) -> None:
+        """Remove ``s`` without writing (its bytes are stale or no longer needed)."""
+        with self._lock:
+            if s.writing is not None:
+                s.writing.wait()
+                s.writing = None
+            self._remove(s)
+
+    def _remove(self, s: Slice) -> None:
+        if self._slices.get(s.key) is s:
+            del self._slices[s.key]
+            self.held_bytes -= s.nbytes
+            if s.on_drop is not None:
+                s.on_drop(s)
+
+    def clear(self) -> None:
+        """Drop everything without writing (after :meth:`flush` when the data matters)."""
+        with self._lock:
+            for s in list(self._slices.values()):
+                self.drop(s)
