@@ -53,10 +53,9 @@ def param_swapper_factory(ds_config, model_dtype):
     from .param_swapper import AidaptivParamSwapper
     from .runtime import get_runtime
     rt = get_runtime(validate(raw))
-    sw = rt.param_swappers.get(model_dtype)
-    if sw is None:
-        sw = rt.param_swappers[model_dtype] = AidaptivParamSwapper(rt, model_dtype)
-    return sw
+    if rt.param_swapper is None:  # one per process; it keys partitions by their own dtype
+        rt.param_swapper = AidaptivParamSwapper(rt)
+    return rt.param_swapper
 
 
 def _validate_if_enabled(config) -> None:

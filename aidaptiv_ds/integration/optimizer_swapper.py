@@ -45,11 +45,22 @@ def expected_state_slots(optimizer) -> int:
     return 2 if any(name == n or name.endswith(n) for n in _TWO_STATE) else 0
 
 
+def _adjacent_runs(frags: list) -> list[list]:
+    """Sort ``[(offset, tensor), ...]`` by offset and group fragments that touch end to start."""
+    runs: list[list] = []
+    for off, t in sorted(frags, key=lambda x: x[0]):
+        if runs and runs[-1][-1][0] + runs[-1][-1][1].numel() == off:
+            runs[-1].append((off, t))
+        else:
+            runs.append([(off, t)])
+    return runs
+
+
 @dataclasses.dataclass
 class _Group:
     key: str
     numel: int
-    slot_bytes: int
+    slot_bytes: int  # numel x element size: slot j starts at byte j x slot_bytes
     slots: int  # capacity of the extent in slots (master + states)
     state_names: list = dataclasses.field(default_factory=list)
     resident: bool = False
@@ -99,16 +110,21 @@ class AidaptivOptimizerSwapper:
     def _extent_key(self, g: _Group) -> str:
         return f"opt{self.engine_id}/{g.key}"
 
+    def _span(self, g: _Group, slots: int) -> int:
+        """Bytes of the first ``slots`` slots, rounded up to the I/O alignment (slots are packed
+        end to end, so only the extent's tail is padding)."""
+        return round_up(slots * g.slot_bytes, self.rt.store.alignment)
+
     def _slot(self, g: _Group, s: Slice, j: int) -> torch.Tensor:
         return s.buf[j * g.slot_bytes: j * g.slot_bytes + g.numel * self.elsize].view(self.dtype)
 
     def _writeback(self, g: _Group):
         def write(s: Slice):
-            return self.rt.store.write(self._extent_key(g), s.buf[: g.valid_slots * g.slot_bytes], 0, WRITE_BACK)
+            return self.rt.store.write(self._extent_key(g), s.buf[: self._span(g, g.valid_slots)], 0, WRITE_BACK)
         return write
 
     def _new_slice(self, g: _Group, buf: torch.Tensor | None = None) -> Slice:
-        buf = alloc_aligned(g.slots * g.slot_bytes) if buf is None else buf
+        buf = alloc_aligned(self._span(g, g.slots)) if buf is None else buf
         s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident,
                   writeback=self._writeback(g), on_drop=lambda sl, g=g: self._dropped(g, sl))
         g.slice = s
@@ -122,11 +138,11 @@ class AidaptivOptimizerSwapper:
         """The host slice of ``g``, reading it (master + valid state slots) if not in DRAM."""
         if g.slice is not None:
             return g.slice
-        n = g.valid_slots * g.slot_bytes
-        buf = alloc_aligned(g.slots * g.slot_bytes)
+        n = self._span(g, g.valid_slots)
+        buf = alloc_aligned(self._span(g, g.slots))
         fut = self.rt.store.read(self._extent_key(g), buf[:n], 0, priority)
         s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, ready=fut,
-                  prefetched=priority == READ_PREFETCH, writeback=self._writeback(g),
+                  prefetched=True, writeback=self._writeback(g),
                   on_drop=lambda sl, g=g: self._dropped(g, sl))
         g.slice = s
         self.rt.tier.add(s)
@@ -138,7 +154,7 @@ class AidaptivOptimizerSwapper:
         if g.grad_slice is not None:
             return g.grad_slice
         fut, buf, _ = g.grad_region.read(0, g.numel * 4, priority=priority)
-        s = Slice(("grad", self.engine_id, g.key), buf, kind="grad", ready=fut, prefetched=priority == READ_PREFETCH,
+        s = Slice(("grad", self.engine_id, g.key), buf, kind="grad", ready=fut, prefetched=True,
                   on_drop=lambda sl, g=g: setattr(g, "grad_slice", None) if g.grad_slice is sl else None)
         g.grad_slice = s
         return self.rt.tier.add(s)
@@ -174,14 +190,13 @@ class AidaptivOptimizerSwapper:
         for param, src in zip(parameters, src_tensors):
             key = str(param.ds_id)
             numel = src.numel()
-            slot_bytes = round_up(numel * self.elsize, self.rt.store.alignment)
-            g = _Group(key, numel, slot_bytes, 1 + self.expected_states)
+            g = _Group(key, numel, numel * self.elsize, 1 + self.expected_states)
             if self.plan is not None:  # the residency plan indexes sub-groups in creation order
                 g.resident = len(self.order) in self.plan.resident_subgroups
                 g.grads_resident = self.plan.grads_resident
             self.groups[key] = g
             self.order.append(key)
-            self.rt.store.allocate(self._extent_key(g), g.slots * slot_bytes)
+            self.rt.store.allocate(self._extent_key(g), self._span(g, g.slots))
             g.grad_region = PackedRegion(self.rt.store, f"grad{self.engine_id}/{key}",
                                          chunk_bytes=round_up(numel * 4, self.rt.store.alignment))
             g.grad_region.append(numel * 4)
@@ -203,7 +218,7 @@ class AidaptivOptimizerSwapper:
         ``fp16_partitions_info`` holds ``[(ds_tensor, numel, path or None), ...]`` per sub-group
         (``stage3.py:1054-1064``); swapped partitions are read through the parameter swapper.
         """
-        swapper = next(iter(self.rt.param_swappers.values()), None)
+        swapper = self.rt.param_swapper
         for info, numel, param in zip(fp16_partitions_info, fp16_num_elems, fp32_parameters):
             flat = torch.empty(int(numel), dtype=self.dtype)
             swapped = [t for t, _, path in info if path is not None]
@@ -256,8 +271,8 @@ class AidaptivOptimizerSwapper:
         names = g.state_names + new
         if 1 + len(names) > g.slots:  # more state than planned: grow the extent (one-time)
             g.slots = 1 + len(names)
-            self.rt.store.allocate(self._extent_key(g), g.slots * g.slot_bytes)
-            bigger = alloc_aligned(g.slots * g.slot_bytes)
+            self.rt.store.allocate(self._extent_key(g), self._span(g, g.slots))
+            bigger = alloc_aligned(self._span(g, g.slots))
             bigger[: s.buf.numel()].copy_(s.buf)
             parameter.data = bigger[: g.numel * self.elsize].view(self.dtype)
             self.rt.tier.release(s)
@@ -345,11 +360,14 @@ class AidaptivOptimizerSwapper:
             for off, t in frags:
                 flat[off:off + t.numel()].copy_(t.reshape(-1))
             frags, full = [(0, flat)], True
-        for off, t in sorted(frags, key=lambda x: x[0]):
-            n = t.numel()
+        for run in _adjacent_runs(frags):  # neighbours (one reduce bucket) share one aligned write
+            off = run[0][0]
+            n = sum(t.numel() for _, t in run)
 
-            def fill(view, t=t):
-                view.view(torch.float32).copy_(t.reshape(-1).to(torch.float32))
+            def fill(view, run=run, off=off):
+                out = view.view(torch.float32)
+                for o, t in run:
+                    out[o - off:o - off + t.numel()].copy_(t.reshape(-1))
 
             self.rt.tier.reserve_write(n * 4)
             fut, _, _ = g.grad_region.write(off * 4, n * 4, fill, priority=WRITE_BACK)

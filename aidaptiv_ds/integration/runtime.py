@@ -53,13 +53,12 @@ def resolve_run_name(name: str) -> str:
 
 
 def auto_dram_budget() -> int:
-    """Bytes of DRAM for the tier when ``dram_budget`` is ``"auto"`` (the planner's rule, per rank)."""
-    from ..planner.auto import auto_dram_budget as plan_budget
-    from ..telemetry.sysinfo import host_memory
+    """This rank's DRAM budget for ``dram_budget: "auto"``: the planner's node budget
+    (:func:`aidaptiv_ds.planner.auto.resolve_dram_budget`, from ``/proc/meminfo``) split over the
+    node's ranks (``LOCAL_WORLD_SIZE``)."""
+    from ..planner.auto import resolve_dram_budget
 
-    mem = host_memory()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return plan_budget(mem["available_bytes"], mem["total_bytes"], local_world)
+    return resolve_dram_budget("auto", local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1))).per_rank_bytes
 
 
 class Timer:
@@ -107,7 +106,7 @@ class Runtime:
         self.order = AccessOrder()
         self.tier = HostTier(self.budget, writeback_limit=wb, order=self.order)
         self.io_wait = Timer()
-        self.param_swappers: dict[torch.dtype, object] = {}
+        self.param_swapper = None  # the process's AidaptivParamSwapper, created by the first zero.Init
         self.optimizer_swappers: list = []
         self.closed = False
         counters.register_provider("aidaptiv_ds", self.counters)
@@ -116,12 +115,13 @@ class Runtime:
                      cfg.placement, format_bytes(self.budget))
 
     def prefetch_bytes(self, largest_slice: int) -> int:
-        """Read-ahead window in bytes: the configured value, or half the budget clamped to
-        [2 x largest slice, 1 GiB] (at least 2 x 64 MiB) when ``"auto"``."""
+        """Read-ahead window in bytes: the configured value, or for ``"auto"`` what the budget has left
+        after residency, at least ``2 x largest_slice`` and 64 MiB (reads in flight are working
+        memory, so a budget of 0 still streams) and at most 1 GiB."""
         if self.cfg.prefetch_bytes != "auto":
             return int(self.cfg.prefetch_bytes)
-        from ..planner.auto import prefetch_bytes_from_budget
-        return prefetch_bytes_from_budget(self.budget, largest_slice)
+        left = self.budget - self.tier.resident_bytes()
+        return int(min(max(left, 2 * largest_slice, 64 << 20), max(1 << 30, 2 * largest_slice)))
 
     def counters(self) -> dict:
         """Cumulative counters for :mod:`aidaptiv_ds.telemetry.counters`."""
@@ -137,8 +137,8 @@ class Runtime:
 
     def flush(self) -> None:
         """Finish every write in flight and book the ledger."""
-        for sw in list(self.param_swappers.values()):
-            sw.synchronize_writes()
+        if self.param_swapper is not None:
+            self.param_swapper.synchronize_writes()
         self.tier.wait_writes()
         self.store.flush_ledger()
 

@@ -87,14 +87,13 @@ def make_stage3_class(base: type) -> type:
             psw = self._aidaptiv_param_swapper()
             numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
             align = rt.store.alignment
-            slot = [-(-n * sw.elsize // align) * align for n in numels]
             slots = 1 + sw.expected_states
             sizes = StateSizes(param_bytes=psw.partition_bytes() if psw is not None else 0,
                                grad_bytes=sum(numels) * 4,
                                subgroup_bytes=[n * sw.elsize * slots for n in numels])
             plan = plan_residency(sizes, rt.budget)
             sw.plan = plan
-            store_bytes = sum(b * slots for b in slot) + sum(-(-n * 4 // align) * align for n in numels)
+            store_bytes = sum(-(-n * sw.elsize * slots // align) * align + -(-n * 4 // align) * align for n in numels)
             rt.store.preflight(store_bytes, "the optimizer state and gradients")
             if psw is not None and plan.params_resident:
                 psw.make_resident()

@@ -92,7 +92,7 @@ class PackedRegion:
 
     def read(self, start: int, end: int, buf: torch.Tensor | None = None, priority: int = READ_DEMAND
              ) -> tuple[IOFuture, torch.Tensor, int]:
-        """Read the aligned range enclosing ``[start, end)``.
+        """Read the aligned range enclosing ``[start, end)`` (after any overlapping write issued earlier).
 
         Returns:
             ``(future, buf, skip)``: ``buf`` (uint8, ``B - A`` bytes, page aligned; allocated when not
@@ -102,6 +102,8 @@ class PackedRegion:
         a, b = self.aligned(start, end)
         if buf is None:
             buf = alloc_aligned(b - a)
+        with self._lock:
+            self._wait_overlapping(a, b)  # read-after-write: never return bytes older than a write issued before
         futs = [self.store.read(key, buf[rel:rel + n], off, priority) for key, off, rel, n in self._pieces(a, b)]
         return combine(futs, b - a, keepalive=buf), buf, start - a
 
