@@ -1,0 +1,1 @@
+"""The ``aidaptiv-ds`` command line: one module per subcommand, registered in :mod:`aidaptiv_ds.cli.main`."""

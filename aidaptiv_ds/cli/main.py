@@ -1,0 +1,63 @@
+"""``aidaptiv-ds``: the console entry point; subcommands come from the modules in :data:`SUBCOMMAND_MODULES`.
+
+Adding a subcommand: write ``aidaptiv_ds/cli/<name>.py`` with ``register(subparsers)`` that calls
+``subparsers.add_parser(...)``, adds its arguments and ``set_defaults(func=run)`` where
+``run(args) -> int`` is the exit code; then append the module name to :data:`SUBCOMMAND_MODULES`.
+Every listed module is imported; a missing one fails loudly (it is a packaging bug, not an option).
+A ``ValueError`` from ``run`` is a user error: printed as ``aidaptiv-ds <cmd>: error: <message>``
+with exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .. import __version__
+
+# One line per subcommand module; append yours (bench_io, unpack, export, compare, gc, ...).
+SUBCOMMAND_MODULES = [
+    "aidaptiv_ds.cli.plan",
+    "aidaptiv_ds.cli.doctor",
+    "aidaptiv_ds.cli.ledger",
+]
+
+
+def build_parser(modules: list[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser with every subcommand of ``modules`` (default :data:`SUBCOMMAND_MODULES`).
+
+    Raises:
+        ImportError: a listed module does not exist or fails to import.
+        TypeError: a listed module has no ``register(subparsers)``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="aidaptiv-ds",
+        description="aidaptiv_ds: DeepSpeed ZeRO-3 fine-tuning with the training state on cache SSDs.")
+    parser.add_argument("--version", action="version", version=f"aidaptiv_ds {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES if modules is None else modules:
+        mod = importlib.import_module(name)
+        register = getattr(mod, "register", None)
+        if not callable(register):
+            raise TypeError(f"aidaptiv-ds: subcommand module {name} has no register(subparsers) function")
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand and return its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args) or 0)
+    except ValueError as e:
+        print(f"aidaptiv-ds {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

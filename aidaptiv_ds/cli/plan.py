@@ -1,0 +1,242 @@
+"""``aidaptiv-ds plan``: will the model fit, where does each byte live, what does a step cost the drives.
+
+Examples::
+
+    aidaptiv-ds plan --model llama-3.1-405b --gpus 2 --vram 96GB --dram 512GB --cache 8TB
+    aidaptiv-ds plan --params 70e9 --gpus 4 --vram 48GB --dram 512GB --cache /mnt/c0:2TB --cache /mnt/c1:2TB --json
+    aidaptiv-ds plan --model ./my-model --gpus 1 --vram 24GB --dram 128GB --cache /mnt/c0:2TB:read=7:write=6:dwpd=30
+
+``--cache`` takes ``[PATH:]SIZE[:read=GBPS][:write=GBPS][:dwpd=N][:years=N]`` or a bare existing
+``PATH`` (capacity = its filesystem size). Formulas: :mod:`aidaptiv_ds.planner.plan`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..planner.model_size import load_model_shape, nearest_preset
+from ..planner.plan import (DEFAULT_READ_GBPS, DEFAULT_SUB_GROUP_SIZE, DEFAULT_WRITE_GBPS, MOMENT_BYTES, PARAM_BYTES,
+                            CacheDrive, CapacityPlan, PlanInput, fmt_dec, make_plan)
+from ..store.ledger import EnduranceRating, filesystem_capacity
+from ..store.slab import free_bytes
+from ..telemetry.nvml import nvml_status
+from ..telemetry.sysinfo import host_memory
+from ..units import parse_size
+
+_DRIVE_KEYS = {"read": "read_gbps", "write": "write_gbps", "dwpd": "rated_dwpd", "years": "warranty_years"}
+
+
+def parse_cache_spec(spec: str, defaults: dict) -> CacheDrive:
+    """A :class:`CacheDrive` from ``[PATH:]SIZE[:key=value...]`` or an existing ``PATH``.
+
+    A bare ``PATH`` takes the capacity of its filesystem (for DWPD) and its free space now (for the fit).
+
+    ``defaults`` holds ``read_gbps``, ``write_gbps``, ``rated_dwpd``, ``warranty_years``.
+
+    Raises:
+        ValueError: naming ``--cache``, the spec and the accepted forms.
+    """
+    parts = spec.split(":")
+    kv = [p for p in parts if "=" in p]
+    rest = [p for p in parts if "=" not in p]
+    fields = dict(defaults)
+    for item in kv:
+        k, _, v = item.partition("=")
+        if k not in _DRIVE_KEYS:
+            raise ValueError(f"--cache {spec!r}: unknown key {k!r}; use {', '.join(_DRIVE_KEYS)} "
+                             f"(e.g. /mnt/c0:2TB:read=7:write=6:dwpd=30)")
+        try:
+            fields[_DRIVE_KEYS[k]] = float(v)
+        except ValueError:
+            raise ValueError(f"--cache {spec!r}: {k}={v!r} is not a number") from None
+    path, size = None, None
+    if len(rest) == 1:
+        try:
+            size = parse_size(rest[0], "--cache")
+        except ValueError:
+            path = rest[0]
+    elif len(rest) == 2:
+        path, size = rest[0], parse_size(rest[1], f"--cache {spec!r}")
+    else:
+        raise ValueError(f"--cache {spec!r}: expected [PATH:]SIZE[:read=GBPS:write=GBPS:dwpd=N:years=N] or an "
+                         f"existing PATH, e.g. 8TB or /mnt/cache0:8TB")
+    free = None
+    if size is None:
+        if not os.path.isdir(path):
+            raise ValueError(f"--cache {spec!r}: {path!r} is not a size and not an existing directory; give "
+                             f"PATH:SIZE (e.g. {path}:2TB) or a size such as 2TB")
+        size, free = filesystem_capacity(path), free_bytes(path)
+    return CacheDrive(capacity=size, path=path, free=free, **fields)
+
+
+def register(subparsers) -> None:
+    """Add ``plan`` to the ``aidaptiv-ds`` subcommands."""
+    p = subparsers.add_parser("plan", help="capacity plan: fit, bytes per tier, step time, endurance",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_mutually_exclusive_group(required=True)
+    m.add_argument("--params", help="parameter count, e.g. 405e9 (layer shapes from the nearest preset)")
+    m.add_argument("--model", help="HF config.json, model directory, or preset (e.g. llama-3.1-405b)")
+    p.add_argument("--gpus", type=int, help="GPUs per node (default: NVML count on this host)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes; data-parallel size = gpus x nodes (default 1)")
+    p.add_argument("--vram", help="memory per GPU, e.g. 96GB (default: NVML, GPU 0)")
+    p.add_argument("--dram", help="host memory per node, e.g. 512GB (default: this host's MemTotal)")
+    p.add_argument("--dram-budget", default="auto", help="DRAM tier budget per node or 'auto' (default)")
+    p.add_argument("--cache", action="append", default=[], metavar="[PATH:]SIZE[:k=v]",
+                   help="a cache drive (repeat per drive): 8TB, /mnt/c0:2TB, /mnt/c0:2TB:read=7:write=6:dwpd=30")
+    p.add_argument("--read-gbps", type=float, help=f"default drive read GB/s (default {DEFAULT_READ_GBPS})")
+    p.add_argument("--write-gbps", type=float, help=f"default drive write GB/s (default {DEFAULT_WRITE_GBPS})")
+    p.add_argument("--dwpd", type=float, help=f"default rated DWPD (default {EnduranceRating.rated_dwpd})")
+    p.add_argument("--warranty-years", type=float, help=f"default warranty (default {EnduranceRating.warranty_years})")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (default 1)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(PARAM_BYTES))
+    p.add_argument("--optimizer", default="adamw", choices=sorted(MOMENT_BYTES))
+    p.add_argument("--no-activation-checkpointing", action="store_true", help="keep all activations")
+    p.add_argument("--no-flash-attention", action="store_true", help="attention scores are materialised (s^2)")
+    p.add_argument("--dropout", action="store_true", help="the model uses dropout (masks are stored)")
+    p.add_argument("--sub-group-size", type=float, default=DEFAULT_SUB_GROUP_SIZE,
+                   help="optimizer sub-group in elements (DeepSpeed sub_group_size, default 1e9)")
+    p.add_argument("--gpu-tflops", type=float, help="peak dense TFLOP/s per GPU for the compute bound")
+    p.add_argument("--dataset-tokens", type=float, help="tokens in one epoch (for writes per epoch and run)")
+    p.add_argument("--epochs", type=float, default=1.0, help="epochs of the run (default 1)")
+    p.add_argument("--step-time", type=float, help="measured seconds per step (endurance pace; default: lower bound)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def plan_input_from_args(args) -> PlanInput:
+    """The :class:`PlanInput` for parsed ``plan`` arguments; inputs taken from this host are listed in ``assumed``.
+
+    Raises:
+        ValueError: naming the flag, the value and the fix.
+    """
+    assumed = []
+    if args.model:
+        shape, n_params, source = load_model_shape(args.model), None, "exact"
+    else:
+        try:
+            n_params = int(float(args.params))
+        except ValueError:
+            raise ValueError(f"--params: {args.params!r} is not a number; give e.g. 405e9") from None
+        shape = nearest_preset(n_params)
+        source = f"layer shapes of preset {shape.name} (nearest to --params)"
+    gpus, vram = args.gpus, parse_size(args.vram, "--vram") if args.vram else None
+    if gpus is None or vram is None:
+        st = nvml_status()
+        if not st["gpus"]:
+            raise ValueError(f"--gpus/--vram: not given and no GPU found on this host ({st['status']}); "
+                             f"fix: give --gpus N --vram SIZE, e.g. --gpus 2 --vram 96GB")
+        if gpus is None:
+            gpus = len(st["gpus"])
+            assumed.append("gpus (NVML on this host)")
+        if vram is None:
+            vram = st["gpus"][0]["total_bytes"]
+            assumed.append("vram (NVML on this host)")
+    if args.dram:
+        dram = parse_size(args.dram, "--dram")
+    else:
+        mem = host_memory()
+        if not mem["total_bytes"]:
+            raise ValueError("--dram: not given and /proc/meminfo is not readable; fix: give --dram SIZE")
+        dram = mem["total_bytes"]
+        assumed.append("dram (MemTotal of this host)")
+    if not args.cache:
+        raise ValueError("--cache: no cache drive given; fix: add --cache SIZE or --cache PATH:SIZE per drive")
+    defaults = {"read_gbps": args.read_gbps or DEFAULT_READ_GBPS, "write_gbps": args.write_gbps or DEFAULT_WRITE_GBPS,
+                "rated_dwpd": args.dwpd or EnduranceRating.rated_dwpd,
+                "warranty_years": args.warranty_years or EnduranceRating.warranty_years}
+    drives = [parse_cache_spec(s, defaults) for s in args.cache]
+    specs = ":".join(args.cache)
+    if args.read_gbps is None and "read=" not in specs:
+        assumed.append(f"drive read GB/s ({DEFAULT_READ_GBPS}, a PCIe 4.0 NVMe figure; measure with bench-io)")
+    if args.write_gbps is None and "write=" not in specs:
+        assumed.append(f"drive write GB/s ({DEFAULT_WRITE_GBPS}; measure with bench-io)")
+    if args.dwpd is None and "dwpd=" not in specs:
+        assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd}; give the data sheet's figure)")
+    budget = None if str(args.dram_budget).lower() == "auto" else parse_size(args.dram_budget, "--dram-budget")
+    return PlanInput(
+        shape=shape, n_params=n_params, shape_source=source, gpus=gpus, nodes=args.nodes, vram=vram, dram=dram,
+        drives=drives, dram_budget=budget, micro_batch=args.micro_batch, seq_len=args.seq_len,
+        grad_accum=args.grad_accum, dtype=args.dtype, optimizer=args.optimizer,
+        activation_checkpointing=not args.no_activation_checkpointing, flash_attention=not args.no_flash_attention,
+        dropout=args.dropout, sub_group_size=int(args.sub_group_size),
+        gpu_flops=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
+        dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
+        step_time_s=args.step_time, assumed=assumed)
+
+
+def _days(x: float | None) -> str:
+    if x is None or x == float("inf"):
+        return "never (no writes)"
+    return f"{x:,.1f} days" if x < 3650 else f"{x / 365:,.1f} years"
+
+
+def _secs(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:,.2f} s" if x < 600 else f"{x / 60:,.1f} min"
+
+
+def format_plan(p: CapacityPlan) -> str:
+    """The plan as text for people (the JSON carries the same numbers)."""
+    m, i = p.model, p.inputs
+    out = [f"model      {m['name']} ({m['model_type']}): {p.n_params:,} parameters"
+           + ("" if m["shape_source"] == "exact" else f"; {m['shape_source']}"),
+           f"run        {i['gpus']} GPU(s) x {i['nodes']} node(s) (dp={p.dp}), micro-batch {i['micro_batch']}, "
+           f"seq {i['seq_len']}, grad-accum {i['grad_accum']}, {i['dtype']}, {i['optimizer']}, "
+           f"checkpointing {'on' if i['activation_checkpointing'] else 'off'}",
+           f"state      {fmt_dec(p.total_state_bytes)} = {p.bytes_per_param:.2f} B/param "
+           f"({p.state_bytes_per_param} B/param of training state + activations); "
+           f"rule of thumb 20 B/param = {fmt_dec(p.rule_of_thumb_bytes)}",
+           "", f"{'where (whole job)':<18}{'VRAM':>12}{'DRAM':>12}{'cache':>12}"]
+    for k, t in p.tiers.items():
+        out.append(f"{k:<18}{fmt_dec(t['vram']):>12}{fmt_dec(t['dram']):>12}{fmt_dec(t['cache']):>12}")
+    v, d, r = p.vram_per_gpu, p.dram, p.residency
+    out += ["", f"VRAM/GPU   {fmt_dec(v['total'])} of {fmt_dec(i['vram'])}: gathered slices "
+                f"{fmt_dec(v['gathered_params'])}, "
+                f"slice grads {fmt_dec(v['slice_gradients'])}, activations {fmt_dec(v['activations'])}, "
+                f"bucket+overhead {fmt_dec(v['reduce_bucket'] + v['overhead'])}",
+            f"DRAM/node  {fmt_dec(d['host_bytes'])}: margin {fmt_dec(d['margin_bytes'])}, working set "
+            f"{fmt_dec(d['working_set_bytes'])}, budget {fmt_dec(d['budget_bytes'])} "
+            f"({fmt_dec(d['per_rank_bytes'])}/rank)",
+            f"resident   gradients {'yes' if r['grads_resident'] else 'no'}, parameters "
+            f"{'yes' if r['params_resident'] else 'no'}, {len(r['resident_subgroups'])} optimizer sub-group(s); "
+            f"prefetch depth {p.prefetch['depth']}",
+            f"per step   written {fmt_dec(p.per_step['write_bytes'])}, read {fmt_dec(p.per_step['read_bytes'])} "
+            f"per node ({p.per_step['write_bytes_per_param']:.2f} B/param written); {p.per_step['tokens']:,} tokens",
+            f"step time  >= {_secs(p.step_time['lower_bound_s'])} (bound by {p.step_time['bound_by']}; compute "
+            f"{_secs(p.step_time['compute_s'])}, reads {_secs(p.step_time['io_read_s'])}, writes "
+            f"{_secs(p.step_time['io_write_s'])})"]
+    if p.epoch["steps_per_epoch"]:
+        out.append(f"epoch      {p.epoch['steps_per_epoch']:,} steps, {fmt_dec(p.epoch['write_bytes_per_epoch'])} "
+                   f"written per node; run of {p.epoch['epochs']} epoch(s) ~ {_days(p.epoch['run_days'])}")
+    out.append("")
+    for n, dr in enumerate(p.drives):
+        e = dr.endurance
+        line = (f"drive {n}    {dr.path or '(size only)'} {fmt_dec(dr.capacity)}: holds {fmt_dec(dr.state_bytes)}, "
+                f"per step R {fmt_dec(dr.read_bytes_per_step)} W {fmt_dec(dr.write_bytes_per_step)}; "
+                f"{e['dwpd']:.2f} DWPD at {p.step_time['pace_source']} pace vs {e['rated_dwpd']:g} rated; "
+                f"rated TBW {fmt_dec(e['rated_tbw_bytes'])} reached in {_days(e['days_to_rated_tbw'])}")
+        if dr.run_tbw_fraction is not None:
+            line += f"; the run uses {dr.run_tbw_fraction:.2%} of it"
+        out.append(line)
+    out.append("")
+    if p.fits:
+        out.append("verdict    FITS")
+    else:
+        out.append("verdict    DOES NOT FIT")
+        for prob, ch in zip(p.verdict.problems, p.verdict.changes):
+            out.append(f"  - {prob}")
+            out.append(f"    smallest change: {ch or 'none found among the single changes tried'}")
+    if i["assumed"]:
+        out.append("assumed    " + "; ".join(i["assumed"]))
+    return "\n".join(out)
+
+
+def run(args) -> int:
+    """Print the plan (text or ``--json``); exit code 0 when it fits, 1 when it does not."""
+    p = make_plan(plan_input_from_args(args))
+    print(json.dumps(p.as_dict(), indent=1) if args.json else format_plan(p))
+    return 0 if p.fits else 1

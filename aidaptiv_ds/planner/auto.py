@@ -1,0 +1,205 @@
+"""Runtime defaults from the planner's arithmetic: the DRAM budget, what stays in DRAM, prefetch depth.
+
+The same functions serve ``aidaptiv-ds plan`` (with the user's figures) and the runtime (with the
+host's), so what the plan promises is what the runtime does:
+
+* ``dram_budget: "auto"`` (:func:`resolve_dram_budget`, :func:`auto_dram_budget`): the budget is
+  the host memory available now less a safety margin and less the host working set::
+
+      margin = max(4 GiB, 10% of total host memory)          (MIN_FREE_BYTES, FREE_FRACTION)
+      budget = max(available - margin - working_set, 0)      bytes, for the whole node
+      per rank = budget // local ranks
+
+  The margin leaves the page cache, the OS and other processes room so the kernel does not swap
+  or OOM-kill a rank; 10% follows the common "keep 10% of RAM free" practice, and 4 GiB covers
+  small hosts where 10% is too little for a CUDA driver and a data loader. Both are parameters.
+* the host working set (:func:`host_working_set`): memory a rank needs besides the budget::
+
+      per rank = overhead (3 GiB) + 2 x largest parameter slice partition (current + next read)
+                 + 3 x largest optimizer sub-group x (4 B master + moment B + 4 B gradient)
+
+  The 3 sub-group buffers are the optimizer pipeline of design.md step 4 (read i+1, update i,
+  write i-1); the 3 GiB overhead is an allowance for the torch/CUDA/DeepSpeed process itself;
+  check it against the peak RSS that the metrics record and pass the measured figure.
+* what stays in DRAM: :func:`aidaptiv_ds.planner.residency.plan_residency` (gradients, then
+  parameters, then optimizer sub-groups), unchanged;
+* prefetch (:func:`prefetch_bytes_from_budget`): the budget left after residency
+  (``ResidencyPlan.cache_bytes``) holds clean parameter slices read ahead; depth = how many of
+  the largest slice fit, at most ``n_slices - 1`` (reading further ahead than one pass is useless),
+  and 0 when the parameters are resident anyway.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..units import GiB, parse_size
+from .residency import ResidencyPlan, StateSizes, plan_residency
+
+MIN_FREE_BYTES = 4 * GiB
+FREE_FRACTION = 0.10
+RANK_OVERHEAD_BYTES = 3 * GiB
+OPTIMIZER_PIPELINE_DEPTH = 3
+PARAM_STAGING_SLICES = 2
+GRAD_BYTES_PER_PARAM = 4
+MASTER_BYTES_PER_PARAM = 4
+
+
+@dataclasses.dataclass
+class DramBudget:
+    """How a node's DRAM budget was derived (all in bytes).
+
+    Attributes:
+        host_bytes: memory the budget is cut from (MemAvailable for the runtime, DRAM size for a plan).
+        margin_bytes: kept free for the OS, page cache and other processes.
+        working_set_bytes: host working set of all local ranks (see :func:`host_working_set`).
+        budget_bytes: what the DRAM tier may hold on this node (>= 0).
+        local_ranks: ranks on the node that share it; per_rank_bytes: ``budget_bytes // local_ranks``.
+    """
+    host_bytes: int
+    margin_bytes: int
+    working_set_bytes: int
+    budget_bytes: int
+    local_ranks: int = 1
+
+    @property
+    def per_rank_bytes(self) -> int:
+        return self.budget_bytes // max(self.local_ranks, 1)
+
+    @property
+    def shortfall_bytes(self) -> int:
+        """Bytes missing for margin + working set (0 when the host can hold them)."""
+        return max(self.margin_bytes + self.working_set_bytes - self.host_bytes, 0)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["per_rank_bytes"] = self.per_rank_bytes
+        d["shortfall_bytes"] = self.shortfall_bytes
+        return d
+
+
+def safety_margin(total_host_bytes: int, min_free_bytes: int = MIN_FREE_BYTES,
+                  free_fraction: float = FREE_FRACTION) -> int:
+    """Bytes of host memory never given to the DRAM tier: ``max(min_free_bytes, free_fraction x total)``."""
+    return max(int(min_free_bytes), int(free_fraction * total_host_bytes))
+
+
+def explain_dram_budget(free_host_bytes: int, working_set_bytes: int = 0, *, total_host_bytes: int | None = None,
+                        local_ranks: int = 1, min_free_bytes: int = MIN_FREE_BYTES,
+                        free_fraction: float = FREE_FRACTION) -> DramBudget:
+    """The :class:`DramBudget` of :func:`auto_dram_budget`, with its parts."""
+    margin = safety_margin(total_host_bytes if total_host_bytes is not None else free_host_bytes,
+                           min_free_bytes, free_fraction)
+    budget = max(int(free_host_bytes) - margin - int(working_set_bytes), 0)
+    return DramBudget(int(free_host_bytes), margin, int(working_set_bytes), budget, max(int(local_ranks), 1))
+
+
+def auto_dram_budget(free_host_bytes: int, working_set_bytes: int = 0, *, total_host_bytes: int | None = None,
+                     min_free_bytes: int = MIN_FREE_BYTES, free_fraction: float = FREE_FRACTION) -> int:
+    """DRAM budget of a node in bytes: ``max(free - max(4 GiB, 10% of total) - working_set, 0)``.
+
+    Args:
+        free_host_bytes: host memory available (``MemAvailable`` of ``/proc/meminfo``), bytes.
+        working_set_bytes: host memory the ranks need outside the budget (:func:`host_working_set`).
+        total_host_bytes: host memory size the 10% refers to (default: ``free_host_bytes``).
+        min_free_bytes / free_fraction: the safety margin's floor (bytes) and fraction.
+    """
+    return explain_dram_budget(free_host_bytes, working_set_bytes, total_host_bytes=total_host_bytes,
+                               min_free_bytes=min_free_bytes, free_fraction=free_fraction).budget_bytes
+
+
+def resolve_dram_budget(value: str | int | float, working_set_bytes: int = 0, *, local_ranks: int = 1,
+                        field: str = "aidaptiv.dram_budget", meminfo: dict | None = None) -> DramBudget:
+    """The node's DRAM budget from a config value: ``"auto"`` or a size (``"48GiB"``, ``5e10``).
+
+    ``"auto"`` reads ``/proc/meminfo`` (or ``meminfo``: ``{"total_bytes", "available_bytes"}``) and
+    applies :func:`explain_dram_budget`. Every rank of a node computes the same node budget and uses
+    ``per_rank_bytes`` of it.
+
+    Raises:
+        ValueError: naming ``field`` and the value, when it is neither ``"auto"`` nor a size, or when
+            ``"auto"`` finds no ``/proc/meminfo``.
+    """
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        if meminfo is None:
+            from ..telemetry.sysinfo import host_memory
+            meminfo = host_memory()
+        if not meminfo.get("available_bytes"):
+            raise ValueError(f"{field}: 'auto' needs /proc/meminfo (MemAvailable), which this system does not "
+                             f"expose. Fix: give a size such as '48GiB'.")
+        return explain_dram_budget(meminfo["available_bytes"], working_set_bytes,
+                                   total_host_bytes=meminfo.get("total_bytes"), local_ranks=local_ranks)
+    n = parse_size(value, field)
+    return DramBudget(host_bytes=n, margin_bytes=0, working_set_bytes=int(working_set_bytes), budget_bytes=n,
+                      local_ranks=max(int(local_ranks), 1))
+
+
+def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel: int, moment_bytes_per_param: int,
+                     local_ranks: int = 1, rank_overhead_bytes: int = RANK_OVERHEAD_BYTES) -> int:
+    """Host memory (bytes) the local ranks need besides the DRAM budget (formula in the module docstring).
+
+    Args:
+        largest_slice_partition_bytes: one rank's partition of the largest parameter slice (bytes).
+        largest_subgroup_numel: elements of the largest optimizer sub-group of a rank.
+        moment_bytes_per_param: optimizer state bytes per element (8 for Adam's two fp32 moments).
+        local_ranks: ranks on the node; rank_overhead_bytes: per-rank process allowance.
+    """
+    per_sg = largest_subgroup_numel * (MASTER_BYTES_PER_PARAM + moment_bytes_per_param + GRAD_BYTES_PER_PARAM)
+    per_rank = (rank_overhead_bytes + PARAM_STAGING_SLICES * largest_slice_partition_bytes
+                + OPTIMIZER_PIPELINE_DEPTH * per_sg)
+    return int(local_ranks) * int(per_rank)
+
+
+@dataclasses.dataclass
+class PrefetchPlan:
+    """Read-ahead of parameter slices into the DRAM tier.
+
+    Attributes:
+        depth: slices read ahead of the one in use (0: nothing to prefetch from the cache tier).
+        bytes: DRAM bytes the read-ahead occupies (``depth x slice_bytes``).
+        slice_bytes: bytes of the largest slice partition the depth was sized with.
+    """
+    depth: int
+    bytes: int
+    slice_bytes: int
+
+
+def prefetch_bytes_from_budget(residency: ResidencyPlan, slice_bytes: int, n_slices: int,
+                               max_depth: int | None = None) -> PrefetchPlan:
+    """Prefetch depth and bytes from what the budget has left after residency.
+
+    ``depth = min(residency.cache_bytes // slice_bytes, n_slices - 1, max_depth)``; 0 when the
+    parameters are resident (nothing is read from the cache tier) or ``slice_bytes`` is 0.
+    """
+    if residency.params_resident or slice_bytes <= 0 or n_slices <= 1:
+        return PrefetchPlan(0, 0, int(slice_bytes))
+    depth = min(residency.cache_bytes // slice_bytes, n_slices - 1)
+    if max_depth is not None:
+        depth = min(depth, int(max_depth))
+    depth = max(int(depth), 0)
+    return PrefetchPlan(depth, depth * int(slice_bytes), int(slice_bytes))
+
+
+@dataclasses.dataclass
+class RuntimeDefaults:
+    """What the runtime does with one rank's budget: residency and prefetch."""
+    budget_bytes: int
+    residency: ResidencyPlan
+    prefetch: PrefetchPlan
+
+    def as_dict(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "residency": self.residency.as_dict(),
+                "prefetch": dataclasses.asdict(self.prefetch)}
+
+
+def runtime_defaults(sizes: StateSizes, budget_bytes: int, slice_bytes: int, n_slices: int,
+                     max_depth: int | None = None) -> RuntimeDefaults:
+    """Residency (:func:`plan_residency`) and prefetch for one rank's state ``sizes`` and ``budget_bytes``.
+
+    Args:
+        sizes: the rank's state (bytes of parameter and gradient partitions, optimizer sub-groups).
+        budget_bytes: the rank's DRAM budget (``DramBudget.per_rank_bytes``).
+        slice_bytes: bytes of the rank's partition of the largest parameter slice.
+        n_slices: slices per forward pass (embedding + blocks + head).
+    """
+    res = plan_residency(sizes, budget_bytes)
+    return RuntimeDefaults(int(budget_bytes), res, prefetch_bytes_from_budget(res, slice_bytes, n_slices, max_depth))

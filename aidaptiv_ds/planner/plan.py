@@ -1,0 +1,616 @@
+"""The capacity plan: where every byte of a ZeRO-3 fine-tuning run lives, what a step costs the drives.
+
+Pure functions from a :class:`PlanInput` to a :class:`CapacityPlan`; nothing here touches the
+machine. All sizes are bytes, times seconds, bandwidths GB/s (10^9 bytes per second), FLOP/s per GPU.
+Formulas and their sources, in the order :func:`make_plan` applies them:
+
+1. **Training state per parameter** (DeepSpeed ZeRO-3 with both offloads, measured on 0.19.8 in
+   ``deepspeed-seams.md`` Appendix A): 2 B bf16/fp16 parameter (4 B for fp32) + 4 B fp32
+   gradient + 4 B fp32 master weight + optimizer moments (8 B for Adam/AdamW: two fp32 moments;
+   4 B for Lion, SGD with momentum, Adagrad) = **18 B/param** for bf16 + AdamW. These are also the
+   bytes DeepSpeed's own NVMe offload writes per parameter per step. Each rank holds the partition
+   ``ceil(N / dp)`` of every tensor; its optimizer state is cut into sub-groups of
+   ``sub_group_size`` elements (DeepSpeed default 1e9).
+2. **Activations per GPU** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+   Transformer Models", sec. 4.1, eq. 1: ``s*b*h*(34 + 5*a*s/h)`` bytes per layer for 16-bit
+   activations, GPT MLP ``f = 4h``, with dropout), generalised term by term to GQA, SwiGLU and
+   no dropout (s: sequence, b: micro-batch, h: hidden, f: MLP width, a: heads, kv: k/v width)::
+
+       norms      4*s*b*h                              (inputs of the two norms)
+       attention  2*s*b*h + 2*s*b*(h + 2*kv)           (QKV input; Q, K, V)
+                  + 2*s*b*h                            (output-projection input)
+                  + 2*a*s^2*b (softmax output)         without flash attention, or
+                  + 4*a*s*b   (log-sum-exp, fp32)      with flash attention (Dao et al. 2022)
+                  + s*b*h + 3*a*s^2*b                  with dropout (masks, dropout output)
+       MLP        2*s*b*h + 6*s*b*f  (SwiGLU: gate, up, down inputs)  or  2*s*b*h + 4*s*b*f
+                  + s*b*h                              with dropout
+
+   With ``f = 4h``, dropout and no flash attention this is exactly Korthikanti's 34 + 5as/h.
+   With full activation checkpointing (their "full recomputation") a GPU stores each layer's
+   input, ``2*s*b*h`` per layer, plus one layer's activations while it is recomputed. Logits add
+   ``s*b*V*(2 + 4)`` (bf16 logits and the fp32 copy HF's loss takes). Activations stay on the GPU.
+3. **VRAM working set per GPU**: ZeRO-3 gathers one slice (a transformer block, the embedding or
+   the head) at a time; ``2 x`` the largest slice in the parameter dtype (the slice in use and the
+   one prefetched) + its gradients in that dtype before reduce-scatter (``1 x``) + a reduce bucket of
+   ``h^2`` 16-bit elements (the HF "auto" ``reduce_bucket_size``) + activations + 2 GiB for the CUDA
+   context, cuBLAS workspaces and allocator slack (an allowance).
+4. **Host**: margin, working set and the DRAM budget from :mod:`aidaptiv_ds.planner.auto`; what
+   stays in DRAM from :func:`aidaptiv_ds.planner.residency.plan_residency` on one rank's state and
+   budget (``budget // local ranks``); everything else is on the cache tier.
+5. **Bytes per optimizer step** (per node = per rank x local ranks): written =
+   ``ResidencyPlan.write_bytes_per_step``; read = ``ResidencyPlan.read_bytes_per_step`` plus
+   ``2 x`` non-resident parameters for each extra micro-batch of gradient accumulation
+   (forward and backward read them again). The best case also subtracts one backward re-read
+   per micro-batch for the parameter bytes the budget's leftover keeps cached (design.md step 2).
+6. **Per drive**: bytes follow the store's weighted striping (``StripeLayout.share``) with
+   weight = the drive's mean of read and write GB/s; the usable capacity is the striped logical
+   capacity (``StripeLayout.logical_capacity``) of each drive's capacity less the store's reserve
+   ``min(1 GiB, 2%)`` (``SlabStore._phys_caps``).
+7. **Step time lower bound** = ``max(compute, max over drives of reads (best case) / read GB/s,
+   max over drives of writes / write GB/s)``. Compute = training FLOPs / (dp x FLOP/s per GPU) with
+   Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", sec. 2.1): ``6*N`` FLOPs per
+   token plus ``6*L*s*d_attn`` for attention (forward ``2N + 2*L*s*d_attn``, backward twice
+   that), ``N`` without embedding lookups; activation checkpointing adds one forward (``8N``).
+8. **Endurance** (:func:`aidaptiv_ds.store.ledger.projection`, JEDEC JESD218 ratings): bytes per
+   day = writes per step x steps per day (at the lower-bound step time unless a measured one is
+   given, so DWPD is an upper bound); DWPD = bytes per day / capacity; rated TBW = capacity x
+   rated DWPD x 365 x warranty years; days to rated TBW = rated TBW / bytes per day.
+9. **Rule of thumb** (Phison aiDAPTIV+): about 20 B/param for full fine-tuning incl. activations and
+   overheads (405B ~ 8 TB); reported next to our exact total for comparison.
+
+Verdict: fits when (a) every GPU holds its working set, (b) the DRAM holds margin + working set
+(and an explicit budget, when given), (c) the cache drives hold the non-resident state. For each
+failing check the plan names the smallest single change that passes it (settings before hardware).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..store.ledger import SECONDS_PER_DAY, EnduranceRating, projection
+from ..store.striping import StripeLayout
+from ..units import GiB
+from .auto import (FREE_FRACTION, GRAD_BYTES_PER_PARAM, MASTER_BYTES_PER_PARAM, MIN_FREE_BYTES, RANK_OVERHEAD_BYTES,
+                   DramBudget, explain_dram_budget, host_working_set, prefetch_bytes_from_budget)
+from .model_size import ModelShape
+from .residency import ResidencyPlan, StateSizes, plan_residency
+
+PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MOMENT_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4}
+RULE_OF_THUMB_BYTES_PER_PARAM = 20
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+VRAM_OVERHEAD_BYTES = 2 * GiB
+STRIPE_UNIT = 1 << 20
+DEFAULT_READ_GBPS = 7.0
+DEFAULT_WRITE_GBPS = 6.0
+GPU_SIZES_GB = (24, 32, 40, 48, 80, 96, 141, 192, 288)
+
+
+def store_reserve(capacity: int) -> int:
+    """Bytes the slab store leaves free on a drive: ``min(1 GiB, 2% of capacity)`` (``SlabStore._phys_caps``)."""
+    return min(GiB, capacity // 50)
+
+
+@dataclasses.dataclass
+class CacheDrive:
+    """One cache drive (one cache path) of a node.
+
+    Attributes:
+        capacity: bytes of the drive (or the filesystem of the path).
+        path: the cache path, when known.
+        read_gbps / write_gbps: sequential GB/s (``bench-io`` or the data sheet).
+        rated_dwpd / warranty_years: endurance rating from the data sheet.
+        free: bytes free on the path's filesystem now (None: the whole capacity is available).
+    """
+    capacity: int
+    path: str | None = None
+    read_gbps: float = DEFAULT_READ_GBPS
+    write_gbps: float = DEFAULT_WRITE_GBPS
+    rated_dwpd: float = EnduranceRating.rated_dwpd
+    warranty_years: float = EnduranceRating.warranty_years
+    free: int | None = None
+
+    @property
+    def weight(self) -> float:
+        """Stripe weight: mean of read and write GB/s."""
+        return (self.read_gbps + self.write_gbps) / 2
+
+    @property
+    def usable(self) -> int:
+        """Bytes the store may fill: ``min(capacity, free) - min(1 GiB, 2% of capacity)``."""
+        room = self.capacity if self.free is None else min(self.capacity, self.free)
+        return max(room - store_reserve(self.capacity), 0)
+
+
+@dataclasses.dataclass
+class PlanInput:
+    """What the user knows about the run and the machine (sizes in bytes).
+
+    Attributes:
+        shape: the model's tensors (per-layer shapes drive activations and the VRAM working set).
+        n_params: parameter count; None: ``shape.n_params`` (exact).
+        gpus: GPUs per node; nodes: nodes (data-parallel size ``dp = gpus x nodes``).
+        vram: bytes per GPU; dram: bytes of host memory per node.
+        drives: the cache drives of each node.
+        dram_budget: explicit DRAM budget per node (None: automatic, see :mod:`.auto`).
+        micro_batch / seq_len / grad_accum: per-GPU micro-batch (sequences), tokens per sequence,
+            micro-batches per optimizer step.
+        dtype: parameter dtype (``bf16``, ``fp16``, ``fp32``); optimizer: one of :data:`MOMENT_BYTES`.
+        activation_checkpointing / flash_attention / dropout: see the module docstring, item 2.
+        sub_group_size: optimizer sub-group in elements (DeepSpeed ``sub_group_size``).
+        gpu_flops: peak FLOP/s per GPU for the compute bound (None: no compute bound).
+        dataset_tokens / epochs: for writes per epoch and per run (None: not computed).
+        step_time_s: a measured step time for the endurance pace (None: the lower bound).
+        rank_overhead / vram_overhead: allowances (bytes) per rank in DRAM and per GPU.
+        assumed: names of inputs that were defaulted rather than given (reported).
+    """
+    shape: ModelShape
+    gpus: int
+    vram: int
+    dram: int
+    drives: list[CacheDrive]
+    n_params: int | None = None
+    nodes: int = 1
+    dram_budget: int | None = None
+    micro_batch: int = 1
+    seq_len: int = 4096
+    grad_accum: int = 1
+    dtype: str = "bf16"
+    optimizer: str = "adamw"
+    activation_checkpointing: bool = True
+    flash_attention: bool = True
+    dropout: bool = False
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    gpu_flops: float | None = None
+    dataset_tokens: int | None = None
+    epochs: float = 1.0
+    step_time_s: float | None = None
+    rank_overhead: int = RANK_OVERHEAD_BYTES
+    vram_overhead: int = VRAM_OVERHEAD_BYTES
+    shape_source: str = "exact"
+    assumed: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def params(self) -> int:
+        return int(self.n_params if self.n_params is not None else self.shape.n_params)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus * self.nodes
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag, the value and the fix for inputs that make no plan."""
+        checks = [("--gpus", self.gpus, self.gpus >= 1, "give at least 1 GPU"),
+                  ("--nodes", self.nodes, self.nodes >= 1, "give at least 1 node"),
+                  ("--vram", self.vram, self.vram > 0, "give the memory of one GPU, e.g. 96GB"),
+                  ("--dram", self.dram, self.dram > 0, "give the host memory of one node, e.g. 512GB"),
+                  ("--cache", len(self.drives), len(self.drives) >= 1, "give at least one cache drive, e.g. 8TB"),
+                  ("--micro-batch", self.micro_batch, self.micro_batch >= 1, "give 1 or more"),
+                  ("--seq-len", self.seq_len, self.seq_len >= 1, "give 1 or more tokens"),
+                  ("--grad-accum", self.grad_accum, self.grad_accum >= 1, "give 1 or more"),
+                  ("--dtype", self.dtype, self.dtype in PARAM_BYTES, f"use one of {', '.join(PARAM_BYTES)}"),
+                  ("--optimizer", self.optimizer, self.optimizer in MOMENT_BYTES,
+                   f"use one of {', '.join(MOMENT_BYTES)}"),
+                  ("--sub-group-size", self.sub_group_size, self.sub_group_size >= 1, "give 1 or more elements"),
+                  ("--params", self.params, self.params >= 1, "give a positive parameter count such as 405e9")]
+        groups = -(-self.params // max(self.dp, 1)) // max(self.sub_group_size, 1)
+        checks.append(("--sub-group-size", self.sub_group_size, groups <= 1_000_000,
+                       "give at most a million sub-groups per rank, e.g. 1e9 elements (DeepSpeed's default)"))
+        for d in self.drives:
+            checks.append(("--cache", d.capacity, d.capacity > 0, "give each drive a capacity such as 2TB"))
+            checks.append(("--cache read=/write=", (d.read_gbps, d.write_gbps), d.read_gbps > 0 and d.write_gbps > 0,
+                           "give positive GB/s"))
+        for flag, value, ok, fix in checks:
+            if not ok:
+                raise ValueError(f"{flag}: {value!r} does not make a plan; fix: {fix}")
+
+
+def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes: int,
+                         sub_group_size: int) -> StateSizes:
+    """One rank's :class:`StateSizes`: its partition ``ceil(N / dp)`` in bytes per tensor kind.
+
+    ``param_bytes`` per element for parameters, 4 B for gradients, ``4 + moment_bytes`` per element
+    for each optimizer sub-group of at most ``sub_group_size`` elements (item 1 of the module docstring).
+    """
+    numel = -(-int(n_params) // int(dp))
+    full, rest = divmod(numel, int(sub_group_size))
+    groups = [sub_group_size] * full + ([rest] if rest else [])
+    per = MASTER_BYTES_PER_PARAM + moment_bytes
+    return StateSizes(param_bytes=numel * param_bytes, grad_bytes=numel * GRAD_BYTES_PER_PARAM,
+                      subgroup_bytes=[g * per for g in groups])
+
+
+def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, flash_attention: bool = True,
+                           dropout: bool = False) -> int:
+    """Bytes of activations one decoder layer keeps for backward (module docstring, item 2)."""
+    s, b, h, f, a, kv = seq_len, micro_batch, shape.hidden_size, shape.intermediate_size, shape.num_heads, \
+        shape.kv_dim
+    sbh = s * b * h
+    attn = 2 * sbh + 2 * s * b * (h + 2 * kv) + 2 * sbh
+    attn += 4 * a * s * b if flash_attention else 2 * a * s * s * b
+    mlp = 2 * sbh + (6 if shape.gated_mlp else 4) * s * b * f
+    extra = 0
+    if dropout:
+        extra = sbh + sbh + (0 if flash_attention else 3 * a * s * s * b)
+    return 4 * sbh + attn + mlp + extra
+
+
+def activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, checkpointing: bool = True,
+                     flash_attention: bool = True, dropout: bool = False) -> dict:
+    """Activation bytes on one GPU for one micro-batch: ``{"layers", "logits", "total"}``.
+
+    With ``checkpointing``: ``L x 2*s*b*h`` (layer inputs) + one layer's activations; without:
+    ``L x`` :func:`layer_activation_bytes`. Logits: ``s*b*V*(2 + 4)``.
+    """
+    one = layer_activation_bytes(shape, seq_len, micro_batch, flash_attention, dropout)
+    L = shape.num_layers
+    layers = L * 2 * seq_len * micro_batch * shape.hidden_size + one if checkpointing else L * one
+    logits = seq_len * micro_batch * shape.vocab_size * (2 + 4)
+    return {"per_layer": one, "layers": layers, "logits": logits, "total": layers + logits}
+
+
+def training_flops_per_token(shape: ModelShape, n_params: int, seq_len: int, checkpointing: bool) -> float:
+    """Training FLOPs per token (Kaplan et al. 2020, module docstring item 7).
+
+    ``(6 or 8) x (N_matmul + L*s*d_attn)``, with ``N_matmul`` = ``n_params`` less the embedding
+    lookups (scaled by the shape's fraction when ``n_params`` is not the shape's own count).
+    """
+    lookup = sum(t.numel for t in shape.embedding)
+    if shape.tie_word_embeddings:
+        lookup -= shape.vocab_size * shape.hidden_size  # the tied matrix is also the LM head matmul
+    frac = 1 - lookup / shape.n_params
+    d_attn = shape.num_heads * shape.head_dim
+    mult = 8 if checkpointing else 6
+    return mult * (n_params * frac + shape.num_layers * seq_len * d_attn)
+
+
+@dataclasses.dataclass
+class DrivePlan:
+    """One cache drive of a node: its share of the state and of each step's I/O, and its endurance.
+
+    Bytes, seconds, and the :func:`~aidaptiv_ds.store.ledger.projection` dict under ``endurance``.
+    """
+    path: str | None
+    capacity: int
+    usable: int
+    share: float
+    state_bytes: int
+    read_bytes_per_step: int
+    write_bytes_per_step: int
+    read_time_s: float
+    write_time_s: float
+    read_gbps: float
+    write_gbps: float
+    writes_per_epoch: int | None
+    writes_per_run: int | None
+    run_tbw_fraction: float | None
+    endurance: dict
+
+
+@dataclasses.dataclass
+class Verdict:
+    """Fits or not; each problem with the smallest single change that solves it.
+
+    Attributes:
+        fits: every check passes.
+        checks: check name (``"vram"``, ``"dram"``, ``"cache"``) -> True when it passes.
+        problems: one sentence per failing check, with the numbers.
+        changes: one fix per failing check (the smallest single change that passes that check;
+            ``None`` when no single change tried does).
+    """
+    fits: bool
+    checks: dict
+    problems: list[str]
+    changes: list[str | None]
+
+    @property
+    def smallest_change(self) -> str | None:
+        found = [c for c in self.changes if c]
+        return " and ".join(found) if found else None
+
+
+@dataclasses.dataclass
+class CapacityPlan:
+    """The plan of :func:`make_plan` (bytes, seconds). ``as_dict()`` gives the JSON of ``plan --json``.
+
+    Attributes:
+        inputs: the inputs as given (drives listed), with ``assumed`` naming defaulted ones.
+        model: :meth:`ModelShape.as_dict` plus ``n_params`` and ``shape_source``.
+        n_params / dp / local_ranks: parameters; data-parallel size; ranks per node.
+        bytes_per_param: ``total_state_bytes / n_params``.
+        state_bytes_per_param: parameter + gradient + master + moments bytes per parameter (18 for bf16/AdamW).
+        total_state_bytes: training state of all ranks + activations of all GPUs.
+        rule_of_thumb_bytes: 20 B x n_params (Phison aiDAPTIV+), for comparison.
+        tiers: component -> {"vram", "dram", "cache"} bytes for the whole job.
+        vram_per_gpu: the working set of one GPU by part, and ``"total"``.
+        dram: :class:`~aidaptiv_ds.planner.auto.DramBudget` as a dict (per node).
+        residency: one rank's :class:`~aidaptiv_ds.planner.residency.ResidencyPlan` as a dict.
+        prefetch: depth and bytes of parameter read-ahead per rank.
+        per_step: per node: bytes written, read, read (best case), tokens per step.
+        step_time: ``{"compute_s", "io_read_s", "io_write_s", "lower_bound_s", "bound_by", "pace_s"}``.
+        drives: one :class:`DrivePlan` per drive of a node.
+        epoch: steps per epoch, epochs, run days (None without ``dataset_tokens``).
+        verdict: :class:`Verdict`.
+    """
+    inputs: dict
+    model: dict
+    n_params: int
+    dp: int
+    local_ranks: int
+    bytes_per_param: float
+    state_bytes_per_param: int
+    total_state_bytes: int
+    rule_of_thumb_bytes: int
+    tiers: dict
+    vram_per_gpu: dict
+    dram: dict
+    residency: dict
+    prefetch: dict
+    per_step: dict
+    step_time: dict
+    drives: list[DrivePlan]
+    epoch: dict
+    verdict: Verdict
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict.fits
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict; infinite values (no writes: never reaches TBW) become ``None``."""
+        d = dataclasses.asdict(self)
+        d["fits"] = self.fits
+        d["verdict"]["smallest_change"] = self.verdict.smallest_change
+        return _finite(d)
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def fmt_dec(n: float) -> str:
+    """Bytes in decimal units as drive vendors state capacity: ``8e12 -> '8.00 TB'``."""
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} PB"  # pragma: no cover
+
+
+def _layout(drives: list[CacheDrive]) -> StripeLayout:
+    return StripeLayout(list(range(len(drives))), [d.weight for d in drives], STRIPE_UNIT)
+
+
+def usable_cache_bytes(drives: list[CacheDrive]) -> int:
+    """Bytes the store can hold striped over ``drives`` (module docstring, item 6)."""
+    lay = _layout(drives)
+    return lay.logical_capacity({i: d.usable // STRIPE_UNIT * STRIPE_UNIT for i, d in enumerate(drives)})
+
+
+def _core(inp: PlanInput) -> dict:
+    """The numbers of the three checks (shared by :func:`make_plan` and the change search)."""
+    shape, N, dp, ranks = inp.shape, inp.params, inp.dp, inp.gpus
+    pb, mb = PARAM_BYTES[inp.dtype], MOMENT_BYTES[inp.optimizer]
+    sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_size)
+    slice_numel = shape.largest_slice_params
+    if inp.n_params is not None and shape.n_params:
+        slice_numel = int(slice_numel * N / shape.n_params)
+    slice_part = -(-slice_numel // dp) * pb
+    largest_sg = min(inp.sub_group_size, -(-N // dp))
+    ws = host_working_set(slice_part, largest_sg, mb, ranks, inp.rank_overhead)
+    auto = explain_dram_budget(inp.dram, ws, total_host_bytes=inp.dram, local_ranks=ranks)
+    if inp.dram_budget is not None:
+        dram = DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
+    else:
+        dram = auto
+    res = plan_residency(sizes, dram.per_rank_bytes)
+    act = activation_bytes(shape, inp.seq_len, inp.micro_batch, inp.activation_checkpointing, inp.flash_attention,
+                           inp.dropout)
+    vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
+            "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
+            "overhead": inp.vram_overhead}
+    vram["total"] = sum(vram.values())
+    nonres_rank = sizes.total - res.resident_bytes
+    return {"sizes": sizes, "slice_numel": slice_numel, "slice_part": slice_part, "dram": dram, "res": res,
+            "act": act, "vram": vram, "cache_need": nonres_rank * ranks, "cache_usable": usable_cache_bytes(inp.drives),
+            "dram_need": dram.margin_bytes + ws + (dram.budget_bytes if inp.dram_budget is not None else 0)}
+
+
+def _checks(inp: PlanInput, c: dict) -> dict:
+    return {"vram": c["vram"]["total"] <= inp.vram, "dram": c["dram_need"] <= inp.dram,
+            "cache": c["cache_need"] <= c["cache_usable"]}
+
+
+def _passes(inp: PlanInput, check: str) -> bool:
+    return _checks(inp, _core(inp))[check]
+
+
+def _smallest_change(inp: PlanInput, check: str) -> str | None:
+    """The smallest change, settings before hardware, that makes ``check`` pass (or None).
+
+    vram: activation checkpointing, flash attention, then halving the micro-batch (cumulative, the
+    gradient accumulation grows to keep the batch), then the next GPU size, then shorter sequences;
+    dram: smaller optimizer sub-groups, a lower explicit budget, then more DRAM (64 GB steps);
+    cache: more (empty) drives like the last one.
+    """
+    r = dataclasses.replace
+    if check == "vram":
+        # settings first, cumulatively (each step keeps the previous ones), then bigger GPUs
+        cur, done = inp, []
+        if not cur.activation_checkpointing:
+            cur, done = r(cur, activation_checkpointing=True), done + ["enable activation checkpointing"]
+            if _passes(cur, check):
+                return " and ".join(done)
+        if not cur.flash_attention:
+            cur, done = r(cur, flash_attention=True), done + ["use flash attention (attn_implementation='sdpa')"]
+            if _passes(cur, check):
+                return " and ".join(done)
+        mb = cur.micro_batch // 2
+        while mb >= 1:
+            ga = cur.grad_accum * max(cur.micro_batch // mb, 1)
+            if _passes(r(cur, micro_batch=mb, grad_accum=ga), check):
+                return " and ".join(done + [f"reduce micro-batch to {mb} (gradient accumulation {ga} keeps the "
+                                            f"batch)"])
+            mb //= 2
+        for gb in GPU_SIZES_GB:
+            if gb * 10**9 > inp.vram and _passes(r(inp, vram=gb * 10**9), check):
+                return f"use GPUs with {gb} GB or more"
+        cur = r(cur, micro_batch=1, grad_accum=cur.grad_accum * cur.micro_batch)
+        sl = cur.seq_len // 2
+        while sl >= 256:
+            if _passes(r(cur, seq_len=sl), check):
+                return " and ".join(done + ([] if inp.micro_batch == 1 else ["reduce micro-batch to 1"])
+                                    + [f"shorten sequences to {sl} tokens"])
+            sl //= 2
+        return None
+    if check == "dram":
+        sg = inp.sub_group_size // 2
+        while sg >= 10**7:
+            if inp.dram_budget is None and _passes(r(inp, sub_group_size=sg), check):
+                return f"reduce sub_group_size to {sg:.0e} elements"
+            sg //= 2
+        if inp.dram_budget is not None:
+            fit = inp.dram - _core(r(inp, dram_budget=0))["dram_need"]
+            if fit >= 0:
+                return f"lower the DRAM budget to {fmt_dec(fit)} or less (or use 'auto')"
+        step = 64 * 10**9
+        need = _core(inp)["dram_need"]
+        return f"use {fmt_dec(-(-need // step) * step)} of DRAM or more"
+    # cache
+    d0 = inp.drives[-1]
+    for k in range(1, 65):
+        if _passes(r(inp, drives=inp.drives + [dataclasses.replace(d0, path=None, free=None)] * k), check):
+            return (f"add {k} cache drive{'s' if k > 1 else ''} of {fmt_dec(d0.capacity)} "
+                    f"({len(inp.drives) + k} in all)")
+    return None
+
+
+def make_plan(inp: PlanInput) -> CapacityPlan:
+    """The capacity plan of ``inp`` (every formula in the module docstring).
+
+    Raises:
+        ValueError: from :meth:`PlanInput.validate`, naming the flag, the value and the fix.
+    """
+    inp.validate()
+    c = _core(inp)
+    shape, N, dp, ranks, nodes = inp.shape, inp.params, inp.dp, inp.gpus, inp.nodes
+    pb, mb = PARAM_BYTES[inp.dtype], MOMENT_BYTES[inp.optimizer]
+    sizes: StateSizes = c["sizes"]
+    res: ResidencyPlan = c["res"]
+    dram: DramBudget = c["dram"]
+    numel = sizes.param_bytes // pb
+    per_elem_opt = MASTER_BYTES_PER_PARAM + mb
+    res_sg_numel = sum(sizes.subgroup_bytes[i] for i in res.resident_subgroups) // per_elem_opt
+    all_ranks = dp
+
+    def split(resident: int, total: int) -> dict:
+        return {"vram": 0, "dram": resident * all_ranks, "cache": (total - resident) * all_ranks}
+
+    tiers = {
+        "parameters": split(sizes.param_bytes if res.params_resident else 0, sizes.param_bytes),
+        "gradients": split(sizes.grad_bytes if res.grads_resident else 0, sizes.grad_bytes),
+        "master_weights": split(res_sg_numel * MASTER_BYTES_PER_PARAM, numel * MASTER_BYTES_PER_PARAM),
+        "moments": split(res_sg_numel * mb, numel * mb),
+        "activations": {"vram": c["act"]["total"] * dp, "dram": 0, "cache": 0},
+    }
+    state_total = sizes.total * dp
+    total = state_total + c["act"]["total"] * dp
+    prefetch = prefetch_bytes_from_budget(res, c["slice_part"], len(shape.slice_params()))
+
+    # bytes per optimizer step, per node (item 5)
+    p_nonres = 0 if res.params_resident else sizes.param_bytes
+    write_step = res.write_bytes_per_step * ranks
+    read_step = (res.read_bytes_per_step + (inp.grad_accum - 1) * 2 * p_nonres) * ranks
+    hits = min(res.cache_bytes, p_nonres) * inp.grad_accum * ranks
+    read_best = max(read_step - hits, 0)
+    tokens_step = inp.micro_batch * inp.seq_len * inp.grad_accum * dp
+
+    # step time (item 7)
+    lay = _layout(inp.drives)
+    shares = [lay.share(i) for i in range(len(inp.drives))]
+    compute_s = None
+    if inp.gpu_flops:
+        compute_s = training_flops_per_token(shape, N, inp.seq_len, inp.activation_checkpointing) * tokens_step \
+            / (dp * inp.gpu_flops)
+    rt = [read_best * s / (d.read_gbps * 1e9) for d, s in zip(inp.drives, shares)]
+    wt = [write_step * s / (d.write_gbps * 1e9) for d, s in zip(inp.drives, shares)]
+    bounds = {"compute": compute_s or 0.0, "cache reads": max(rt), "cache writes": max(wt)}
+    bound_by = max(bounds, key=bounds.get)
+    lower = bounds[bound_by]
+    pace = inp.step_time_s if inp.step_time_s else lower
+    steps_per_day = SECONDS_PER_DAY / pace if pace > 0 else 0.0
+
+    steps_epoch = -(-int(inp.dataset_tokens) // tokens_step) if inp.dataset_tokens else None
+    run_steps = math.ceil(steps_epoch * inp.epochs) if steps_epoch else None
+    drives = []
+    for d, s, r_s, w_s in zip(inp.drives, shares, rt, wt):
+        w_b = int(write_step * s)
+        rating = EnduranceRating(capacity=d.capacity, rated_dwpd=d.rated_dwpd, warranty_years=d.warranty_years)
+        proj = projection(0, w_b * steps_per_day, d.capacity, rating)
+        per_epoch = w_b * steps_epoch if steps_epoch else None
+        per_run = w_b * run_steps if run_steps else None
+        drives.append(DrivePlan(
+            path=d.path, capacity=d.capacity, usable=d.usable, share=s, state_bytes=int(c["cache_need"] * s),
+            read_bytes_per_step=int(read_step * s), write_bytes_per_step=w_b, read_time_s=r_s, write_time_s=w_s,
+            read_gbps=d.read_gbps, write_gbps=d.write_gbps, writes_per_epoch=per_epoch, writes_per_run=per_run,
+            run_tbw_fraction=per_run / proj["rated_tbw_bytes"] if per_run is not None else None, endurance=proj))
+
+    checks = _checks(inp, c)
+    problems, changes = [], []
+    if not checks["vram"]:
+        v = c["vram"]
+        problems.append(
+            f"vram: one GPU needs {fmt_dec(v['total'])} (gathered slice {fmt_dec(v['gathered_params'])}, activations "
+            f"{fmt_dec(v['activations'])}, gradients/buckets/overhead "
+            f"{fmt_dec(v['slice_gradients'] + v['reduce_bucket'] + v['overhead'])}) but has {fmt_dec(inp.vram)}")
+        changes.append(_smallest_change(inp, "vram"))
+    if not checks["dram"]:
+        problems.append(
+            f"dram: the host needs {fmt_dec(c['dram_need'])} (safety margin {fmt_dec(dram.margin_bytes)} + working set "
+            f"{fmt_dec(dram.working_set_bytes)} of {ranks} rank(s)"
+            + (f" + budget {fmt_dec(dram.budget_bytes)}" if inp.dram_budget is not None else "")
+            + f") but has {fmt_dec(inp.dram)}")
+        changes.append(_smallest_change(inp, "dram"))
+    if not checks["cache"]:
+        problems.append(
+            f"cache capacity: the state that does not fit the DRAM budget needs {fmt_dec(c['cache_need'])} per "
+            f"node but "
+            f"the {len(inp.drives)} cache drive(s) ({' + '.join(fmt_dec(d.capacity) for d in inp.drives)}) hold "
+            f"{fmt_dec(c['cache_usable'])} usable (free space less the store's reserve, striped); short by "
+            f"{fmt_dec(c['cache_need'] - c['cache_usable'])}")
+        changes.append(_smallest_change(inp, "cache"))
+    verdict = Verdict(all(checks.values()), checks, problems, changes)
+
+    inputs = dataclasses.asdict(inp)
+    inputs.pop("shape")
+    inputs["n_params"] = N
+    model = shape.as_dict()
+    model.update(n_params=N, shape_source=inp.shape_source)
+    return CapacityPlan(
+        inputs=inputs, model=model, n_params=N, dp=dp, local_ranks=ranks,
+        bytes_per_param=total / N, state_bytes_per_param=pb + GRAD_BYTES_PER_PARAM + per_elem_opt,
+        total_state_bytes=total, rule_of_thumb_bytes=RULE_OF_THUMB_BYTES_PER_PARAM * N,
+        tiers=tiers, vram_per_gpu=c["vram"], dram=dram.as_dict(), residency=res.as_dict(),
+        prefetch=dataclasses.asdict(prefetch),
+        per_step={"write_bytes": write_step, "read_bytes": read_step, "read_bytes_best": read_best,
+                  "tokens": tokens_step, "write_bytes_per_param": write_step * nodes / N},
+        step_time={"compute_s": compute_s, "io_read_s": max(rt), "io_write_s": max(wt), "lower_bound_s": lower,
+                   "bound_by": bound_by, "pace_s": pace,
+                   "pace_source": "measured (--step-time)" if inp.step_time_s else "lower bound"},
+        drives=drives,
+        epoch={"steps_per_epoch": steps_epoch, "epochs": inp.epochs, "run_steps": run_steps,
+               "run_days": run_steps * pace / SECONDS_PER_DAY if run_steps else None,
+               "write_bytes_per_epoch": write_step * steps_epoch if steps_epoch else None},
+        verdict=verdict)
+
+
+__all__ = ["CacheDrive", "PlanInput", "CapacityPlan", "DrivePlan", "Verdict", "make_plan", "state_sizes_for_rank",
+           "activation_bytes", "layer_activation_bytes", "training_flops_per_token", "usable_cache_bytes",
+           "store_reserve", "fmt_dec", "PARAM_BYTES", "MOMENT_BYTES", "RULE_OF_THUMB_BYTES_PER_PARAM",
+           "MIN_FREE_BYTES", "FREE_FRACTION"]

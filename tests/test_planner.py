@@ -1,0 +1,335 @@
+"""Capacity planner: model sizes, the public reference points, the verdict, the CLI, the runtime defaults."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from aidaptiv_ds.cli.main import main
+from aidaptiv_ds.cli.plan import parse_cache_spec
+from aidaptiv_ds.planner import auto
+from aidaptiv_ds.planner.model_size import (PRESETS, load_model_shape, nearest_preset, preset_shape,
+                                            shape_from_config)
+from aidaptiv_ds.planner.plan import (CacheDrive, PlanInput, activation_bytes, layer_activation_bytes, make_plan,
+                                      state_sizes_for_rank, usable_cache_bytes)
+from aidaptiv_ds.planner.residency import StateSizes, plan_residency
+from aidaptiv_ds.units import GiB
+
+GB, TB = 10 ** 9, 10 ** 12
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STORIES = os.path.join(REPO, "..", "shared", "data", "models", "stories260K", "hf")
+
+# Published parameter counts (model cards / safetensors index total_size / bytes per element).
+PUBLISHED = {"llama-3.1-405b": 405_853_388_800, "llama-3.1-70b": 70_553_706_496, "llama-3.1-8b": 8_030_261_248,
+             "llama-2-70b": 68_976_648_192, "llama-2-7b": 6_738_415_616, "mistral-7b": 7_241_732_096,
+             "qwen2.5-7b": 7_615_616_512, "smollm2-135m": 134_515_008, "stories260k": 260_032,
+             "pythia-160m": 162_322_944, "gpt2": 124_439_808}
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(list(argv))
+    return rc, out.getvalue()
+
+
+# ---------------------------------------------------------------- model sizes
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_counts_match_published(name):
+    assert preset_shape(name).n_params == PUBLISHED[name]
+
+
+SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": 100}
+
+
+@pytest.mark.parametrize("cfg", [
+    {"model_type": "llama", **SMALL, "num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True},
+    {"model_type": "llama", **SMALL, "num_key_value_heads": 1, "tie_word_embeddings": True},
+    {"model_type": "qwen2", **SMALL, "num_key_value_heads": 2},
+    {"model_type": "qwen3", **SMALL, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False},
+    {"model_type": "mistral", **SMALL, "num_key_value_heads": 2},
+    {"model_type": "gpt_neox", **SMALL},
+    {"model_type": "gpt_neox", **SMALL, "attention_bias": False, "tie_word_embeddings": True},
+    {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 32,
+     "bos_token_id": 0, "eos_token_id": 0},
+], ids=lambda c: c["model_type"])
+def test_tensors_equal_transformers_model(cfg):
+    """Every tensor name and shape equals the HF model's parameters (built on the meta device)."""
+    transformers = pytest.importorskip("transformers")
+    conf = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(conf)
+    ref = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    shape = shape_from_config(conf.to_dict())
+    assert {t.name: t.shape for t in shape.tensors()} == ref
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_stories260k_count_equals_safetensors():
+    cfg = os.path.join(STORIES, "config.json")
+    st = os.path.join(STORIES, "model.safetensors")
+    if not (os.path.isfile(cfg) and os.path.isfile(st)):
+        pytest.skip(f"stories260K not found at {STORIES} (shared data missing)")
+    from safetensors import safe_open
+    with safe_open(st, "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    shape = load_model_shape(cfg)
+    assert shape.n_params == sum(math.prod(s) for s in shapes.values()) == 260_032
+    assert {t.name: t.shape for t in shape.tensors()} == shapes
+    assert load_model_shape(STORIES).n_params == shape.n_params      # a model directory works too
+
+
+def test_unknown_model_and_preset_errors(tmp_path):
+    with pytest.raises(ValueError, match="model_type 'mamba' is not supported.*--params"):
+        shape_from_config({"model_type": "mamba"})
+    with pytest.raises(ValueError, match="presets: .*llama-3.1-405b"):
+        load_model_shape("no-such-model")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_model_shape(str(tmp_path))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        shape_from_config({"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "vocab_size": 10})
+
+
+def test_nearest_preset():
+    assert nearest_preset(405e9).name == "llama-3.1-405b"
+    assert nearest_preset(7.9e9).name == "llama-3.1-8b"
+    with pytest.raises(ValueError, match="--params"):
+        nearest_preset(0)
+
+
+# ---------------------------------------------------------------- formulas
+
+def test_activation_formula_reduces_to_korthikanti():
+    """f = 4h, MHA, dropout, no flash attention: s*b*h*(34 + 5*a*s/h) per layer (Korthikanti 2022, eq. 1)."""
+    cfg = {"model_type": "gpt_neox", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 2,
+           "num_attention_heads": 16, "vocab_size": 1000}
+    shape = shape_from_config(cfg)
+    s, b, h, a = 2048, 2, 1024, 16
+    assert layer_activation_bytes(shape, s, b, flash_attention=False, dropout=True) == s * b * h * (34 + 5 * a * s // h)
+    act = activation_bytes(shape, s, b, checkpointing=True)
+    assert act["layers"] == 2 * (2 * s * b * h) + layer_activation_bytes(shape, s, b)
+    assert act["logits"] == s * b * 1000 * 6
+
+
+def test_state_sizes_for_rank():
+    s = state_sizes_for_rank(10_000_000_001, dp=4, param_bytes=2, moment_bytes=8, sub_group_size=10 ** 9)
+    numel = 2_500_000_001
+    assert s.param_bytes == 2 * numel and s.grad_bytes == 4 * numel
+    assert s.subgroup_bytes == [12 * 10 ** 9] * 2 + [12 * 500_000_001]
+    assert s.total == 18 * numel
+
+
+def test_usable_cache_follows_striping():
+    same = [CacheDrive(2 * TB), CacheDrive(2 * TB)]
+    assert 3.99 * TB < usable_cache_bytes(same) <= 4 * TB
+    # a fast small drive with a slow big one: weighted RAID-0 is limited by the small drive's share
+    mixed = [CacheDrive(1 * TB, read_gbps=14, write_gbps=12), CacheDrive(4 * TB, read_gbps=3.5, write_gbps=3)]
+    assert usable_cache_bytes(mixed) < 1.3 * TB
+
+
+# ---------------------------------------------------------------- reference points
+
+def ref_405b(drives, dram=512 * GB):
+    return PlanInput(shape=preset_shape("llama-3.1-405b"), gpus=2, vram=96 * GB, dram=dram, drives=drives)
+
+
+def test_405b_on_2x96gb_with_8tb_fits():
+    p = make_plan(ref_405b([CacheDrive(8 * TB)]))
+    assert p.fits, p.verdict.problems
+    assert p.state_bytes_per_param == 18
+    assert 18.0 <= p.bytes_per_param <= 20.5                           # Phison: "about 20 B/param"
+    assert 7.3 * TB <= p.total_state_bytes <= 8.2 * TB                 # "405B ~ 8 TB"
+    assert p.rule_of_thumb_bytes == 20 * 405_853_388_800
+    # what lives where: all 18 B/param are in DRAM or on the cache drive
+    state = sum(t["dram"] + t["cache"] for k, t in p.tiers.items() if k != "activations")
+    assert state == 18 * 405_853_388_800
+    assert p.vram_per_gpu["total"] <= 96 * GB
+    # DeepSpeed writes 18 B/param per step; the DRAM budget saves some of it, never adds
+    assert 0 < p.per_step["write_bytes"] < 18 * p.n_params
+    assert p.per_step["write_bytes"] == p.residency["write_bytes_per_step"] * 2   # from plan_residency, 2 ranks
+    assert p.step_time["bound_by"] == "cache writes"
+    assert p.step_time["lower_bound_s"] == pytest.approx(p.per_step["write_bytes"] / 6e9)
+
+
+def test_405b_fits_even_without_dram_budget():
+    p = make_plan(ref_405b([CacheDrive(8 * TB)], dram=256 * GB))
+    assert p.fits, p.verdict.problems
+
+
+def test_70b_on_4x48gb_512gb_2x2tb_fits():
+    p = make_plan(PlanInput(shape=preset_shape("llama-2-70b"), gpus=4, vram=48 * GB, dram=512 * GB,
+                            drives=[CacheDrive(2 * TB), CacheDrive(2 * TB)]))
+    assert p.fits, p.verdict.problems
+    assert 1.2 * TB < p.total_state_bytes < 1.4 * TB
+    assert [d.share for d in p.drives] == [0.5, 0.5]
+    assert sum(d.write_bytes_per_step for d in p.drives) == p.per_step["write_bytes"]
+    assert p.residency["params_resident"]                                 # 34 GB/rank of bf16 params stay in DRAM
+
+
+def test_405b_on_one_2tb_drive_does_not_fit():
+    p = make_plan(ref_405b([CacheDrive(2 * TB)]))
+    assert not p.fits
+    assert p.verdict.checks == {"vram": True, "dram": True, "cache": False}
+    assert len(p.verdict.problems) == 1 and p.verdict.problems[0].startswith("cache capacity")
+    assert "2.00 TB" in p.verdict.problems[0]
+    assert p.verdict.smallest_change == "add 3 cache drives of 2.00 TB (4 in all)"
+    fixed = make_plan(ref_405b([CacheDrive(2 * TB)] * 4))
+    assert fixed.fits
+
+
+def test_vram_problem_names_the_smallest_change():
+    base = dict(shape=preset_shape("llama-3.1-8b"), gpus=1, vram=24 * GB, dram=128 * GB, drives=[CacheDrive(2 * TB)])
+    p = make_plan(PlanInput(**base, activation_checkpointing=False))
+    assert p.verdict.checks == {"vram": False, "dram": True, "cache": True}
+    assert "vram: one GPU needs" in p.verdict.problems[0]
+    assert p.verdict.smallest_change == "enable activation checkpointing"
+    p = make_plan(PlanInput(**base, micro_batch=8, grad_accum=2))
+    assert not p.verdict.checks["vram"]
+    change = p.verdict.smallest_change
+    assert change.startswith("reduce micro-batch to ")
+    mb = int(change.split()[3])
+    assert mb < 8 and make_plan(PlanInput(**base, micro_batch=mb, grad_accum=16 // mb)).fits
+    assert not make_plan(PlanInput(**base, micro_batch=mb * 2)).verdict.checks["vram"]      # the largest that fits
+    p = make_plan(PlanInput(**base, micro_batch=4, seq_len=8192, activation_checkpointing=False))
+    assert p.verdict.smallest_change.startswith("enable activation checkpointing and reduce micro-batch to")
+
+
+def test_dram_problem():
+    p = make_plan(PlanInput(shape=preset_shape("llama-3.1-70b"), gpus=8, vram=80 * GB, dram=64 * GB,
+                            drives=[CacheDrive(8 * TB)]))
+    assert not p.verdict.checks["dram"]
+    assert "dram: the host needs" in p.verdict.problems[0]
+    assert p.verdict.changes[0].startswith("reduce sub_group_size to")
+
+
+def test_endurance_uses_ledger_projection():
+    drive = CacheDrive(8 * TB, rated_dwpd=100, warranty_years=5)
+    p = make_plan(PlanInput(shape=preset_shape("llama-3.1-8b"), gpus=1, vram=80 * GB, dram=32 * GB, drives=[drive],
+                            step_time_s=60.0, dataset_tokens=10 ** 8, epochs=2))
+    d = p.drives[0]
+    per_day = d.write_bytes_per_step * 86400 / 60.0
+    assert d.endurance["dwpd"] == pytest.approx(per_day / (8 * TB))
+    assert d.endurance["rated_tbw_bytes"] == 8 * TB * 100 * 365 * 5
+    assert d.endurance["days_to_rated_tbw"] == pytest.approx(d.endurance["rated_tbw_bytes"] / per_day)
+    steps = -(-10 ** 8 // 4096)
+    assert p.epoch["steps_per_epoch"] == steps
+    assert d.writes_per_epoch == d.write_bytes_per_step * steps
+    assert d.writes_per_run == d.write_bytes_per_step * steps * 2
+
+
+def test_compute_bound_kaplan():
+    shape = preset_shape("llama-3.1-8b")
+    p = make_plan(PlanInput(shape=shape, gpus=1, vram=80 * GB, dram=1000 * GB, drives=[CacheDrive(8 * TB)],
+                            gpu_flops=1e15, activation_checkpointing=False))
+    n_mm = shape.n_params - 128256 * 4096                         # less the embedding lookup
+    flops = 6 * (n_mm + 32 * 4096 * 4096) * 4096
+    assert p.step_time["compute_s"] == pytest.approx(flops / 1e15)
+
+
+def test_invalid_input_names_the_flag():
+    with pytest.raises(ValueError, match="--gpus: 0"):
+        make_plan(PlanInput(shape=preset_shape("gpt2"), gpus=0, vram=GB, dram=GB, drives=[CacheDrive(TB)]))
+    with pytest.raises(ValueError, match="--optimizer"):
+        make_plan(PlanInput(shape=preset_shape("gpt2"), gpus=1, vram=GB, dram=GB, drives=[CacheDrive(TB)],
+                            optimizer="adafactor"))
+
+
+# ---------------------------------------------------------------- runtime defaults
+
+def test_auto_dram_budget_margin():
+    assert auto.auto_dram_budget(100 * GiB) == 90 * GiB                       # 10% margin
+    assert auto.auto_dram_budget(20 * GiB) == 16 * GiB                        # 4 GiB floor
+    assert auto.auto_dram_budget(100 * GiB, 30 * GiB) == 60 * GiB            # working set
+    assert auto.auto_dram_budget(3 * GiB) == 0
+    b = auto.resolve_dram_budget("auto", 2 * GiB, local_ranks=2,
+                                 meminfo={"total_bytes": 64 * GiB, "available_bytes": 50 * GiB})
+    assert b.budget_bytes == 50 * GiB - int(6.4 * GiB) - 2 * GiB and b.per_rank_bytes == b.budget_bytes // 2
+    assert auto.resolve_dram_budget("48GiB").budget_bytes == 48 * GiB
+    with pytest.raises(ValueError, match="aidaptiv.dram_budget"):
+        auto.resolve_dram_budget("lots")
+
+
+def test_runtime_defaults_use_plan_residency_and_prefetch():
+    sizes = StateSizes(param_bytes=300, grad_bytes=200, subgroup_bytes=[300, 300])
+    rd = auto.runtime_defaults(sizes, 260, slice_bytes=20, n_slices=5)
+    assert rd.residency == plan_residency(sizes, 260)
+    assert rd.residency.grads_resident and not rd.residency.params_resident and rd.residency.cache_bytes == 60
+    assert (rd.prefetch.depth, rd.prefetch.bytes) == (3, 60)                  # 60 B left / 20 B slices
+    assert auto.runtime_defaults(sizes, 260, slice_bytes=20, n_slices=3).prefetch.depth == 2   # one pass ahead
+    assert auto.runtime_defaults(sizes, 260, slice_bytes=20, n_slices=5, max_depth=1).prefetch.depth == 1
+    rd = auto.runtime_defaults(sizes, 500, slice_bytes=20, n_slices=5)        # grads + params resident
+    assert rd.residency.params_resident and rd.prefetch.depth == 0
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_cli_json_params(tmp_path):
+    rc, out = run_cli("plan", "--params", "405e9", "--gpus", "2", "--vram", "96GB", "--dram", "512GB",
+                      "--cache", "8TB", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["fits"] is True
+    assert d["n_params"] == 405 * 10 ** 9
+    assert 7.2 * TB < d["total_state_bytes"] < 8.2 * TB
+    for key in ("tiers", "vram_per_gpu", "dram", "residency", "per_step", "step_time", "drives", "verdict"):
+        assert key in d
+    assert "llama-3.1-405b" in d["model"]["shape_source"]
+
+
+def test_cli_model_preset_and_cache_path_spec(tmp_path):
+    rc, out = run_cli("plan", "--model", "llama-3.1-405b", "--gpus", "2", "--vram", "96GB", "--dram", "512GB",
+                      "--cache", f"{tmp_path}:2TB:read=7:write=6:dwpd=100", "--json")
+    d = json.loads(out)
+    assert rc == 1 and d["fits"] is False
+    assert d["drives"][0]["path"] == str(tmp_path)
+    assert d["drives"][0]["endurance"]["rated_dwpd"] == 100
+    assert "cache capacity" in d["verdict"]["problems"][0]
+    assert d["verdict"]["smallest_change"].startswith("add 3 cache drives")
+
+
+def test_cli_model_config_json_text():
+    cfg = os.path.join(STORIES, "config.json")
+    if not os.path.isfile(cfg):
+        pytest.skip(f"stories260K config not found at {cfg}")
+    rc, out = run_cli("plan", "--model", cfg, "--gpus", "1", "--vram", "8GB", "--dram", "16GB", "--cache", "1TB")
+    assert rc == 0
+    assert "260,032 parameters" in out
+    assert "verdict    FITS" in out and "assumed" in out          # default drive figures are listed as assumed
+
+
+def test_cli_errors_name_the_flag(capsys):
+    assert main(["plan", "--params", "abc", "--gpus", "1", "--vram", "8GB", "--dram", "8GB", "--cache", "1TB"]) == 2
+    assert "--params: 'abc'" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e9", "--gpus", "1", "--vram", "8GB", "--dram", "8GB"]) == 2
+    assert "--cache" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e9", "--gpus", "1", "--vram", "8GB", "--dram", "8GB",
+                 "--cache", "/no/such/dir"]) == 2
+    assert "PATH:SIZE" in capsys.readouterr().err
+
+
+def test_parse_cache_spec(tmp_path):
+    dflt = {"read_gbps": 7.0, "write_gbps": 6.0, "rated_dwpd": 1.0, "warranty_years": 5.0}
+    assert parse_cache_spec("2TB", dflt).capacity == 2 * TB
+    d = parse_cache_spec(f"{tmp_path}:1.5TB:dwpd=30:years=3", dflt)
+    assert (d.path, d.capacity, d.rated_dwpd, d.warranty_years) == (str(tmp_path), 1.5 * TB, 30.0, 3.0)
+    bare = parse_cache_spec(str(tmp_path), dflt)                          # capacity and free space of the fs
+    assert bare.capacity >= bare.free > 0 and bare.usable <= bare.free
+    with pytest.raises(ValueError, match="unknown key 'speed'"):
+        parse_cache_spec("2TB:speed=3", dflt)
+
+
+def test_main_registers_every_module_loudly():
+    from aidaptiv_ds.cli import main as m
+    assert {"aidaptiv_ds.cli.plan", "aidaptiv_ds.cli.doctor", "aidaptiv_ds.cli.ledger"} <= set(m.SUBCOMMAND_MODULES)
+    with pytest.raises(ImportError):
+        m.build_parser(["aidaptiv_ds.cli.no_such_subcommand"])
+    with pytest.raises(TypeError, match="register"):
+        m.build_parser(["aidaptiv_ds.units"])
