@@ -52,13 +52,15 @@ def resolve_run_name(name: str) -> str:
     return fresh
 
 
-def auto_dram_budget() -> int:
+def auto_dram_budget(working_set_bytes: int = 0) -> int:
     """This rank's DRAM budget for ``dram_budget: "auto"``: the planner's node budget
-    (:func:`aidaptiv_ds.planner.auto.resolve_dram_budget`, from ``/proc/meminfo``) split over the
-    node's ranks (``LOCAL_WORLD_SIZE``)."""
+    (:func:`aidaptiv_ds.planner.auto.resolve_dram_budget`: available memory from ``/proc/meminfo``
+    minus a safety margin) minus this rank's host working set, split over the node's ranks
+    (``LOCAL_WORLD_SIZE``, each rank subtracting its own working set)."""
     from ..planner.auto import resolve_dram_budget
 
-    return resolve_dram_budget("auto", local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1))).per_rank_bytes
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return resolve_dram_budget("auto", working_set_bytes=working_set_bytes * local, local_ranks=local).per_rank_bytes
 
 
 class Timer:
@@ -113,6 +115,12 @@ class Runtime:
         if self.rank == 0:
             log.info("aidaptiv_ds: run %s, %d cache path(s) %s (%s), DRAM budget %s", run, len(paths), paths,
                      cfg.placement, format_bytes(self.budget))
+
+    def set_budget(self, budget: int) -> None:
+        """Change the DRAM budget (the ``"auto"`` budget is refined once the working set is known)."""
+        self.budget = int(budget)
+        self.tier.budget = self.budget
+        self.tier.enforce_budget()
 
     def prefetch_bytes(self, largest_slice: int) -> int:
         """Read-ahead window in bytes: the configured value, or for ``"auto"`` what the budget has left

@@ -18,11 +18,12 @@ from __future__ import annotations
 import itertools
 import logging
 
+from ..planner.auto import host_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..units import format_bytes
 from .config import section_enabled, validate
 from .optimizer_swapper import AidaptivOptimizerSwapper
-from .runtime import get_runtime
+from .runtime import auto_dram_budget, get_runtime
 
 log = logging.getLogger("aidaptiv_ds")
 _ENGINE_IDS = itertools.count()
@@ -42,6 +43,7 @@ def make_stage3_class(base: type) -> type:
 
         def __init__(self, *args, **kwargs):
             ds_config = kwargs.get("ds_config")
+            self._aidaptiv_module = kwargs.get("module", args[0] if args else None)
             self._aidaptiv_cfg = validate(ds_config)
             self._aidaptiv_rt = get_runtime(self._aidaptiv_cfg)
             self._aidaptiv_engine_id = next(_ENGINE_IDS)
@@ -88,9 +90,17 @@ def make_stage3_class(base: type) -> type:
             numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
             align = rt.store.alignment
             slots = 1 + sw.expected_states
-            sizes = StateSizes(param_bytes=psw.partition_bytes() if psw is not None else 0,
+            module_params = list(self._aidaptiv_module.parameters()) if self._aidaptiv_module is not None else []
+            sizes = StateSizes(param_bytes=sum(p.ds_tensor.ds_numel * p.element_size() for p in module_params
+                                               if getattr(p, "ds_tensor", None) is not None),
                                grad_bytes=sum(numels) * 4,
                                subgroup_bytes=[n * sw.elsize * slots for n in numels])
+            if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
+                rt.set_budget(auto_dram_budget(working_set_bytes=host_working_set(
+                    largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
+                    largest_subgroup_numel=max(numels, default=0),
+                    moment_bytes_per_param=sw.elsize * sw.expected_states,
+                    local_ranks=1)))
             plan = plan_residency(sizes, rt.budget)
             sw.plan = plan
             store_bytes = sum(-(-n * sw.elsize * slots // align) * align + -(-n * 4 // align) * align for n in numels)

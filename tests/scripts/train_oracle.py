@@ -173,6 +173,9 @@ def main():
             eng.backward(loss)
             eng.step()
             step_losses.append(float(loss.detach().float()))
+        if a.backend == "aidaptiv":  # count every write of this step in this step
+            from aidaptiv_ds.integration.runtime import current_runtime
+            current_runtime().flush()
         losses.append(step_losses)
         io.append(counters.delta(counters.snapshot(), before))
     params = {}

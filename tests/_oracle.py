@@ -1,0 +1,73 @@
+"""Run ``tests/scripts/train_oracle.py`` in subprocesses and compare backends (shared by integration tests).
+
+Not a test module. Each run is a fresh process (DeepSpeed keeps global state); results of the CPU
+oracle are cached per argument list within a pytest session.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "tests", "scripts", "train_oracle.py")
+SHARED = os.path.join(REPO, "..", "shared")
+STORIES = os.path.join(SHARED, "data", "models", "stories260K", "hf")
+_CACHE: dict[tuple, dict] = {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(backend: str, args: list[str], workdir: str, env: dict | None = None, timeout: int = 600) -> dict:
+    """Train with ``backend`` and return the result dict (losses, params, masters, io, ...).
+
+    Raises:
+        AssertionError: with the child's output tail when it fails.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    out = os.path.join(workdir, f"{backend}.pt")
+    e = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=REPO, AIDAPTIV_DS_NO_AUTOINSTALL="")
+    e.update(env or {})
+    cmd = [sys.executable, SCRIPT, "--backend", backend, "--cache", os.path.join(workdir, "cache"), "--out", out,
+           *args]
+    p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{backend} run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def oracle(args: list[str], tmp_root: str) -> dict:
+    """DeepSpeed's CPU-offload result for ``args`` (cached for the session)."""
+    key = tuple(args)
+    if key not in _CACHE:
+        _CACHE[key] = run("cpu", args, os.path.join(tmp_root, f"cpu{len(_CACHE)}"))
+    return _CACHE[key]
+
+
+def assert_identical(ref: dict, got: dict) -> None:
+    """Losses, gathered parameters and fp32 master partitions equal bit for bit."""
+    assert got["losses"] == ref["losses"], f"losses differ:\n oracle {ref['losses']}\n ours   {got['losses']}"
+    for name, t in ref["params"].items():
+        assert torch.equal(t, got["params"][name]), f"parameter {name} differs (max abs diff " \
+            f"{(t - got['params'][name]).abs().max().item():.3e})"
+    assert len(ref["masters"]) == len(got["masters"])
+    for i, (a, b) in enumerate(zip(ref["masters"], got["masters"])):
+        assert torch.equal(a, b), f"fp32 master partition of sub-group {i} differs"
+
+
+def written_per_param_per_step(res: dict, skip: int = 1) -> float:
+    """Cache-tier bytes written per parameter per optimizer step, steps after the first ``skip``."""
+    steps = res["io"][skip:]
+    return sum(d["bytes_written"].get("cache", 0) for d in steps) / len(steps) / res["nparams"]
+
+
+def proc_written_per_param_per_step(res: dict, skip: int = 1) -> float:
+    """The same from ``/proc/self/io`` write_bytes (what reached the block layer)."""
+    steps = res["io"][skip:]
+    return sum(d["proc_write_bytes"] for d in steps) / len(steps) / res["nparams"]
