@@ -32,7 +32,7 @@ class _DeepSpeedWatcher(importlib.abc.MetaPathFinder):
             _run(module)
             if _self in sys.meta_path:
                 sys.meta_path.remove(_self)
-            from .integration.install import install
+            from .integration.hooks import install
             install()
 
         loader.exec_module = exec_module
@@ -44,7 +44,7 @@ def activate() -> None:
     if os.environ.get("AIDAPTIV_DS_NO_AUTOINSTALL") == "1":
         return
     if "deepspeed" in sys.modules and hasattr(sys.modules["deepspeed"], "initialize"):
-        from .integration.install import install
+        from .integration.hooks import install
         install()
     elif not any(isinstance(f, _DeepSpeedWatcher) for f in sys.meta_path):
         sys.meta_path.insert(0, _DeepSpeedWatcher())

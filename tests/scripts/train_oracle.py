@@ -150,9 +150,9 @@ def batch(a, i, rank, vocab=512):
 def main():
     a = parse()
     cfg = ds_config(a)
-    if a.backend == "native":
+    if a.backend == "native" or not cfg.get("aidaptiv", {}).get("enabled", True):
         from aidaptiv_ds.io.aio_handle import register_with_deepspeed
-        register_with_deepspeed()
+        register_with_deepspeed()  # DeepSpeed's own swappers, on our pure-Python aio handle (no compile)
     import aidaptiv_ds  # noqa: F401 - installs the hooks
     import deepspeed
     from aidaptiv_ds.telemetry import counters
@@ -173,8 +173,8 @@ def main():
             eng.backward(loss)
             eng.step()
             step_losses.append(float(loss.detach().float()))
-        if a.backend == "aidaptiv":  # count every write of this step in this step
-            from aidaptiv_ds.integration.runtime import current_runtime
+        from aidaptiv_ds.integration.runtime import current_runtime
+        if current_runtime() is not None:  # count every write of this step in this step
             current_runtime().flush()
         losses.append(step_losses)
         io.append(counters.delta(counters.snapshot(), before))
@@ -193,14 +193,14 @@ def main():
             masters.append(fp32.detach().clone())
     nparams = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in eng.module.parameters())
     extra = {}
-    if a.backend == "aidaptiv":
+    if a.backend == "aidaptiv" and cfg["aidaptiv"].get("enabled", True):
         from aidaptiv_ds.integration.runtime import current_runtime
         rt = current_runtime()
         extra = {"plan": getattr(opt, "aidaptiv_plan", None).as_dict(), "budget": rt.budget,
                  "tier_evictions": rt.tier.evictions, "dirty_evictions": rt.tier.dirty_evictions,
                  "swapper": type(next(eng.module.parameters()).nvme_swapper).__name__,
                  "optimizer_swapper": type(opt.optimizer_swapper).__name__}
-    elif a.backend == "native":
+    else:
         extra = {"swapper": type(next(eng.module.parameters()).nvme_swapper).__name__,
                  "optimizer_swapper": type(opt.optimizer_swapper).__name__}
     if rank == 0:

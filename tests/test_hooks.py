@@ -1,0 +1,67 @@
+"""Activation: ``import aidaptiv_ds`` installs the hooks; without an enabled section DeepSpeed's own
+classes run untouched; ``uninstall`` restores every attribute."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _oracle import REPO, oracle, run
+
+ARGS = ["--model", "mlp", "--zinit", "--dtype", "bf16", "--hidden", "1024", "--layers", "2", "--steps", "3"]
+
+
+@pytest.mark.parametrize("how", ["absent", "disabled"])
+def test_deepspeed_classes_without_an_enabled_section(how, tmp_path_factory):
+    backend, extra = ("native", []) if how == "absent" else ("aidaptiv", ["--extra", '{"enabled": false}'])
+    res = run(backend, ARGS + extra, str(tmp_path_factory.mktemp(how)))
+    assert res["swapper"] == "AsyncPartitionedParameterSwapper"
+    assert res["optimizer_swapper"] == "PartitionedOptimizerSwapper"
+    assert res["losses"] == oracle(ARGS, str(tmp_path_factory.getbasetemp()))["losses"]
+
+
+def _py(code: str) -> str:
+    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+def test_import_before_deepspeed_installs_on_deepspeed_import():
+    out = _py("import aidaptiv_ds, sys; assert 'deepspeed' not in sys.modules; import deepspeed; "
+              "import deepspeed.runtime.zero.partition_parameters as pp; print(pp.AsyncPartitionedParameterSwapper.__name__)")
+    assert out == "param_swapper_factory"
+
+
+def test_import_after_deepspeed_installs_at_once():
+    out = _py("import deepspeed, aidaptiv_ds; import deepspeed.runtime.zero.stage3 as s3; "
+              "print(s3.DeepSpeedZeroOptimizer_Stage3.__name__)")
+    assert out == "AidaptivZeroOptimizer_Stage3"
+
+
+def test_opt_out_of_autoinstall():
+    p = subprocess.run([sys.executable, "-c", "import aidaptiv_ds, deepspeed; import deepspeed.runtime.zero.stage3 as s3; "
+                        "print(s3.DeepSpeedZeroOptimizer_Stage3.__name__)"],
+                       env=dict(os.environ, PYTHONPATH=REPO, AIDAPTIV_DS_NO_AUTOINSTALL="1"), capture_output=True,
+                       text=True, timeout=300)
+    assert p.stdout.strip().splitlines()[-1] == "DeepSpeedZeroOptimizer_Stage3"
+
+
+def test_uninstall_restores_every_attribute():
+    out = _py("import deepspeed, deepspeed.runtime.zero.partition_parameters as pp, deepspeed.runtime.zero.stage3 as s3, "
+              "deepspeed.runtime.zero.parameter_offload as po\n"
+              "before = (deepspeed.initialize, pp.Init.__init__, pp.AsyncPartitionedParameterSwapper, "
+              "s3.DeepSpeedZeroOptimizer_Stage3, getattr(po.PartitionedParameterCoordinator, "
+              "'_PartitionedParameterCoordinator__prefetch_nvme_param_partitions'))\n"
+              "import os; os.environ['AIDAPTIV_DS_NO_AUTOINSTALL'] = '1'\n"
+              "from aidaptiv_ds.integration import install, uninstall\n"
+              "assert install()\n"
+              "assert pp.AsyncPartitionedParameterSwapper is not before[2]\n"
+              "uninstall()\n"
+              "after = (deepspeed.initialize, pp.Init.__init__, pp.AsyncPartitionedParameterSwapper, "
+              "s3.DeepSpeedZeroOptimizer_Stage3, getattr(po.PartitionedParameterCoordinator, "
+              "'_PartitionedParameterCoordinator__prefetch_nvme_param_partitions'))\n"
+              "print(all(a is b for a, b in zip(before, after)))")
+    assert out == "True"
