@@ -108,7 +108,9 @@ def install() -> bool:
             import deepspeed.runtime.zero.parameter_offload as po
             import deepspeed.runtime.zero.stage3 as s3
 
-            from . import prefetch
+            from deepspeed.runtime.engine import DeepSpeedEngine
+
+            from . import checkpointing, prefetch
             from .stage3 import make_stage3_class
 
             _STATE["orig_param_swapper"] = pp.AsyncPartitionedParameterSwapper
@@ -116,6 +118,7 @@ def install() -> bool:
             _STATE["orig_stage3"] = s3.DeepSpeedZeroOptimizer_Stage3
             s3.DeepSpeedZeroOptimizer_Stage3 = make_stage3_class(s3.DeepSpeedZeroOptimizer_Stage3)
             prefetch.install(po.PartitionedParameterCoordinator)
+            checkpointing.install(DeepSpeedEngine)
         else:
             log.warning("aidaptiv_ds: DeepSpeed %s is not supported (%s); configs that enable aidaptiv will be "
                         "refused", deepspeed.__version__, ", ".join(SUPPORTED_DEEPSPEED))
@@ -137,10 +140,13 @@ def uninstall() -> None:
             import deepspeed.runtime.zero.parameter_offload as po
             import deepspeed.runtime.zero.stage3 as s3
 
-            from . import prefetch
+            from deepspeed.runtime.engine import DeepSpeedEngine
+
+            from . import checkpointing, prefetch
             pp.AsyncPartitionedParameterSwapper = _STATE.pop("orig_param_swapper")
             s3.DeepSpeedZeroOptimizer_Stage3 = _STATE.pop("orig_stage3")
             prefetch.uninstall(po.PartitionedParameterCoordinator)
+            checkpointing.uninstall(DeepSpeedEngine)
         _STATE.clear()
 
 

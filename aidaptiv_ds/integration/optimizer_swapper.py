@@ -376,6 +376,37 @@ class AidaptivOptimizerSwapper:
         if g.grad_slice is not None and not g.grad_slice.refs:
             self.rt.tier.drop(g.grad_slice)
 
+    def install_subgroup(self, g: _Group, parameter, buf: torch.Tensor, state_names: list, step) -> None:
+        """Make ``buf`` (slots packed as in :meth:`_slot`, master first) the sub-group's bytes, with
+        ``state_names`` for the slots after the master and Adam's ``step`` restored (checkpoint load).
+
+        Args:
+            step: ``(value, type)`` as saved (``"tensor:float32"``, ``"int"``, ``"float"``), or None for
+                a fresh optimizer state.
+        """
+        if g.slice is not None:
+            while g.slice.refs:
+                self.rt.tier.release(g.slice)
+            self.rt.tier.drop(g.slice)
+        s = self._new_slice(g, buf)
+        g.state_names = list(state_names)
+        state = {}
+        if step is not None and step[0] is not None:
+            value, typ = step
+            if typ.startswith("tensor:"):
+                state["step"] = torch.tensor(value, dtype=getattr(torch, typ[len("tensor:"):]))
+            else:
+                state["step"] = int(value) if typ == "int" else float(value)
+        for n in state_names:
+            state[n] = torch.empty(0, dtype=self.dtype)
+        if state:
+            self.optimizer.state[parameter] = state
+        else:
+            self.optimizer.state.pop(parameter, None)
+        self.rt.tier.mark_dirty(s)
+        if not g.resident:
+            self.rt.tier.write_back(s)
+
     def purge_state(self) -> None:
         """Forget per-element state (DeepSpeed calls this before loading optimizer state)."""
         for g in self.groups.values():

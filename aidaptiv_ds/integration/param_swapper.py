@@ -417,6 +417,12 @@ class AidaptivParamSwapper:
                     self.rt.tier.acquire(s)
                     self._published[i] = s
 
+    def write_partitions(self, items: list) -> None:
+        """Replace partitions' stored bytes: ``[(param, tensor of ds_numel elements)]`` (synchronous)."""
+        futs = self._write(items, keep=False)
+        with self.rt.io_wait:
+            wait_all(futs)
+
     def read_partition_tensors(self, ds_tensors) -> list[torch.Tensor]:
         """Current bytes of the partitions behind ``param.ds_tensor`` objects (copies, synchronous)."""
         return self.read_partitions([self._by_tensor[id(t)] for t in ds_tensors])

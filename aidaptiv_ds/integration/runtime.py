@@ -110,6 +110,8 @@ class Runtime:
         self.io_wait = Timer()
         self.param_swapper = None  # the process's AidaptivParamSwapper, created by the first zero.Init
         self.optimizer_swappers: list = []
+        self.checkpoint_bytes_written = 0  # bytes our checkpoint saves wrote (not on the cache tier)
+        self.checkpoint_bytes_cloned = 0  # bytes they shared with the slab by copy-on-write clones
         self.closed = False
         counters.register_provider("aidaptiv_ds", self.counters)
         if self.rank == 0:

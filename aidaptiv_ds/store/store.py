@@ -193,7 +193,7 @@ class SlabStore:
                 break
             need = seg.layout.phys_size(min(logical_end, seg.end) - seg.start)
             for path, nbytes in need.items():
-                self.slabs[path].ensure(seg.layout.phys_base[path] + nbytes, what)
+                self.slabs[path].ensure(seg.layout.phys_base[path] + nbytes, what, limit=self.phys_caps[path])
 
     # ------------------------------------------------------------------ space
     def capacity(self) -> int:

@@ -46,6 +46,10 @@ def parse():
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--extra", default="{}", help="JSON merged into the aidaptiv section")
+    ap.add_argument("--ckpt_dir", default="")
+    ap.add_argument("--save_after", type=int, default=0, help="save a checkpoint after this many steps and stop")
+    ap.add_argument("--resume", action="store_true", help="load the latest checkpoint of --ckpt_dir first")
+    ap.add_argument("--no_optimizer_state", action="store_true", help="resume with load_optimizer_states=False")
     ap.add_argument("--out", required=True)
     return ap.parse_args()
 
@@ -161,8 +165,15 @@ def main():
     rank = eng.global_rank
     vocab = getattr(getattr(eng.module, "config", None), "vocab_size", 512)
     losses, io = [], []
-    micro = 0
-    for step in range(a.steps):
+    micro, first = 0, 0
+    if a.resume:
+        path, client = eng.load_checkpoint(a.ckpt_dir, load_optimizer_states=not a.no_optimizer_state)
+        first = client["step"]
+        micro = client["micro"]
+    for step in range(first, a.steps):
+        if a.save_after and step == a.save_after:
+            eng.save_checkpoint(a.ckpt_dir, client_state={"step": step, "micro": micro})
+            break
         before = counters.snapshot()
         step_losses = []
         for _ in range(a.ga):
