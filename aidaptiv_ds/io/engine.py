@@ -283,6 +283,9 @@ class IOEngine:
             use_direct = (fh.fd_direct is not None and off % a == 0
                           and all(addr % a == 0 and len(mv) % a == 0 for addr, mv in segs))
             fd = fh.fd_direct if use_direct else fh.fd_buffered
+            if fd is None:
+                raise StorageIOError(op, fh.path, off, n - done, errno.EBADF,
+                                     detail="the file was closed while this request was queued")
             t0 = time.perf_counter()
             try:
                 if c.write:

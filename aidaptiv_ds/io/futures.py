@@ -30,12 +30,15 @@ class IOFuture:
             self._finish()
 
     def _finish(self) -> None:
-        self.finished_at = time.perf_counter()
-        self._keepalive = None
-        self._event.set()
-        for cb in self._callbacks:
+        # Set the event and take the callbacks under the lock that add_done_callback holds while it
+        # checks the event, so a callback is either queued here or run by add_done_callback itself.
+        with self._lock:
+            self.finished_at = time.perf_counter()
+            self._keepalive = None
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
             cb(self)
-        self._callbacks = []
 
     def _chunk_done(self, error: BaseException | None = None) -> None:
         with self._lock:

@@ -63,8 +63,9 @@ class Slab:
         self.fh: FileHandle = engine.open(path, drive=drive, create=True, alignment=alignment)
         self.size = os.fstat(self.fh.fd_buffered).st_size
 
-    def ensure(self, nbytes: int, what: str = "") -> None:
-        """Make the slab at least ``nbytes`` long (growing by at least ``grow_step``).
+    def ensure(self, nbytes: int, what: str = "", limit: int | None = None) -> None:
+        """Make the slab at least ``nbytes`` long (growing by at least ``grow_step``, but never past
+        ``limit`` bytes, the path's capacity, unless ``nbytes`` itself is larger).
 
         Raises:
             StorageFullError: the filesystem lacks the space; nothing was written.
@@ -72,6 +73,8 @@ class Slab:
         if nbytes <= self.size:
             return
         target = max(nbytes, min(self.size + self.grow_step, nbytes + self.grow_step))
+        if limit is not None:
+            target = max(nbytes, min(target, int(limit)))
         self._grow(target, nbytes, what)
 
     def _grow(self, target: int, needed_size: int, what: str) -> None:
@@ -87,6 +90,9 @@ class Slab:
             except OSError as e:
                 if e.errno != errno.ENOSPC:
                     raise
+                # ext4 keeps what a failed fallocate managed to allocate (and the longer file size):
+                # give it back, or the slab would hold the drive's last free bytes without using them
+                os.ftruncate(fd, self.size)
                 continue
             if free_bytes(self.cache_path) >= grow:  # no fallocate here: sparse extension
                 os.ftruncate(fd, size)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 import zlib
@@ -40,7 +41,7 @@ from .striping import StripeLayout
 
 log = logging.getLogger("aidaptiv_ds")
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: stripe patterns from striping.choose_slots (v1 used 32 slots; its layout differs)
 
 
 @dataclasses.dataclass
@@ -83,7 +84,8 @@ class SlabStore:
         primary: index of the primary path for ``"affinity"``.
         stripe_unit: stripe unit in bytes.
         alignment: extent and I/O alignment in bytes (the direct-I/O block size).
-        checksum: record and verify CRC32 per ``checksum_block`` bytes.
+        checksum: record and verify CRC32 per ``checksum_block`` bytes (with several paths, a block is
+            at most one stripe unit, so a mismatch names the one path and offset that hold it).
         keep: keep the files on :meth:`close` (default: delete them on a clean shutdown).
 
     Raises:
@@ -109,7 +111,9 @@ class SlabStore:
         self.stripe_unit = stripe_unit
         self.alignment = alignment
         self.checksum = checksum
-        self.checksum_block = checksum_block
+        # a checksum block that spanned stripe units would span paths: the error could not say which
+        # drive returned the bad bytes; gcd keeps it a divisor of the unit and a multiple of the alignment
+        self.checksum_block = math.gcd(checksum_block, stripe_unit) if len(paths) > 1 else checksum_block
         self.keep = keep
         self._lock = threading.RLock()
         self._extents: dict[str, Extent] = {}
@@ -117,6 +121,7 @@ class SlabStore:
         self.bytes_written = [0] * len(paths)
         self.bytes_read = [0] * len(paths)
         self._ledgered = [0] * len(paths)
+        self._inflight: set[IOFuture] = set()  # requests not yet complete; close() waits for them
         self._closed = False
 
         namespace.acquire()
@@ -323,7 +328,25 @@ class SlabStore:
             f = self.engine.submit(self.slabs[path].fh, write, phys, [raw[o:o + m] for o, m in parts], priority)
             f.add_done_callback(self._counter(path, write, sum(m for _, m in parts)))
             futs.append(f)
-        return combine(futs, n, finalizer, keepalive=buf)
+        out = combine(futs, n, finalizer, keepalive=buf)
+        with self._lock:
+            self._inflight.add(out)
+        out.add_done_callback(self._retire)
+        return out
+
+    def _retire(self, f: IOFuture) -> None:
+        with self._lock:
+            self._inflight.discard(f)
+
+    def drain(self) -> None:
+        """Wait until every request submitted so far has completed (errors stay with their futures)."""
+        with self._lock:
+            pending = list(self._inflight)
+        for f in pending:
+            try:
+                f.wait()
+            except BaseException:  # noqa: BLE001 - reported to whoever waits on that future
+                pass
 
     def _counter(self, path: int, write: bool, nbytes: int):
         def count(f: IOFuture) -> None:
@@ -460,17 +483,32 @@ class SlabStore:
         if self.checksum and data.get("crc") is not None and data.get("checksum_block") == self.checksum_block:
             self._crc = np.asarray(data["crc"], dtype=np.int64)
 
+    def physical_runs(self, key: str, offset: int, nbytes: int) -> list[tuple[int, int, int, int]]:
+        """Where bytes ``[offset, offset + nbytes)`` of extent ``key`` lie on the drives:
+        ``[(slab_fd, physical_offset, length, offset_in_request), ...]`` (for copy-on-write clones)."""
+        with self._lock:
+            ext = self._extents[key]
+        out = []
+        for path, phys, parts in self._map(ext.offset + offset, nbytes):
+            pos = phys
+            for rel, n in parts:
+                out.append((self.slabs[path].fh.fd_buffered, pos, n, rel))
+                pos += n
+        return out
+
     def close(self, keep: bool | None = None) -> None:
-        """Flush the ledger; keep the files (with an index) or delete them; release the namespace."""
+        """Finish the requests in flight, flush the ledger, keep the files (with an index) or delete
+        them, release the namespace."""
         if self._closed:
             return
         keep = self.keep if keep is None else keep
-        self.flush_ledger()
+        self._closed = True  # no new requests; the queued ones finish before the slabs close
+        self.drain()
         if keep:
             self.save_index()
+        self.flush_ledger()  # after the index, so its bytes are booked too
         for s in self.slabs:
             s.close()
-        self._closed = True
         if keep:
             self.ns.release()
         else:

@@ -6,8 +6,10 @@ repeating *pattern* of ``len(pattern)`` slots in which path ``p`` appears ``coun
 round-robin (the nginx upstream algorithm). Logical unit ``k`` (row ``r = k // L``, slot
 ``s = k % L``) lives on path ``pattern[s]`` at physical unit ``r * counts[p] + occurrence(s)``:
 consecutive units of one path are physically consecutive, so a long logical range is one
-sequential transfer per path, all paths in parallel, and bytes per path follow the weights to
-within one unit per row (|error| <= 1 / (2 L) of the total with the default ``L = 32``).
+sequential transfer per path, all paths in parallel, and bytes per path follow the weights.
+By default ``L`` is the shortest pattern (at most 256 slots) whose shares are within 1% of the
+weights, relative to each path's own share: ``L = 3`` for equal weights on 3 paths, ``L = 6`` for
+3:2:1 (a fixed ``L = 32`` gave 11/11/10 for equal weights, 6% off for the third path).
 """
 from __future__ import annotations
 
@@ -33,6 +35,22 @@ def apportion(weights: list[float], slots: int) -> list[int]:
         counts[order[j % len(order)]] += 1
         j += 1
     return counts
+
+
+def choose_slots(weights: list[float], max_slots: int = 256, tolerance: float = 0.01) -> int:
+    """Shortest pattern length whose apportioned shares are within ``tolerance`` of each path's
+    weight share (relative to that share); the most accurate length up to ``max_slots`` otherwise."""
+    total = float(sum(weights))
+    best_err, best_len = float("inf"), max(len(weights), 1)
+    for slots in range(max(len(weights), 1), max_slots + 1):
+        counts = apportion(weights, slots)
+        err = max((abs(c / slots - w / total) / (w / total) for c, w in zip(counts, weights) if w > 0),
+                  default=0.0)
+        if err <= tolerance:
+            return slots
+        if err < best_err - 1e-12:
+            best_err, best_len = err, slots
+    return best_len
 
 
 def smooth_pattern(counts: list[int]) -> list[int]:
@@ -68,11 +86,11 @@ class StripeLayout:
         paths: store path indices this segment uses.
         weights: one weight per entry of ``paths`` (e.g. GB/s); equal weights give plain RAID-0.
         unit: stripe unit in bytes (a multiple of the I/O alignment).
-        slots: pattern length ``L``; larger is more exact, the default 32 keeps each path within 1/64.
+        slots: pattern length ``L``; None (default): :func:`choose_slots` (shares within 1% of the weights).
         phys_base: byte offset in each path's slab where this segment starts (default 0).
     """
 
-    def __init__(self, paths: list[int], weights: list[float], unit: int, slots: int = 32,
+    def __init__(self, paths: list[int], weights: list[float], unit: int, slots: int | None = None,
                  phys_base: dict[int, int] | None = None) -> None:
         if len(paths) != len(weights):
             raise ValueError("one weight per path")
@@ -81,7 +99,7 @@ class StripeLayout:
         if len(paths) == 1:
             counts = [1]
         else:
-            counts = apportion(list(weights), slots)
+            counts = apportion(list(weights), slots or choose_slots(list(weights)))
         self.counts = dict(zip(self.paths, counts))
         local = smooth_pattern(counts)
         self.pattern = [self.paths[i] for i in local]
@@ -140,8 +158,17 @@ class StripeLayout:
         return need
 
     def logical_capacity(self, phys_caps: dict[int, int]) -> int:
-        """Largest segment size (bytes, whole rows) whose physical share fits ``phys_caps`` per path."""
+        """Largest segment size (bytes, whole units) whose physical share fits ``phys_caps`` per path:
+        whole rows, then the longest prefix of the next row that still fits."""
         if len(self.pattern) == 1:
             return phys_caps[self.pattern[0]]
-        rows = min(phys_caps[p] // (self.counts[p] * self.unit) for p in self.paths)
-        return rows * len(self.pattern) * self.unit
+        u = self.unit
+        rows = min(phys_caps[p] // (self.counts[p] * u) for p in self.paths if self.counts[p])  # weight 0: unused
+        used = {p: rows * self.counts[p] * u for p in self.paths}
+        extra = 0
+        for p in self.pattern:
+            if used[p] + u > phys_caps[p]:
+                break
+            used[p] += u
+            extra += 1
+        return (rows * len(self.pattern) + extra) * u
