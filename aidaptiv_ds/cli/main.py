@@ -20,6 +20,8 @@ SUBCOMMAND_MODULES = [
     "aidaptiv_ds.cli.plan",
     "aidaptiv_ds.cli.doctor",
     "aidaptiv_ds.cli.ledger",
+    "aidaptiv_ds.cli.export",
+    "aidaptiv_ds.cli.bench_io",
 ]
 
 

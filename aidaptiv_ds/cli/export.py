@@ -1,0 +1,54 @@
+"""``aidaptiv-ds export CKPT_DIR --output HF_DIR``: an aidaptiv_ds checkpoint as a Hugging Face model directory.
+
+Replaces DeepSpeed's ``zero_to_fp32`` (which cannot read NVMe-offload checkpoints, see
+``deepspeed-seams.md`` §6.3) for our layout: consolidated fp32 master weights, in fp32 or cast to
+bf16/fp16, as safetensors shards plus the model config and tokenizer
+(:func:`aidaptiv_ds.checkpoint.export.export_hf`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..checkpoint.export import export_hf
+from ..units import parse_size
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write an HF model directory (safetensors) from an aidaptiv_ds checkpoint",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="the save_dir given to engine.save_checkpoint (or a tag directory in it)")
+    p.add_argument("--tag", help="checkpoint tag (default: the one named by SAVE_DIR/latest)")
+    p.add_argument("--output", required=True, help="HF model directory to write")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of the exported weights")
+    p.add_argument("--source", help="original HF model directory to copy the tokenizer (and config) from")
+    p.add_argument("--shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    p.set_defaults(func=run)
+
+
+def resolve_tag_path(checkpoint: str, tag: str | None) -> str:
+    """``checkpoint`` itself when it is a tag directory, else ``checkpoint/<tag or latest>``.
+
+    Raises:
+        ValueError: naming the directory, when no tag is given and there is no ``latest`` file.
+    """
+    if os.path.isdir(os.path.join(checkpoint, "aidaptiv")):
+        return checkpoint
+    if tag is None:
+        latest = os.path.join(checkpoint, "latest")
+        if not os.path.isfile(latest):
+            raise ValueError(f"{checkpoint}: no 'latest' file and no --tag given; pass --tag TAG")
+        with open(latest) as f:
+            tag = f.read().strip()
+    return os.path.join(checkpoint, tag)
+
+
+def run(args) -> int:
+    path = resolve_tag_path(args.checkpoint, args.tag)
+    files = export_hf(path, args.output, _DTYPES[args.dtype], source_dir=args.source,
+                      shard_bytes=parse_size(args.shard_size, "--shard-size"))
+    print(f"wrote {len(files)} safetensors file(s) ({args.dtype}) to {args.output}")
+    return 0
