@@ -123,9 +123,9 @@ class AidaptivOptimizerSwapper:
             return self.rt.store.write(self._extent_key(g), s.buf[: self._span(g, g.valid_slots)], 0, WRITE_BACK)
         return write
 
-    def _new_slice(self, g: _Group, buf: torch.Tensor | None = None) -> Slice:
-        buf = alloc_aligned(self._span(g, g.slots)) if buf is None else buf
-        s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident,
+    def _new_slice(self, g: _Group, buf: torch.Tensor) -> Slice:
+        """Make ``buf`` the sub-group's host slice, holding new bytes (dirty: never dropped unwritten)."""
+        s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, dirty=True,
                   writeback=self._writeback(g), on_drop=lambda sl, g=g: self._dropped(g, sl))
         g.slice = s
         return self.rt.tier.add(s)
@@ -200,9 +200,9 @@ class AidaptivOptimizerSwapper:
             g.grad_region = PackedRegion(self.rt.store, f"grad{self.engine_id}/{key}",
                                          chunk_bytes=round_up(numel * 4, self.rt.store.alignment))
             g.grad_region.append(numel * 4)
-            s = self._new_slice(g)
-            self._slot(g, s, 0).copy_(src.reshape(-1))
-            self.rt.tier.mark_dirty(s)
+            buf = alloc_aligned(self._span(g, g.slots))
+            buf[: g.slot_bytes].view(self.dtype).copy_(src.reshape(-1))
+            s = self._new_slice(g, buf)
             if not g.resident:
                 futs.append(self.rt.tier.write_back(s))
         with self.rt.io_wait:
@@ -388,8 +388,8 @@ class AidaptivOptimizerSwapper:
             while g.slice.refs:
                 self.rt.tier.release(g.slice)
             self.rt.tier.drop(g.slice)
-        s = self._new_slice(g, buf)
         g.state_names = list(state_names)
+        s = self._new_slice(g, buf)
         state = {}
         if step is not None and step[0] is not None:
             value, typ = step
@@ -403,7 +403,6 @@ class AidaptivOptimizerSwapper:
             self.optimizer.state[parameter] = state
         else:
             self.optimizer.state.pop(parameter, None)
-        self.rt.tier.mark_dirty(s)
         if not g.resident:
             self.rt.tier.write_back(s)
 

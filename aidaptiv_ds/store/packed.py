@@ -8,9 +8,9 @@ costs 128 bytes of writes, not a 4 KiB block). The region lives in store extents
 I/O is always block-aligned (``store.alignment``): a write of ``[start, end)`` becomes a write of
 the enclosing aligned range ``[A, B)`` whose partial head and tail blocks are filled
 read-modify-write. The latest content of each boundary block is kept in a small *edge cache*, so
-consecutive writes (the sub-groups of an optimizer step) do not read them back, and writes whose
-blocks overlap are issued in order (a later write waits for an earlier overlapping one), so an
-older boundary block can never land last.
+consecutive writes (the sub-groups of an optimizer step) do not read them back. Ordering comes
+from the store: a request waits for earlier in-flight writes it overlaps, so an older boundary
+block never lands last and a read never returns bytes older than a write issued before it.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class PackedRegion:
         self._lock = threading.RLock()
         self._edges: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self._edge_limit = edge_cache_blocks
-        self._inflight: list[tuple[int, int, IOFuture]] = []
+        self._pending: list[IOFuture] = []  # writes not known to be complete (for flush)
         self.boundary_reads = 0
 
     # ------------------------------------------------------------------ space
@@ -102,8 +102,6 @@ class PackedRegion:
         a, b = self.aligned(start, end)
         if buf is None:
             buf = alloc_aligned(b - a)
-        with self._lock:
-            self._wait_overlapping(a, b)  # read-after-write: never return bytes older than a write issued before
         futs = [self.store.read(key, buf[rel:rel + n], off, priority) for key, off, rel, n in self._pieces(a, b)]
         return combine(futs, b - a, keepalive=buf), buf, start - a
 
@@ -126,7 +124,6 @@ class PackedRegion:
         a, b = self.aligned(start, end)
         staging = alloc_aligned(b - a)
         with self._lock:
-            self._wait_overlapping(a, b)
             if start > a:
                 staging[: self.block].copy_(self._edge_block(a))
             if end < b and (b - self.block >= a + self.block or start == a):
@@ -135,18 +132,9 @@ class PackedRegion:
             futs = [self.store.write(key, staging[rel:rel + n], off, priority)
                     for key, off, rel, n in self._pieces(a, b)]
             fut = combine(futs, b - a, keepalive=staging)
-            self._inflight.append((a, b, fut))
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
             self._remember_edges(a, b, staging)
         return fut, staging, start - a
-
-    def _wait_overlapping(self, a: int, b: int) -> None:
-        keep = []
-        for s, e, f in self._inflight:
-            if s < b and a < e:
-                f.wait()
-            elif not f.done():
-                keep.append((s, e, f))
-        self._inflight = keep
 
     def _edge_block(self, blk_start: int) -> torch.Tensor:
         idx = blk_start // self.block
@@ -173,5 +161,5 @@ class PackedRegion:
     def flush(self) -> None:
         """Wait for every write issued so far."""
         with self._lock:
-            pending, self._inflight = self._inflight, []
-        wait_all([f for _, _, f in pending])
+            pending, self._pending = self._pending, []
+        wait_all(pending)

@@ -121,6 +121,7 @@ class SlabStore:
         self.bytes_written = [0] * len(paths)
         self.bytes_read = [0] * len(paths)
         self._ledgered = [0] * len(paths)
+        self._writes_inflight: list[tuple[int, int, IOFuture]] = []  # (logical start, end, future)
         self._inflight: set[IOFuture] = set()  # requests not yet complete; close() waits for them
         self._closed = False
 
@@ -317,6 +318,7 @@ class SlabStore:
         if offset % self.alignment or n % self.alignment:
             raise ValueError(f"extent {key!r}: offset {offset} and length {n} must be multiples of {self.alignment}")
         logical = ext.offset + offset
+        self._order_after_writes(logical, logical + n)
         finalizer = None
         if self.checksum:
             if write:
@@ -331,8 +333,22 @@ class SlabStore:
         out = combine(futs, n, finalizer, keepalive=buf)
         with self._lock:
             self._inflight.add(out)
+            if write:
+                self._writes_inflight.append((logical, logical + n, out))
         out.add_done_callback(self._retire)
         return out
+
+    def _order_after_writes(self, start: int, end: int) -> None:
+        """Wait for in-flight writes overlapping logical bytes ``[start, end)``: a read never returns
+        bytes older than a write issued before it, and overlapping writes land in issue order."""
+        with self._lock:
+            self._writes_inflight = [w for w in self._writes_inflight if not w[2].done()]
+            overlap = [f for a, b, f in self._writes_inflight if a < end and start < b]
+        for f in overlap:
+            try:
+                f.wait()
+            except BaseException:  # noqa: BLE001 - the write's owner gets its error; order is all we need
+                pass
 
     def _retire(self, f: IOFuture) -> None:
         with self._lock:

@@ -51,14 +51,15 @@ class Slice:
 
     def __init__(self, key: Hashable, buf: torch.Tensor, nbytes: int | None = None, members=None,
                  resident: bool = False, kind: str = "", writeback: Callable | None = None,
-                 on_drop: Callable | None = None, ready: IOFuture | None = None, prefetched: bool = False) -> None:
+                 on_drop: Callable | None = None, ready: IOFuture | None = None, prefetched: bool = False,
+                 dirty: bool = False) -> None:
         self.key = key
         self.buf = buf
         self.nbytes = int(nbytes if nbytes is not None else buf.numel() * buf.element_size())
         self.members = tuple(members) if members is not None else (key,)
         self.resident = resident
         self.refs = 0
-        self.dirty = False
+        self.dirty = dirty
         self.ready = ready
         self.writing: IOFuture | None = None
         self.prefetched = prefetched
@@ -140,6 +141,9 @@ class HostTier:
 
     def add(self, s: Slice) -> Slice:
         """Insert ``s`` (replacing nothing: the key must be free) and evict to stay in budget.
+
+        A clean, unreferenced slice counts as cached and may be evicted at once (budget 0); create
+        it ``dirty``, ``prefetched``, resident or writing (:meth:`add_writing`) to keep it.
 
         Raises:
             KeyError: a slice with that key is already in the tier.
