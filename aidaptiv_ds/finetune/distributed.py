@@ -1,0 +1,76 @@
+"""Process-group plumbing: single-process defaults, rank queries and small cross-rank reductions.
+
+``python launch/finetune.py`` runs without a launcher: :func:`ensure_env` fills ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a free local port) when they
+are absent, which is what ``deepspeed.init_distributed`` and ``deepspeed.zero.Init`` read. Under
+the ``deepspeed`` launcher or ``torchrun`` they are already set and left alone.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_env() -> dict[str, str]:
+    """Set the single-process defaults for the variables that are absent; returns what was set."""
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    if "MASTER_PORT" not in os.environ:
+        defaults["MASTER_PORT"] = str(_free_port())
+    set_now = {k: v for k, v in defaults.items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now
+
+
+def init() -> None:
+    """Initialise the default process group through DeepSpeed (gloo/ccl on CPU, nccl on CUDA)."""
+    import deepspeed
+
+    deepspeed.init_distributed()
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def sum_floats(values: list[float]) -> list[float]:
+    """Element-wise sum of a list of floats over all ranks (float64; identity with one rank)."""
+    import torch
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order (``[obj]`` with one rank)."""
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if world_size() > 1:
+        dist.barrier()
