@@ -48,6 +48,9 @@ def parse():
     ap.add_argument("--extra", default="{}", help="JSON merged into the aidaptiv section")
     ap.add_argument("--ckpt_dir", default="")
     ap.add_argument("--save_after", type=int, default=0, help="save a checkpoint after this many steps and stop")
+    ap.add_argument("--save_at", default="", help="comma-separated steps after which to save and go on")
+    ap.add_argument("--save_dir", default="", help="where to save (default: --ckpt_dir)")
+    ap.add_argument("--save16", default="", help="after training, engine.save_16bit_model(DIR)")
     ap.add_argument("--resume", action="store_true", help="load the latest checkpoint of --ckpt_dir first")
     ap.add_argument("--no_optimizer_state", action="store_true", help="resume with load_optimizer_states=False")
     ap.add_argument("--out", required=True)
@@ -170,10 +173,12 @@ def main():
         path, client = eng.load_checkpoint(a.ckpt_dir, load_optimizer_states=not a.no_optimizer_state)
         first = client["step"]
         micro = client["micro"]
-    for step in range(first, a.steps):
-        if a.save_after and step == a.save_after:
-            eng.save_checkpoint(a.ckpt_dir, client_state={"step": step, "micro": micro})
-            break
+    save_at = {int(x) for x in a.save_at.split(",") if x}
+    for step in range(first, a.steps + (1 if a.save_after == a.steps else 0)):
+        if step in save_at or (a.save_after and step == a.save_after):
+            eng.save_checkpoint(a.save_dir or a.ckpt_dir, client_state={"step": step, "micro": micro})
+            if step == a.save_after:
+                break
         before = counters.snapshot()
         step_losses = []
         for _ in range(a.ga):
@@ -189,6 +194,8 @@ def main():
             current_runtime().flush()
         losses.append(step_losses)
         io.append(counters.delta(counters.snapshot(), before))
+    if a.save16:
+        eng.save_16bit_model(a.save16)
     params = {}
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
