@@ -65,3 +65,17 @@ def test_uninstall_restores_every_attribute():
               "'_PartitionedParameterCoordinator__prefetch_nvme_param_partitions'))\n"
               "print(all(a is b for a, b in zip(before, after)))")
     assert out == "True"
+
+
+def test_site_hook_activates_an_unmodified_process(tmp_path, monkeypatch):
+    """``aidaptiv-ds site-hook install`` writes a .pth whose import line installs the hooks on ``import deepspeed``."""
+    from aidaptiv_ds.cli import site_hook
+    from aidaptiv_ds.cli.main import main as cli
+
+    monkeypatch.setattr(site_hook, "pth_path", lambda: str(tmp_path / site_hook.PTH_NAME))
+    assert cli(["site-hook", "install"]) == 0
+    out = _py(f"import site; site.addsitedir({str(tmp_path)!r}); import sys; assert 'aidaptiv_ds' in sys.modules; "
+              "import deepspeed, deepspeed.runtime.zero.stage3 as s3; print(s3.DeepSpeedZeroOptimizer_Stage3.__name__)")
+    assert out == "AidaptivZeroOptimizer_Stage3"
+    assert cli(["site-hook", "remove"]) == 0
+    assert not (tmp_path / site_hook.PTH_NAME).exists()

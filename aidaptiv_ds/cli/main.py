@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES = [
     "aidaptiv_ds.cli.ledger",
     "aidaptiv_ds.cli.export",
     "aidaptiv_ds.cli.bench_io",
+    "aidaptiv_ds.cli.site_hook",
 ]
 
 

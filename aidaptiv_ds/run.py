@@ -1,0 +1,44 @@
+"""Run an unmodified training script with aidaptiv_ds active: ``python -m aidaptiv_ds.run SCRIPT [ARGS...]``.
+
+The script runs as ``__main__`` (``runpy``) after ``import aidaptiv_ds`` installed the DeepSpeed
+hooks, so a script that never mentions aidaptiv_ds -- an HF ``Trainer`` with ``--deepspeed
+cfg.json``, a plain ``deepspeed.initialize`` loop -- uses our swappers whenever its config has an
+enabled ``"aidaptiv"`` section. Works under every launcher::
+
+    python -m aidaptiv_ds.run train.py --deepspeed ds_config.json
+    torchrun --nproc_per_node 8 -m aidaptiv_ds.run train.py --deepspeed ds_config.json
+    deepspeed --num_gpus 8 --module aidaptiv_ds.run train.py --deepspeed ds_config.json
+
+(``launch/aidaptiv_run.py`` is the same as a file, for launchers that want a script path.) The
+alternative for every process of an environment is the opt-in site hook, ``aidaptiv-ds site-hook
+install``.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import aidaptiv_ds  # noqa: F401 - installs the hooks (now, or when the script imports deepspeed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``argv[0]`` as ``__main__`` with ``argv[1:]`` as its arguments.
+
+    Raises:
+        SystemExit: usage error (no script given, or the script does not exist).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("--local_rank"):  # the deepspeed launcher passes it before the script
+        argv = argv[1:] + [argv[0]]
+    if not argv or not os.path.isfile(argv[0]):
+        raise SystemExit(f"usage: python -m aidaptiv_ds.run SCRIPT [ARGS...]\n"
+                         f"{'no script given' if not argv else repr(argv[0]) + ' is not a file'}")
+    script = os.path.abspath(argv[0])
+    sys.argv = [script] + argv[1:]
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""An unmodified HF Trainer script: it never imports aidaptiv_ds (run it through ``python -m aidaptiv_ds.run``).
+
+    python -m aidaptiv_ds.run tests/scripts/hf_trainer.py MODEL_DIR DS_CONFIG OUT_DIR
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("RANK", "0")
+os.environ.setdefault("LOCAL_RANK", "0")
+os.environ.setdefault("WORLD_SIZE", "1")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", "29631")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+
+def main():
+    model_dir, ds_config, out = sys.argv[1:4]
+    args = TrainingArguments(output_dir=out, deepspeed=ds_config, per_device_train_batch_size=2, max_steps=3,
+                             learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                             disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (ids := torch.randint(0, model.config.vocab_size, (16,), generator=g)), "labels": ids}
+            for _ in range(12)]
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    opt = trainer.model_wrapped.optimizer
+    p = next(trainer.model_wrapped.module.parameters())
+    print("RESULT " + json.dumps({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                                  "param_swapper": type(p.nvme_swapper).__name__,
+                                  "optimizer_swapper": type(opt.optimizer_swapper).__name__}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""An unmodified HF ``Trainer --deepspeed`` script runs on aidaptiv_ds through ``python -m aidaptiv_ds.run``
+(no import of aidaptiv_ds in the script) and trains exactly like DeepSpeed's CPU offload."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _oracle import REPO, STORIES, free_port
+
+SCRIPT = os.path.join(REPO, "tests", "scripts", "hf_trainer.py")
+
+
+def trainer_run(cfg: dict, tmp_path, name: str) -> dict:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    env = dict(os.environ, PYTHONPATH=REPO, MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds.run", SCRIPT, STORIES, str(path), str(tmp_path / name)],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-5000:]
+    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+def test_unmodified_hf_trainer_script(tmp_path):
+    with open(os.path.join(REPO, "ds_configs", "aidaptiv_zero3.json")) as f:
+        ours = json.load(f)
+    cache = str(tmp_path / "cache")
+    os.makedirs(cache)
+    for sec in ("offload_param", "offload_optimizer"):
+        ours["zero_optimization"][sec]["nvme_path"] = cache
+    ours["aidaptiv"].update(cache_paths=[cache], dram_budget=0)
+    with open(os.path.join(REPO, "ds_configs", "cpu_offload.json")) as f:
+        ref = json.load(f)
+    got, want = trainer_run(ours, tmp_path, "aidaptiv"), trainer_run(ref, tmp_path, "cpu")
+    assert got["param_swapper"] == "AidaptivParamSwapper"
+    assert got["optimizer_swapper"] == "AidaptivOptimizerSwapper"
+    assert len(got["losses"]) == 3 and got["losses"] == want["losses"]
