@@ -8,7 +8,6 @@
 * :mod:`.ds_config`: the DeepSpeed JSON config filled from the command line;
 * :mod:`.distributed`: single-process defaults and cross-rank reductions;
 * :mod:`.evaluate`: token-weighted held-out loss, also for a saved model;
-* :mod:`.metrics_log`: ``metrics.jsonl``;
 * :mod:`.loop`: the DeepSpeed training loop;
 * :mod:`.job`: one run end to end (:func:`.job.run`).
 """

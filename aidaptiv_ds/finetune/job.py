@@ -4,7 +4,8 @@ Files written to ``output_dir`` (rank 0):
 
 * ``finetune_args.json``: the flags, the resolved DeepSpeed config, counts of the splits;
 * ``eval_split.jsonl``: the held-out records (Dolly format), so the saved model can be re-scored;
-* ``metrics.jsonl``: eval, per-step and summary lines (see :mod:`.metrics_log`), a new file per run;
+* ``metrics.jsonl``: eval, per-step and summary lines (:class:`aidaptiv_ds.telemetry.metrics.MetricsWriter`;
+  TensorBoard event files too when tensorboard is installed), a new file per run;
 * the fine-tuned model as an HF directory: ``config.json``, ``model.safetensors``, tokenizer files;
 * ``demo_inputs/`` for the embedded demo: the generated data set and initial model.
 """
@@ -25,11 +26,10 @@ from .data import filter_category, read_dolly, split_train_eval, write_dolly
 from .ds_config import is_zero3, load_ds_config, model_dtype, resolve, uses_nvme
 from .evaluate import EVAL_SPLIT_FILE, RUN_ARGS_FILE
 from .loop import LoopSettings, plan_steps, train
-from .metrics_log import MetricsLog
+from ..telemetry.metrics import MetricsWriter
 from .model_io import count_parameters, load_model, load_tokenizer, resolve_source, save_hf_model
 from .template import encode_records, pad_token_id
 
-METRICS_FILE = "metrics.jsonl"
 DEMO_DIR = "demo_inputs"
 DEMO_LEARNING_RATE = 1e-3
 
@@ -158,7 +158,7 @@ def run(args: FinetuneArgs) -> dict:
             json.dump({**dataclasses.asdict(args), "model_name_or_path": model_path, "data_path": data_path,
                        "demo": is_demo, "world_size": world, "eval_batch_size": settings.eval_batch_size,
                        "dtype": str(dtype).replace("torch.", ""), "ds_config_resolved": cfg}, f, indent=1)
-    log = MetricsLog(os.path.join(args.output_dir, METRICS_FILE), enabled=rank == 0)
+    log = MetricsWriter(args.output_dir, fresh=True) if rank == 0 else None
 
     import deepspeed
 
@@ -182,9 +182,11 @@ def run(args: FinetuneArgs) -> dict:
                    "n_train_examples": len(train_split.examples), "n_eval_examples": len(eval_split.examples),
                    "dropped_examples": dropped, "truncated_examples": truncated,
                    "deepspeed_config": args.deepspeed, "wall_time_s": round(time.perf_counter() - t0, 3)}
-        log.write(summary)
+        if log is not None:
+            log.write(summary)
     finally:
-        log.close()
+        if log is not None:
+            log.close()
     distributed.barrier()
     tps = summary["mean_tokens_per_s"]
     _say(f"eval loss {summary['eval_loss_before']:.4f} -> {summary['final_eval_loss']:.4f}; {summary['steps']} steps, "

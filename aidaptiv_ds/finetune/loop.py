@@ -6,7 +6,9 @@ aligned to the epoch and the epoch's last window may be shorter (its loss is res
 is the mean over the micro-batches it has). The held-out split is scored before training, after
 every epoch and, when ``--max_steps`` stops the run inside an epoch, once more at the end.
 
-Per optimizer step one metrics line is written (see :mod:`.metrics_log`); counters come from
+Per optimizer step one metrics line is written (:class:`aidaptiv_ds.telemetry.metrics.MetricsWriter`:
+``metrics.jsonl``, and TensorBoard when installed; fields of :func:`~aidaptiv_ds.telemetry.metrics.build_record`
+plus ``epoch``; counters summed over ranks); counters come from
 :func:`aidaptiv_ds.telemetry.counters.snapshot` taken at the start and end of the step (data loading,
 forward, backward and optimizer step included) and are summed over ranks.
 """
@@ -23,7 +25,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ..telemetry import counters
 from . import distributed
 from .evaluate import evaluate, hf_forward
-from .metrics_log import MetricsLog
+from ..telemetry import nvml, sysinfo
+from ..telemetry.metrics import MetricsWriter, build_record, format_step_summary
 from .template import Example, collate
 
 
@@ -70,12 +73,16 @@ def plan_steps(n_train: int, world: int, s: LoopSettings) -> StepPlan:
 
 def _combine(deltas: list[dict]) -> dict:
     """Sum per-rank counter deltas (``io_wait_s``: the slowest rank)."""
-    out = {"bytes_read": {}, "bytes_written": {}, "proc_read_bytes": 0, "proc_write_bytes": 0,
+    out = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, "proc_read_bytes": 0, "proc_write_bytes": 0,
            "dram_bytes": 0, "dram_peak_bytes": 0, "io_wait_s": 0.0}
     for d in deltas:
         for key in ("bytes_read", "bytes_written"):
             for tier, v in d[key].items():
                 out[key][tier] = out[key].get(tier, 0) + v
+        for path, v in d.get("per_path", {}).items():
+            cur = out["per_path"].setdefault(path, {"bytes_read": 0, "bytes_written": 0})
+            for k in cur:
+                cur[k] += v.get(k, 0)
         for key in ("proc_read_bytes", "proc_write_bytes", "dram_bytes", "dram_peak_bytes"):
             out[key] += d[key]
         out["io_wait_s"] = max(out["io_wait_s"], d["io_wait_s"])
@@ -137,7 +144,7 @@ def run_eval(engine, examples: list[Example], s: LoopSettings) -> dict:
 
 
 def train(engine, train_examples: list[Example], eval_examples: list[Example], s: LoopSettings,
-          log: MetricsLog, n_params: int) -> dict:
+          log: MetricsWriter | None, n_params: int) -> dict:
     """Run the whole training; returns the summary fields of the loop (see :class:`_Totals`) plus
     ``steps``, ``epochs``, ``eval_loss_before``, ``final_eval_loss``, ``train_time_s`` and
     ``dram_peak_bytes``.
@@ -151,9 +158,13 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
                         collate_fn=functools.partial(collate, pad_id=s.pad_id))
     assert len(loader) == plan.micro_batches_per_epoch, (len(loader), plan)
 
+    def write(record: dict) -> None:
+        if log is not None:
+            log.write(record)
+
     ev = run_eval(engine, eval_examples, s)
     eval_before = ev["eval_loss"]
-    log.write({**ev, "step": 0, "epoch": 0.0})
+    write({**ev, "step": 0, "epoch": 0.0})
     last_eval = ev
 
     totals = _Totals()
@@ -191,15 +202,12 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
             dram_peak = max(dram_peak, c["dram_peak_bytes"])
             if step > 1:
                 totals.add(int(tok_all), dt_max, c)
-            rec = {"step": step, "epoch": round(epoch + (i + 1) / plan.micro_batches_per_epoch, 4),
-                   "loss": loss_sum / n_loss, "lr": lr, "tokens": int(tok_all),
-                   "tokens_per_s": tok_all / dt_max if dt_max > 0 else None, "step_time_s": round(dt_max, 4),
-                   "bytes_read": c["bytes_read"], "bytes_written": c["bytes_written"],
-                   "proc_read_bytes": c["proc_read_bytes"], "proc_write_bytes": c["proc_write_bytes"],
-                   "dram_bytes": c["dram_bytes"], "dram_peak_bytes": c["dram_peak_bytes"],
-                   "io_wait_s": round(c["io_wait_s"], 6)}
-            log.write(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s'] or 0:.0f}", refresh=False)
+            rec = build_record(step, c, step_time_s=round(dt_max, 4), loss=loss_sum / n_loss, tokens=int(tok_all),
+                               lr=lr, vram=nvml.nvml_status() if rank == 0 else None,
+                               rss=sysinfo.process_rss(), host_mem=sysinfo.host_memory(),
+                               extra={"epoch": round(epoch + (i + 1) / plan.micro_batches_per_epoch, 4)})
+            write(rec)
+            bar.set_postfix_str(format_step_summary(rec), refresh=False)
             bar.update(1)
             losses, tokens = [], 0
             snap, t_mark = counters.snapshot(), time.perf_counter()
@@ -208,11 +216,11 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
         else:
             epoch += 1
             last_eval = run_eval(engine, eval_examples, s)
-            log.write({**last_eval, "step": step, "epoch": float(epoch)})
+            write({**last_eval, "step": step, "epoch": float(epoch)})
             continue
         # --max_steps stopped the run inside an epoch: score the final weights once more.
         last_eval = run_eval(engine, eval_examples, s)
-        log.write({**last_eval, "step": step, "epoch": round(step / plan.steps_per_epoch, 4)})
+        write({**last_eval, "step": step, "epoch": round(step / plan.steps_per_epoch, 4)})
     bar.close()
     return {"steps": step, "epochs": round(step / plan.steps_per_epoch, 4), "eval_loss_before": eval_before,
             "final_eval_loss": last_eval["eval_loss"], "eval_tokens": last_eval["eval_tokens"],

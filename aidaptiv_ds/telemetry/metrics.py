@@ -154,15 +154,16 @@ class MetricsWriter:
             ImportError); None (default) uses it when importable.
         nvml_backend: NVML backend for VRAM (default: the process-wide one, see :mod:`.nvml`).
         query_vram: ask NVML each step (False skips it, e.g. on CPU-only runs).
+        fresh: start a new file instead of appending (one run per file).
     """
 
     FILE = "metrics.jsonl"
 
     def __init__(self, output_dir: str, tensorboard: bool | None = None, nvml_backend=None,
-                 query_vram: bool = True) -> None:
+                 query_vram: bool = True, fresh: bool = False) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, self.FILE)
-        self._f = open(self.path, "a")
+        self._f = open(self.path, "w" if fresh else "a")
         self._lock = threading.Lock()
         self._nvml = nvml_backend
         self._query_vram = query_vram
@@ -191,7 +192,9 @@ class MetricsWriter:
         return rec
 
     def write(self, record: dict) -> None:
-        """Append ``record`` as one JSON line (flushed; NaN/inf as null) and its scalars to TensorBoard."""
+        """Append ``record`` (with ``time`` if absent) as one JSON line (flushed; NaN/inf as null) and its
+        scalars to TensorBoard."""
+        record = {"time": round(time.time(), 3), **record}
         with self._lock:
             self._f.write(json.dumps(finite(record), sort_keys=True, allow_nan=False) + "\n")
             self._f.flush()
