@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES = [
     "aidaptiv_ds.cli.export",
     "aidaptiv_ds.cli.bench_io",
     "aidaptiv_ds.cli.site_hook",
+    "aidaptiv_ds.cli.unpack",
 ]
 
 

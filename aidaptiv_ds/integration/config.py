@@ -96,6 +96,8 @@ class AidaptivConfig(_Model):
             threshold (default 0: every partition goes through the store).
         checksum: CRC32 of every written block, verified on read (default false).
         keep_files: keep the slab files after a clean shutdown (default false: they are deleted).
+        from_unpacked: take the initial weights from a store written by ``aidaptiv-ds unpack`` under
+            ``run_name`` (needs an explicit ``run_name``; the namespace is kept).
         endurance: the drives' endurance rating.
         io: I/O engine settings.
     """
@@ -112,6 +114,7 @@ class AidaptivConfig(_Model):
     min_swap_bytes: Union[int, str] = 0
     checksum: bool = False
     keep_files: bool = False
+    from_unpacked: bool = False
     endurance: EnduranceConfig = Field(default_factory=EnduranceConfig)
     io: IOConfig = Field(default_factory=IOConfig)
 
@@ -147,6 +150,13 @@ class AidaptivConfig(_Model):
         if not v or "/" in v or v in (".", ".."):
             raise ValueError(f"{SECTION}.run_name: {v!r} must be a plain name (no '/'), or \"auto\"")
         return v
+
+    @model_validator(mode="after")
+    def _unpacked(self):
+        if self.from_unpacked and self.run_name == "auto":
+            raise ValueError(f"{SECTION}.from_unpacked: needs the run_name given to `aidaptiv-ds unpack` (run_name is "
+                             f"\"auto\"). Fix: set \"run_name\": \"<the unpack's name>\"")
+        return self
 
     @model_validator(mode="after")
     def _weights(self):

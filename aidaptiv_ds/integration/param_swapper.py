@@ -52,6 +52,7 @@ class _Loc(NamedTuple):
     numel: int
     dtype: torch.dtype
     elsize: int
+    readonly: bool = False  # an unpacked partition: the first write relocates it (the unpacked copy stays)
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +85,8 @@ class AidaptivParamSwapper:
         self._reserved: list[torch.Tensor] = []
         self._window: int | None = None
         self.init_phase = False  # set by the Stage-3 subclass while DeepSpeed rewrites unchanged partitions
+        self.from_unpacked = bool(runtime.cfg.from_unpacked)
+        self._unadopted: set[int] = set()  # first partitions not written: their bytes come from the unpacked store
         self.skipped_init_bytes = 0
         self.swap_folder = runtime.namespace.rank_dir(0)
 
@@ -146,8 +149,12 @@ class AidaptivParamSwapper:
         items = []
         for p in params:
             numel = p.ds_tensor.ds_numel
+            first = p.ds_id not in self._loc
             self._register(p, numel)
             self._by_tensor[id(p.ds_tensor)] = p.ds_id
+            if self.from_unpacked and (first or p.ds_id in self._unadopted):
+                self._unadopted.add(p.ds_id)  # initial content comes from the unpacked store: nothing to write
+                continue
             items.append((p, p.ds_tensor.data.detach().reshape(-1)[:numel]))
         futs = self._write(items, keep=False)
         with self.rt.io_wait:
@@ -351,6 +358,14 @@ class AidaptivParamSwapper:
         """
         src = {}
         for p, t in items:
+            loc = self._loc[p.ds_id]
+            if loc.readonly:  # keep the unpacked copy: the new bytes get a place of their own
+                region = self._region(loc.dtype)
+                self._loc[p.ds_id] = _Loc(region, region.append(loc.nbytes, align=loc.elsize), loc.numel, loc.dtype,
+                                          loc.elsize)
+                old = self._slice_of.pop(p.ds_id, None)
+                if old is not None:
+                    old.members = tuple(m for m in old.members if m != p.ds_id)
             s = self._slice_of.get(p.ds_id)
             if s is not None and s.resident:
                 self._view(s, p.ds_id).copy_(t.reshape(-1))
@@ -416,6 +431,49 @@ class AidaptivParamSwapper:
                     self.rt.tier.release(old)
                     self.rt.tier.acquire(s)
                     self._published[i] = s
+
+    def adopt_unpacked(self, module) -> int:
+        """Point every partition of ``module`` at its place in the unpacked store of this rank
+        (:mod:`aidaptiv_ds.checkpoint.unpack`); returns the bytes adopted.
+
+        Raises:
+            FileNotFoundError: the namespace was not unpacked.
+            ValueError: the unpacked model does not match (world size, a missing tensor, a size or dtype).
+        """
+        from ..checkpoint.unpack import read_manifest, region_name
+
+        man = read_manifest(self.rt.namespace.rank_dir(0))
+        if man["world_size"] != self.rt.world:
+            raise ValueError(f"aidaptiv.from_unpacked: the store was unpacked for world size {man['world_size']}, "
+                             f"this run has {self.rt.world}. Fix: unpack again with --world-size {self.rt.world}")
+        dtype = getattr(torch, man["dtype"])
+        region = PackedRegion(self.rt.store, region_name(dtype))
+        region.reopen(man["region_size"])
+        elsize = torch.empty((), dtype=dtype).element_size()
+        problems, adopted = [], 0
+        for name, p in module.named_parameters():
+            if getattr(p, "ds_tensor", None) is None or p.ds_id not in self._loc:
+                continue
+            e = man["tensors"].get(name)
+            if e is None:
+                problems.append(f"{name}: not in the unpacked model")
+            elif e["numel"] != p.ds_numel or e["partition_numel"] != p.ds_tensor.ds_numel or dtype != p.dtype:
+                problems.append(f"{name}: unpacked {e['numel']} elements ({man['dtype']}), the model has "
+                                f"{p.ds_numel} ({str(p.dtype)[6:]})")
+            else:
+                old = self._slice_of.pop(p.ds_id, None)
+                if old is not None:
+                    old.members = tuple(m for m in old.members if m != p.ds_id)
+                self._loc[p.ds_id] = _Loc(region, e["start"], e["partition_numel"], dtype, elsize, readonly=True)
+                self._unadopted.discard(p.ds_id)
+                adopted += e["partition_numel"] * elsize
+        if self._unadopted and not problems:
+            problems.append(f"{len(self._unadopted)} partitions were created but belong to no parameter of the model")
+        if problems:
+            raise ValueError(f"aidaptiv.from_unpacked: the store unpacked from {man['source']} does not match this "
+                             f"model:\n  " + "\n  ".join(problems[:10]) + "\nFix: unpack the model you train "
+                             f"(`aidaptiv-ds unpack MODEL_DIR ...`), or remove \"from_unpacked\"")
+        return adopted
 
     def write_partitions(self, items: list) -> None:
         """Replace partitions' stored bytes: ``[(param, tensor of ds_numel elements)]`` (synchronous)."""

@@ -12,6 +12,7 @@ import atexit
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
 
@@ -52,14 +53,24 @@ def resolve_run_name(name: str) -> str:
     return fresh
 
 
+def local_world_size() -> int:
+    """Processes of this job on this node: ``LOCAL_WORLD_SIZE`` (torchrun), else ``LOCAL_SIZE`` (the
+    ``deepspeed`` launcher sets only that one), else 1."""
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        v = os.environ.get(var, "").strip()
+        if v:
+            return max(int(v), 1)
+    return 1
+
+
 def auto_dram_budget(working_set_bytes: int = 0) -> int:
     """This rank's DRAM budget for ``dram_budget: "auto"``: the planner's node budget
     (:func:`aidaptiv_ds.planner.auto.resolve_dram_budget`: available memory from ``/proc/meminfo``
     minus a safety margin) minus this rank's host working set, split over the node's ranks
-    (``LOCAL_WORLD_SIZE``, each rank subtracting its own working set)."""
+    (:func:`local_world_size`, each rank subtracting its own working set)."""
     from ..planner.auto import resolve_dram_budget
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local = local_world_size()
     return resolve_dram_budget("auto", working_set_bytes=working_set_bytes * local, local_ranks=local).per_rank_bytes
 
 
@@ -83,7 +94,7 @@ class Runtime:
 
     Attributes:
         cfg: the validated ``"aidaptiv"`` section.
-        rank: global rank; local_rank: rank on this node.
+        rank: global rank; local_rank: rank on this node; local_world: ranks on this node.
         engine: the I/O engine; store: the slab store; tier: the DRAM tier; order: the access order.
         budget: the resolved DRAM budget in bytes.
     """
@@ -92,6 +103,7 @@ class Runtime:
         self.cfg = cfg
         self.rank, self.world = _dist_rank_world()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.local_world = local_world_size()
         self.engine = IOEngine(block_size=cfg.io.block_size, threads_per_drive=cfg.io.threads_per_drive,
                                max_retries=cfg.io.max_retries, direct=cfg.io.direct)
         run = resolve_run_name(cfg.run_name)
@@ -102,7 +114,8 @@ class Runtime:
         self.namespace = Namespace(paths, run, self.rank)
         self.store = SlabStore(self.namespace, [PathSpec(p, w, None, rating) for p, w in zip(paths, weights)],
                                engine=self.engine, policy=cfg.placement, primary=primary,
-                               stripe_unit=cfg.stripe_unit, checksum=cfg.checksum, keep=cfg.keep_files)
+                               stripe_unit=cfg.stripe_unit, checksum=cfg.checksum,
+                               keep=cfg.keep_files or cfg.from_unpacked)
         self.budget = auto_dram_budget() if cfg.dram_budget == "auto" else int(cfg.dram_budget)
         wb = 512 << 20 if cfg.writeback_bytes == "auto" else int(cfg.writeback_bytes)
         self.order = AccessOrder()
@@ -145,8 +158,21 @@ class Runtime:
             "io_wait_s": self.io_wait.seconds,
         }
 
+    def check(self) -> None:
+        """Per-step health check of the store (see :meth:`SlabStore.check_files`).
+
+        Raises:
+            CachePathError: the store's directory on a cache path was removed under the run.
+        """
+        self.store.check_files()
+
     def flush(self) -> None:
-        """Finish every write in flight and book the ledger."""
+        """Finish every write in flight and book the ledger.
+
+        Raises:
+            StorageIOError: a write failed (path, offset, fix); CachePathError: see :meth:`check`.
+        """
+        self.check()
         if self.param_swapper is not None:
             self.param_swapper.synchronize_writes()
         self.tier.wait_writes()
@@ -192,7 +218,7 @@ def current_runtime() -> Runtime | None:
 
 
 def shutdown() -> None:
-    """Close the runtime (called at interpreter exit; safe to call twice)."""
+    """Close the runtime (safe to call twice; see :func:`_shutdown_at_exit` for interpreter exit)."""
     global _RUNTIME
     with _LOCK:
         rt, _RUNTIME = _RUNTIME, None
@@ -200,4 +226,18 @@ def shutdown() -> None:
         rt.close()
 
 
-atexit.register(shutdown)
+def _shutdown_at_exit() -> None:
+    """:func:`shutdown` at interpreter exit. When the process is exiting because of an unhandled
+    exception (``sys.last_value`` is set: the run failed and Python already printed its error), an
+    error of the close itself (typically the same failed write, met again while flushing) is only
+    logged at debug level, so the run's own error stays the last thing on stderr. The close still
+    frees the drive: the store's files are deleted (or kept with ``keep_files``) either way."""
+    try:
+        shutdown()
+    except BaseException as e:  # noqa: BLE001 - re-raised unless a prior error was already reported
+        if getattr(sys, "last_value", None) is None:
+            raise
+        log.debug("aidaptiv_ds: closing the store after the run failed: %s", e)
+
+
+atexit.register(_shutdown_at_exit)

@@ -87,6 +87,8 @@ def make_stage3_class(base: type) -> type:
             rt = self._aidaptiv_rt
             sw = self.optimizer_swapper
             psw = self._aidaptiv_param_swapper()
+            if psw is not None and rt.cfg.from_unpacked:  # before DeepSpeed reads partitions for the masters
+                psw.adopt_unpacked(self._aidaptiv_module)
             numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
             align = rt.store.alignment
             slots = 1 + sw.expected_states

@@ -9,6 +9,14 @@ Backends: ``cpu`` (DeepSpeed's offload to DRAM: the oracle), ``aidaptiv`` (our s
 cache path), ``native`` (DeepSpeed's own NVMe swappers, with our pure-Python aio handle so nothing
 is compiled). The output file holds the per-step losses, the final fp32 parameters (gathered) and
 the per-step I/O counters.
+
+Test-only options for the multi-rank tests (``tests/test_multirank.py``): ``--rank_out DIR`` makes
+every rank write ``DIR/rank<R>.pt`` (its own losses, fp32 master partitions, namespace, per-path
+cache bytes after the store closed); ``--shadow`` adds, per extent, the SHA-256 of every byte range
+the store was last asked to write (recorded at submit time by wrapping ``SlabStore.write``), so a
+fresh process can check that a kept store reads back exactly that; ``--hold_until FILE`` keeps the
+store open after training until ``FILE`` exists (``FILE.ready<R>`` says the rank is waiting).
+``--local_rank`` is accepted (and ignored) because the ``deepspeed`` launcher passes it.
 """
 from __future__ import annotations
 
@@ -20,7 +28,8 @@ import sys
 os.environ.setdefault("RANK", "0")
 os.environ.setdefault("LOCAL_RANK", "0")
 os.environ.setdefault("WORLD_SIZE", "1")
-os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+if "LOCAL_SIZE" not in os.environ:  # the deepspeed launcher sets LOCAL_SIZE (not LOCAL_WORLD_SIZE): leave it alone
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29611")
 
@@ -33,7 +42,8 @@ sys.path.insert(0, REPO)
 def parse():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", choices=["cpu", "aidaptiv", "native"], required=True)
-    ap.add_argument("--model", choices=["mlp", "llama", "stories", "unused"], default="llama")
+    ap.add_argument("--model", choices=["mlp", "llama", "stories", "stories_config", "unused"], default="llama",
+                    help="stories_config: the stories260K architecture from its config.json only, no weights")
     ap.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="fp32")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--ga", type=int, default=1)
@@ -54,12 +64,25 @@ def parse():
     ap.add_argument("--resume", action="store_true", help="load the latest checkpoint of --ckpt_dir first")
     ap.add_argument("--no_optimizer_state", action="store_true", help="resume with load_optimizer_states=False")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", type=int, default=None, help="passed by the deepspeed launcher (unused)")
+    ap.add_argument("--rank_out", default="", help="test-only: every rank writes DIR/rank<R>.pt")
+    ap.add_argument("--shadow", action="store_true", help="test-only: record digests of what the store wrote")
+    ap.add_argument("--hold_until", default="", help="test-only: keep the store open until this file exists")
+    # test-only options (tests/test_training_faults.py): observe and disturb a run between steps
+    ap.add_argument("--progress", action="store_true", help="print 'aidaptiv-test: step N done' after each step")
+    ap.add_argument("--pause_at", default="", help="comma-separated steps before which to pause (needs --pause_dir)")
+    ap.add_argument("--pause_dir", default="", help="pausing before step N writes paused_N.json here (the store's "
+                    "slabs and extents) and waits up to 300 s for a file resume_N")
+    ap.add_argument("--faults_after", type=int, default=-1, help="before this step, arm the fault rules of --faults")
+    ap.add_argument("--faults", default="", help="AIDAPTIV_FAULTS-style rules armed at --faults_after")
+    ap.add_argument("--no_mkdir", action="store_true", help="do not create the cache paths (startup-error tests)")
     return ap.parse_args()
 
 
 def ds_config(a) -> dict:
     cache = a.cache
-    os.makedirs(cache, exist_ok=True)
+    if not a.no_mkdir:
+        os.makedirs(cache, exist_ok=True)
     dev = "cpu" if a.backend == "cpu" else "nvme"
     cfg = {
         "train_micro_batch_size_per_gpu": a.micro,
@@ -86,7 +109,8 @@ def ds_config(a) -> dict:
     if a.backend == "aidaptiv":
         paths = a.cache_paths.split(",") if a.cache_paths else [cache]
         for p in paths:
-            os.makedirs(p, exist_ok=True)
+            if not a.no_mkdir:
+                os.makedirs(p, exist_ok=True)
         sec = {"enabled": True, "cache_paths": paths, "dram_budget": a.budget}
         sec.update(json.loads(a.extra))
         cfg["aidaptiv"] = sec
@@ -124,11 +148,15 @@ def build(a, cfg):
     torch.manual_seed(0)
     dt = dtype_of(a)
     keep = None
-    if a.model == "stories":
+    if a.model in ("stories", "stories_config"):
         path = os.path.join(REPO, "..", "shared", "data", "models", "stories260K", "hf")
         if a.zinit:
             keep = HfDeepSpeedConfig(cfg)  # noqa: F841 - from_pretrained loads into zero.Init partitions
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dt)
+        if a.model == "stories":
+            model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dt)
+        else:
+            from transformers import AutoConfig
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), torch_dtype=dt)
     elif a.model == "llama":
         model = LlamaForCausalLM(llama_config(a)).to(dt)  # HF init runs (not under zero.Init)
         if a.zinit:  # convert an initialised model through zero.Init(module=...)
@@ -149,13 +177,126 @@ def build(a, cfg):
 
 def batch(a, i, rank, vocab=512):
     g = torch.Generator().manual_seed(1000 + 10 * i + rank)
-    if a.model in ("llama", "stories"):
+    if a.model in ("llama", "stories", "stories_config"):
         return torch.randint(0, vocab, (a.micro, 24), generator=g)
     return torch.randn(a.micro, a.hidden, generator=g).to(dtype_of(a))
 
 
+def _between_steps(a, step: int) -> None:
+    """Test-only hooks run before ``step`` (after a save at ``step``): arm injected faults, pause for an
+    outside disturbance (the store's writes are complete then: the loop flushes after each step)."""
+    import time
+
+    from aidaptiv_ds.integration.runtime import current_runtime
+    rt = current_runtime()
+    if step == a.faults_after and rt is not None:
+        from aidaptiv_ds.io.syscalls import FaultyIO, rules_from_env
+        rt.engine.sysio = FaultyIO(rules_from_env(a.faults))  # the engine looks the object up per call
+    if a.pause_dir and str(step) in a.pause_at.split(","):
+        info = {"step": step, "pid": os.getpid()}
+        if rt is not None:
+            info.update(cache_paths=rt.namespace.cache_paths, rank_dir=rt.namespace.rank_dir(0),
+                        slabs=[s.path for s in rt.store.slabs],
+                        extents={k: [e.offset, e.nbytes] for k, e in rt.store._extents.items()})
+        tmp = os.path.join(a.pause_dir, f"paused_{step}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, os.path.join(a.pause_dir, f"paused_{step}.json"))
+        deadline = time.monotonic() + 300
+        while not os.path.exists(os.path.join(a.pause_dir, f"resume_{step}")):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"train_oracle: nobody resumed the pause before step {step}")
+            time.sleep(0.05)
+
+
+class StoreShadow:
+    """Test-only: a copy of every byte range the process's store was asked to write, per extent key.
+
+    Wraps ``SlabStore.write`` (which ``put``, the packed regions and the swappers all go through),
+    ``allocate`` (a re-allocated key starts empty) and ``free``. Writes are aligned to the store's
+    alignment, so written ranges are tracked per alignment block. Also counts the bytes asked to be
+    written into each placement segment (striped: one; affinity: primary, then spill), from which a
+    test derives the planned bytes per path without the store's own mapping.
+    """
+
+    def __init__(self) -> None:
+        import threading
+        from aidaptiv_ds.store.store import SlabStore
+        self.data: dict[str, tuple[int, bytearray, bytearray]] = {}  # key -> (extent offset, bytes, written mask)
+        self.align = 4096
+        self.segment_bytes: dict[int, int] = {}  # store segment index -> bytes the process asked to write there
+        self.lock = threading.Lock()
+        orig_write, orig_alloc, orig_free = SlabStore.write, SlabStore.allocate, SlabStore.free
+        shadow = self
+
+        def write(store, key, buf, offset=0, *args, **kwargs):
+            from aidaptiv_ds.io.buffers import byte_view
+            raw = bytes(byte_view(buf).numpy().tobytes())
+            fut = orig_write(store, key, buf, offset, *args, **kwargs)  # validates key, range and alignment
+            shadow.align = store.alignment
+            ext = store.extent(key)
+            with shadow.lock:
+                lo, hi = ext.offset + offset, ext.offset + offset + len(raw)  # logical bytes of this write
+                for k, seg in enumerate(store.segments):
+                    shadow.segment_bytes[k] = shadow.segment_bytes.get(k, 0) + max(0, min(hi, seg.end) - max(lo, seg.start))
+                cur = shadow.data.get(key)
+                if cur is None or cur[0] != ext.offset or len(cur[1]) != ext.nbytes:
+                    cur = shadow.data[key] = (ext.offset, bytearray(ext.nbytes), bytearray(ext.nbytes // store.alignment))
+                cur[1][offset:offset + len(raw)] = raw
+                a = store.alignment
+                cur[2][offset // a:(offset + len(raw)) // a] = b"\x01" * (len(raw) // a)
+            return fut
+
+        def allocate(store, key, nbytes):
+            ext = orig_alloc(store, key, nbytes)
+            with shadow.lock:
+                cur = shadow.data.get(key)
+                if cur is not None and (cur[0] != ext.offset or len(cur[1]) != ext.nbytes):
+                    del shadow.data[key]
+            return ext
+
+        def free(store, key):
+            with shadow.lock:
+                shadow.data.pop(key, None)
+            return orig_free(store, key)
+
+        SlabStore.write, SlabStore.allocate, SlabStore.free = write, allocate, free
+
+    def digests(self) -> dict[str, list[tuple[int, int, str]]]:
+        """Per key: ``[(offset, length, sha256 hex), ...]`` of each maximal written range."""
+        import hashlib
+        out = {}
+        with self.lock:
+            for key, (_, data, mask) in self.data.items():
+                runs, i, a = [], 0, self.align
+                while i < len(mask):
+                    if not mask[i]:
+                        i += 1
+                        continue
+                    j = i
+                    while j < len(mask) and mask[j]:
+                        j += 1
+                    runs.append((i * a, (j - i) * a, hashlib.sha256(data[i * a:j * a]).hexdigest()))
+                    i = j
+                out[key] = runs
+        return out
+
+
+def _hold(path: str, rank: int) -> None:
+    """Test-only: say this rank is waiting (``path.ready<R>``), then wait until ``path`` exists (10 min at most)."""
+    import time
+    with open(f"{path}.ready{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    t0 = time.time()
+    while not os.path.exists(path):
+        if time.time() - t0 > 600:
+            raise TimeoutError(f"--hold_until {path}: nobody created it within 600 s")
+        time.sleep(0.05)
+
+
 def main():
     a = parse()
+    shadow = StoreShadow() if a.shadow and a.backend == "aidaptiv" else None
     cfg = ds_config(a)
     if a.backend == "native" or not cfg.get("aidaptiv", {}).get("enabled", True):
         from aidaptiv_ds.io.aio_handle import register_with_deepspeed
@@ -179,12 +320,13 @@ def main():
             eng.save_checkpoint(a.save_dir or a.ckpt_dir, client_state={"step": step, "micro": micro})
             if step == a.save_after:
                 break
+        _between_steps(a, step)
         before = counters.snapshot()
         step_losses = []
         for _ in range(a.ga):
             x = batch(a, micro, rank, vocab)
             micro += 1
-            out = eng(x, labels=x) if a.model in ("llama", "stories") else eng(x)
+            out = eng(x, labels=x) if a.model in ("llama", "stories", "stories_config") else eng(x)
             loss = out.loss if hasattr(out, "loss") else out
             eng.backward(loss)
             eng.step()
@@ -194,6 +336,8 @@ def main():
             current_runtime().flush()
         losses.append(step_losses)
         io.append(counters.delta(counters.snapshot(), before))
+        if a.progress:
+            print(f"aidaptiv-test: step {step} done", flush=True)
     if a.save16:
         eng.save_16bit_model(a.save16)
     params = {}
@@ -217,10 +361,34 @@ def main():
         extra = {"plan": getattr(opt, "aidaptiv_plan", None).as_dict(), "budget": rt.budget,
                  "tier_evictions": rt.tier.evictions, "dirty_evictions": rt.tier.dirty_evictions,
                  "swapper": type(next(eng.module.parameters()).nvme_swapper).__name__,
-                 "optimizer_swapper": type(opt.optimizer_swapper).__name__}
+                 "optimizer_swapper": type(opt.optimizer_swapper).__name__,
+                 "io_retries": rt.engine.totals().retries, "direct_fallback": dict(rt.engine.fallback_paths)}
     else:
         extra = {"swapper": type(next(eng.module.parameters()).nvme_swapper).__name__,
                  "optimizer_swapper": type(opt.optimizer_swapper).__name__}
+    if a.rank_out:
+        os.makedirs(a.rank_out, exist_ok=True)
+        mine = {"rank": rank, "world": eng.world_size, "pid": os.getpid(), "losses": losses, "masters": masters,
+                "local_rank": int(os.environ.get("LOCAL_RANK", 0))}
+        from aidaptiv_ds.integration import runtime as rt_mod
+        rt = rt_mod.current_runtime()
+        if rt is not None:
+            if a.hold_until:
+                _hold(a.hold_until, rank)
+            st = rt.store
+            rt_mod.shutdown()  # close the store as at exit, so the counters include the last writes and the index
+            ns = st.ns
+            mine.update({"host": ns.host, "run": ns.run, "ns_rank": ns.rank, "cache_paths": ns.cache_paths,
+                         "rank_dirs": [ns.rank_dir(i) for i in range(len(ns.cache_paths))],
+                         "per_path": st.io_counters(), "planned_share": st.planned_share(), "policy": st.policy,
+                         "primary": st.primary, "phys_caps": st.phys_caps, "slab_sizes": [s.size for s in st.slabs],
+                         "weights": [p.weight for p in st.paths], "stripe_unit": st.stripe_unit,
+                         "alignment": st.alignment, "local_world": getattr(rt, "local_world", None),
+                         "segments": [(sg.start, sg.end, sg.layout.paths) for sg in st.segments],
+                         "extents": {k: (e.offset, e.nbytes) for k, e in st._extents.items()},
+                         "shadow": shadow.digests() if shadow is not None else None,
+                         "segment_bytes": dict(shadow.segment_bytes) if shadow is not None else None})
+        torch.save(mine, os.path.join(a.rank_out, f"rank{rank}.pt"))
     if rank == 0:
         torch.save({"losses": losses, "params": params, "masters": masters, "io": io, "nparams": nparams,
                     "world": eng.world_size, **extra}, a.out)
