@@ -24,6 +24,7 @@ SUBCOMMAND_MODULES = [
     "aidaptiv_ds.cli.bench_io",
     "aidaptiv_ds.cli.site_hook",
     "aidaptiv_ds.cli.unpack",
+    "aidaptiv_ds.cli.gc",
 ]
 
 

@@ -1,0 +1,50 @@
+"""``aidaptiv-ds gc --cache PATH [--delete]``: list the stores under cache paths and remove dead ones.
+
+A store (one rank of one run on one node) is *live* while its owner process holds the lock on
+``owner.lock`` (:mod:`aidaptiv_ds.store.layout`). A run killed with ``kill -9``, or kept with
+``keep_files``, leaves a dead store behind; ``--delete`` removes dead ones (``--run NAME`` limits
+it to one run) and never touches a live store, a store of another host unless ``--all-hosts``, or
+anything outside ``<cache_path>/aidaptiv_ds``. The endurance ledgers stay.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+from ..store.layout import hostname, list_namespaces
+from ..units import format_bytes
+
+
+def register(sub) -> None:
+    p = sub.add_parser("gc", help="list stores on cache paths; delete dead ones", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cache", action="append", required=True, metavar="PATH", help="cache path (repeatable)")
+    p.add_argument("--delete", action="store_true", help="delete dead stores")
+    p.add_argument("--run", help="only this run name")
+    p.add_argument("--all-hosts", action="store_true", help="also stores of other hosts (shared network paths)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    me = hostname()
+    rows = []
+    for path in args.cache:
+        for ns in list_namespaces(path):
+            if args.run and ns["run"] != args.run:
+                continue
+            mine = ns["host"] == me or args.all_hosts
+            ns = dict(ns, cache_path=path, deleted=False)
+            if args.delete and not ns["live"] and mine:
+                shutil.rmtree(ns["dir"])
+                ns["deleted"] = True
+            rows.append(ns)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for r in rows:
+        state = "live" if r["live"] else ("deleted" if r["deleted"] else "dead")
+        print(f"{state:8s} {format_bytes(r['bytes_on_disk']):>12s}  {r['dir']}")
+    dead = sum(r["bytes_on_disk"] for r in rows if not r["live"] and not r["deleted"])
+    if dead and not args.delete:
+        print(f"{format_bytes(dead)} in dead stores; `aidaptiv-ds gc --delete --cache ...` removes them")
+    return 0
