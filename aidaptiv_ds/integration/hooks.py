@@ -10,6 +10,8 @@ DeepSpeed file is edited; ``deepspeed-seams.md`` §8):
   configs (see :mod:`aidaptiv_ds.integration.stage3`);
 * the coordinator's NVMe prefetch -> :mod:`aidaptiv_ds.integration.prefetch` (it falls back to
   DeepSpeed's for parameters of DeepSpeed's own swapper);
+* ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint`` -> :mod:`aidaptiv_ds.integration.checkpointing`
+  for engines on our optimizer (DeepSpeed's own methods for the others);
 * ``deepspeed.initialize`` and ``deepspeed.zero.Init`` -> wrappers that validate an enabled section
   before anything is built, so a bad config fails with its message, not deep inside.
 

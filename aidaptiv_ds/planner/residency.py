@@ -94,7 +94,7 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     g_w = 0 if grads else sizes.grad_bytes
     return ResidencyPlan(
         budget=int(budget), grads_resident=grads, params_resident=params, resident_subgroups=resident,
-        resident_bytes=int(budget) - left if budget > 0 else 0, cache_bytes=left,
+        resident_bytes=max(int(budget), 0) - left, cache_bytes=left,
         write_bytes_per_step=p_w + g_w + opt_written,
         read_bytes_per_step=2 * p_w + g_w + opt_written,
     )
