@@ -106,9 +106,9 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
     if pin is None:
         pin = cuda_pinning_available()
     if pin:
-        raw = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # cudaHostAlloc: page aligned
         if raw.data_ptr() % alignment:
-            raw = torch.empty(nbytes + alignment, dtype=torch.uint8).pin_memory()
+            raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=True)
     else:
         raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % alignment
