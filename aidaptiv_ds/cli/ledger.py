@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+from ..jsonsafe import finite
 from ..store.layout import ROOT_NAME
 from ..store.ledger import SECONDS_PER_DAY, EnduranceLedger, EnduranceRating, history_pace, projection, read_ledger
 from ..telemetry.sysinfo import drive_counters
@@ -136,16 +137,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _finite(x):
-    if isinstance(x, float) and x == float("inf"):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
 def run(args) -> int:
     """Print the reports; exit code 1 when a given path does not exist.
 
@@ -155,5 +146,5 @@ def run(args) -> int:
     if not args.cache:
         raise ValueError("--cache: no cache path given; fix: aidaptiv-ds ledger --cache /mnt/cache0 [--cache ...]")
     reports = [path_report(p) for p in args.cache]
-    print(json.dumps(_finite(reports), indent=1) if args.json else format_reports(reports))
+    print(json.dumps(finite(reports), indent=1) if args.json else format_reports(reports))
     return 0 if all(r["exists"] for r in reports) else 1

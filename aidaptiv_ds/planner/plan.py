@@ -67,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..jsonsafe import finite
 from ..store.ledger import SECONDS_PER_DAY, EnduranceRating, projection
 from ..store.striping import StripeLayout
 from ..units import GiB
@@ -361,17 +362,7 @@ class CapacityPlan:
         d = dataclasses.asdict(self)
         d["fits"] = self.fits
         d["verdict"]["smallest_change"] = self.verdict.smallest_change
-        return _finite(d)
-
-
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
+        return finite(d)
 
 
 def fmt_dec(n: float) -> str:

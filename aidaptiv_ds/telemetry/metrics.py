@@ -26,26 +26,15 @@ Record fields (bytes, seconds; GB/s = 10^9 bytes per second of step wall time, n
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
 
+from ..jsonsafe import finite
 from . import counters, nvml, sysinfo
 
 GB = 1e9
 GiB = float(1 << 30)
-
-
-def finite(x):
-    """``x`` with every non-finite float (a NaN loss) replaced by None, so each line is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [finite(v) for v in x]
-    return x
 
 
 def _gbps(nbytes: int, seconds: float | None) -> float | None:
