@@ -9,9 +9,10 @@ cache paths, a packed region ``unpacked/<dtype>`` holds, tensor after tensor in 
 ``P = ceil(numel / world_size)`` (zero padded, DeepSpeed's partitioning), and
 ``<rank dir>/unpacked.json`` maps each tensor name to its place. The store index is kept.
 
-Memory: one tensor at a time is read (``safetensors.safe_open``), cast to the target dtype and
-written partition by partition, so peak RSS stays under twice the largest tensor plus a fixed
-margin (the interpreter, torch, staging of one partition).
+Memory: one tensor at a time is read (``safetensors.safe_open``) and cast to the target dtype; its
+partitions are staged and written asynchronously, at most ``MAX_INFLIGHT`` bytes in flight, so
+peak RSS stays under twice the largest tensor plus a fixed margin (the interpreter, torch, the
+bounded staging). Each partition starts on a block boundary, so writes never wait on each other.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ..store.packed import PackedRegion
 from ..store.store import PathSpec, SlabStore
 
 MANIFEST = "unpacked.json"
+MAX_INFLIGHT = 256 << 20  # bytes of partitions being written at once (their staging is what unpack holds)
 
 
 def region_name(dtype: torch.dtype) -> str:
@@ -93,6 +95,7 @@ def unpack(model_dir: str, cache_paths: list[str], run_name: str, world_size: in
         elsize = torch.empty((), dtype=dtype).element_size()
         t0 = time.perf_counter()
         written = n = 0
+        inflight: list = []  # (future, bytes): writes are pipelined up to MAX_INFLIGHT bytes
         for path in safetensors_files(model_dir):
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
@@ -102,21 +105,24 @@ def unpack(model_dir: str, cache_paths: list[str], run_name: str, world_size: in
                     futs = []
                     for r, region in enumerate(regions):
                         lo, hi = min(r * part, numel), min((r + 1) * part, numel)
-                        start = region.append(part * elsize, align=elsize)
+                        # block-aligned starts: no two tensors share a block, so writes never wait on each other
+                        start = region.append(part * elsize, align=region.block)
 
                         def fill(view, lo=lo, hi=hi):
                             out = view.view(dtype)
                             out[: hi - lo].copy_(t[lo:hi])
                             out[hi - lo:].zero_()
 
-                        futs.append(region.write(start, part * elsize, fill)[0])
+                        inflight.append((region.write(start, part * elsize, fill)[0], part * elsize))
                         manifests[r]["tensors"][name] = {"start": start, "numel": numel, "partition_numel": part,
                                                           "shape": list(f.get_slice(name).get_shape())}
-                    for fu in futs:
-                        fu.wait()
+                    while sum(b for _, b in inflight) > MAX_INFLIGHT:
+                        inflight.pop(0)[0].wait()
                     written += part * elsize * world_size
                     n += 1
                     del t
+        for fu, _ in inflight:
+            fu.wait()
         for region in regions:
             region.flush()
         seconds = time.perf_counter() - t0

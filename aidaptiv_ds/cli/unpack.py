@@ -17,6 +17,7 @@ import torch
 from ..checkpoint.unpack import unpack
 from ..integration.config import load_ds_dict, parse_section
 from ..io.bench import RawBaseline
+from ..io.buffers import reuse_freed_host_memory
 from ..units import format_bytes
 
 
@@ -54,6 +55,7 @@ def run(args) -> int:
         raise ValueError("--deepspeed: no aidaptiv.cache_paths and no offload_param.nvme_path to unpack to")
     if args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size}: must be >= 1")
+    reuse_freed_host_memory()
     res = unpack(args.model, paths, run_name, args.world_size, dtype_of(ds), weights=cfg.path_weights,
                  placement=cfg.placement, stripe_unit=cfg.stripe_unit)
     raw = None

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from ..store.layout import CachePathError, check_cache_path
 from ..units import parse_size
@@ -60,11 +61,14 @@ class IOConfig(_Model):
     ``threads_per_drive``: worker threads per cache path (default 4).
     ``direct``: use O_DIRECT where the filesystem allows (default true).
     ``max_retries``: retries of EIO/EAGAIN before a request fails (default 3).
+    ``reuse_host_memory``: keep freed large host buffers in the heap for reuse instead of unmapping
+    them (glibc ``mallopt``, process-wide; default true; see :func:`aidaptiv_ds.io.buffers.reuse_freed_host_memory`).
     """
     block_size: Union[int, str] = 8 << 20
     threads_per_drive: int = Field(4, ge=1, le=64)
     direct: bool = True
     max_retries: int = Field(3, ge=0, le=20)
+    reuse_host_memory: bool = True
 
     @field_validator("block_size", mode="before")
     @classmethod
@@ -139,16 +143,17 @@ class AidaptivConfig(_Model):
         if isinstance(v, str):
             raise ValueError(f"{SECTION}.cache_paths: {v!r} is a string; give a list, e.g. [\"{v}\"]")
         if not isinstance(v, list) or not v or not all(isinstance(p, str) and p for p in v):
-            raise ValueError(f"{SECTION}.cache_paths: {v!r} must be a non-empty list of directory paths")
+            raise ValueError(f"{SECTION}.cache_paths: {v!r} must be a non-empty list of directory paths, "
+                             f"e.g. [\"/mnt/cache0\", \"/mnt/cache1\"]")
         if len(set(os.path.abspath(p) for p in v)) != len(v):
-            raise ValueError(f"{SECTION}.cache_paths: {v!r} lists a path twice; list each cache directory once")
+            raise ValueError(f"{SECTION}.cache_paths: {v!r} lists a path twice. Fix: list each cache directory once")
         return v
 
     @field_validator("run_name")
     @classmethod
     def _run(cls, v):
         if not v or "/" in v or v in (".", ".."):
-            raise ValueError(f"{SECTION}.run_name: {v!r} must be a plain name (no '/'), or \"auto\"")
+            raise ValueError(f"{SECTION}.run_name: {v!r} must be a plain name (no '/'), e.g. \"run1\", or \"auto\"")
         return v
 
     @model_validator(mode="after")
@@ -162,15 +167,17 @@ class AidaptivConfig(_Model):
     def _weights(self):
         if self.path_weights is not None:
             n = len(self.cache_paths) if self.cache_paths else None
-            if any(w <= 0 for w in self.path_weights):
-                raise ValueError(f"{SECTION}.path_weights: {self.path_weights} must all be > 0 (relative GB/s)")
+            # finite and at most 1e9 (GB/s): the stripe pattern divides by their sum
+            if not all(math.isfinite(w) and 0 < w <= 1e9 for w in self.path_weights):
+                raise ValueError(f"{SECTION}.path_weights: {self.path_weights} must all be finite numbers > 0 (relative "
+                                 f"GB/s, at most 1e9), e.g. [7.0, 3.5]")
             if n is not None and len(self.path_weights) != n:
-                raise ValueError(f"{SECTION}.path_weights: {len(self.path_weights)} weights for {n} cache_paths; "
-                                 f"give one weight per path")
+                raise ValueError(f"{SECTION}.path_weights: {len(self.path_weights)} weights for {n} cache_paths. "
+                                 f"Fix: give one weight per path")
         if isinstance(self.primary_path, int) and self.cache_paths and not (
                 0 <= self.primary_path < len(self.cache_paths)):
             raise ValueError(f"{SECTION}.primary_path: {self.primary_path} is not an index of cache_paths "
-                             f"(0..{len(self.cache_paths) - 1})")
+                             f"(0..{len(self.cache_paths) - 1}). Fix: give such an index, or \"local_rank\"")
         return self
 
 
@@ -178,29 +185,116 @@ def _field_names(model: type[BaseModel]) -> list[str]:
     return list(model.model_fields)
 
 
+#: What a valid value looks like, per key: the fix appended to pydantic's own messages (keys missing
+#: here get their default as the example).
+_EXAMPLES = {
+    "enabled": "true or false", "cache_paths": '["/mnt/cache0", "/mnt/cache1"]',
+    "dram_budget": 'a size such as "48GiB", a number of bytes, or "auto"',
+    "run_name": '"auto" or a plain name such as "run1"', "placement": '"striped" or "affinity"',
+    "path_weights": "one positive number per cache path, e.g. [7.0, 3.5]",
+    "primary_path": '"local_rank" or an index of cache_paths such as 0', "stripe_unit": 'a size such as "1MiB"',
+    "prefetch_bytes": '"auto" or a size such as "1GiB"', "writeback_bytes": '"auto" or a size such as "512MiB"',
+    "min_swap_bytes": '0 or a size such as "1MiB"', "checksum": "true or false", "keep_files": "true or false",
+    "endurance": 'an object such as {"rated_dwpd": 100, "capacity": "8TB"}',
+    "endurance.capacity": 'a size such as "8TB"', "endurance.rated_dwpd": "a number > 0 such as 100",
+    "endurance.warranty_years": "a number > 0 such as 5",
+    "io": 'an object such as {"block_size": "8MiB", "threads_per_drive": 4}',
+    "io.block_size": 'a size such as "8MiB"', "io.threads_per_drive": "an integer from 1 to 64 such as 4",
+    "io.direct": "true or false", "io.max_retries": "an integer from 0 to 20 such as 3",
+}
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr`` of a user value, cut to ``limit`` characters (a huge value must not drown the message)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _example(dotted: str, field) -> str:
+    if dotted in _EXAMPLES:
+        return _EXAMPLES[dotted]
+    default = field.get_default(call_default_factory=True) if field is not None else None
+    if isinstance(default, BaseModel):
+        default = default.model_dump()
+    try:
+        return f"a value like the default, e.g. {json.dumps(default)}"
+    except (TypeError, ValueError):
+        return f"a value like the default, e.g. {default!r}"
+
+
+def _resolve(loc: tuple, unknown_last: bool) -> tuple[list, Any, type[BaseModel] | None]:
+    """The key path of an error location (pydantic inserts union member tags such as ``'int'`` or
+    ``"literal['local_rank']"``, which are not keys), the field it ends at, and the model holding
+    the last part."""
+    model: type[BaseModel] | None = AidaptivConfig
+    parts: list = []
+    field = None
+    holder = model
+    for i, part in enumerate(loc):
+        if unknown_last and i == len(loc) - 1:
+            holder = model
+            parts.append(str(part))
+        elif isinstance(part, int):
+            parts.append(part)
+        elif model is not None and part in model.model_fields:
+            holder = model
+            field = model.model_fields[part]
+            parts.append(part)
+            ann = field.annotation
+            model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return parts, field, holder
+
+
+def _dotted(parts: list) -> str:
+    """``aidaptiv.io.block_size``, ``aidaptiv.path_weights[1]``; an unknown key that is not a plain
+    word (control characters, dots, spaces) is shown quoted: ``aidaptiv['a b']``."""
+    out = SECTION
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p.isidentifier() and p.isascii():
+            out += f".{p}"
+        else:
+            out += f"[{p!r}]"
+    return out
+
+
 def _explain(err: ValidationError, section: dict) -> str:
-    lines = []
+    """One line per problem (several pydantic errors of one key become one line), each naming the
+    key, the value and the fix."""
+    lines: list[str] = []
+    generic: dict[str, list] = {}  # key -> [value, field, messages]
     for e in err.errors():
-        loc = [str(x) for x in e["loc"]]
-        key = ".".join([SECTION] + loc)
         if e["type"] == "extra_forbidden":
-            model: type[BaseModel] = AidaptivConfig
-            for part in loc[:-1]:
-                model = model.model_fields[part].annotation  # nested model
-            names = _field_names(model)
-            close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.5)
+            parts, _, model = _resolve(e["loc"], unknown_last=True)
+            names = _field_names(model or AidaptivConfig)
+            close = difflib.get_close_matches(str(parts[-1]), names, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(names)}"
-            lines.append(f"{key}: unknown key; {hint}")
+            lines.append(f"{_dotted(parts)}: unknown key; {hint}")
+            continue
+        parts, field, _ = _resolve(e["loc"], unknown_last=False)
+        key = _dotted(parts)
+        msg = e["msg"]
+        if msg.startswith("Value error, "):  # our validators' messages name key, value and fix already
+            msg = msg[len("Value error, "):]
+            line = msg if msg.startswith(SECTION) else f"{key}: {msg}"
+            if line not in lines:
+                lines.append(line)
             continue
         value = section
-        for part in loc:
-            value = value.get(part) if isinstance(value, dict) else None
-        msg = e["msg"]
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-            lines.append(msg if msg.startswith(SECTION) else f"{key}: {msg}")
-        else:
-            lines.append(f"{key}: {value!r} is invalid: {msg}")
+        for part in parts:
+            if isinstance(value, dict):
+                value = value.get(part)
+            elif isinstance(value, list) and isinstance(part, int) and part < len(value):
+                value = value[part]
+            else:
+                value = None
+        entry = generic.setdefault(key, [value, field, []])
+        if msg not in entry[2]:
+            entry[2].append(msg)
+    for key, (value, field, msgs) in generic.items():
+        example = _example(key[len(SECTION) + 1:].split("[")[0], field)
+        lines.append(f"{key}: {_short(value)} is invalid: {'; or: '.join(msgs)}. Fix: use {example}")
     return "\n  ".join(lines)
 
 
@@ -230,70 +324,124 @@ def load_ds_dict(config: Any) -> dict | None:
             try:
                 return json.load(f)
             except json.JSONDecodeError as e:
-                raise AidaptivConfigError(f"DeepSpeed config {config}: not valid JSON ({e})") from None
+                raise AidaptivConfigError(f"DeepSpeed config {config}: not valid JSON ({e}). Fix: correct the JSON "
+                                          f"at that line and column") from None
     return None
 
 
+_BOOL = TypeAdapter(bool)
+
+
 def section_enabled(ds: dict | None) -> bool:
-    """True when the DeepSpeed config dict has an ``"aidaptiv"`` section that is not disabled."""
-    if not ds or SECTION not in ds:
+    """True when the DeepSpeed config dict has an ``"aidaptiv"`` section that is not disabled.
+
+    ``enabled`` is read as :func:`parse_section` reads it (``false``, ``0``, ``"false"``, ``"off"``,
+    ``"no"`` ... all disable), so a section never parses as disabled while the hooks treat it as on;
+    a value that is no boolean at all counts as enabled, so that validation reports it.
+    """
+    if not isinstance(ds, dict) or SECTION not in ds:
         return False
     sec = ds[SECTION]
-    return not (isinstance(sec, dict) and sec.get("enabled", True) is False)
+    if not isinstance(sec, dict) or "enabled" not in sec:
+        return True
+    try:
+        return bool(_BOOL.validate_python(sec["enabled"]))
+    except ValidationError:
+        return True
 
 
-def _get(d: dict, *keys, default=None):
-    for k in keys:
-        if not isinstance(d, dict) or k not in d:
-            return default
-        d = d[k]
-    return d
+def _number(v: Any) -> bool:
+    """A JSON number (``bool`` is not one, though Python says it is an ``int``)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _deepspeed_problems(ds: dict, cfg: AidaptivConfig) -> list[str]:
+    """What in the DeepSpeed config cannot work with aidaptiv_ds, or would be refused later by
+    DeepSpeed's own config model, for the keys aidaptiv_ds depends on (each with the lines to change)."""
+    problems: list[str] = []
+    zero = ds.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        return [f"zero_optimization is {_short(zero)}; it must be an object. Fix: set\n      \"zero_optimization\": "
+                f"{{\"stage\": 3, \"offload_param\": {{\"device\": \"nvme\", \"nvme_path\": \"/mnt/cache0\", "
+                f"\"max_in_cpu\": 0}}, \"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": \"/mnt/cache0\"}}}}"]
+    stage = zero.get("stage", 0)
+    if not (isinstance(stage, int) and not isinstance(stage, bool) and stage == 3):
+        problems.append(f"zero_optimization.stage is {_short(stage)}; aidaptiv_ds drives ZeRO stage 3 offload. Fix: "
+                        f"set\n      \"zero_optimization\": {{\"stage\": 3, ...}}")
+    if "sub_group_size" in zero:
+        n = zero["sub_group_size"]
+        if not (_number(n) and math.isfinite(n) and n >= 1 and float(n).is_integer()):
+            problems.append(f"zero_optimization.sub_group_size is {_short(n)}; it must be a whole number of "
+                            f"parameters >= 1 (the optimizer state moves in sub-groups of that size). Fix: e.g. "
+                            f"\"sub_group_size\": 1e9")
+    sections = {}
+    for which in ("offload_param", "offload_optimizer"):
+        sec = zero.get(which)
+        if sec is not None and not isinstance(sec, dict):
+            problems.append(f"zero_optimization.{which} is {_short(sec)}; it must be an object. Fix: set\n      "
+                            f"\"{which}\": {{\"device\": \"nvme\", \"nvme_path\": \"/mnt/cache0\"}}")
+            sec = None
+        sections[which] = sec or {}
+    op, oo = sections["offload_param"], sections["offload_optimizer"]
+    candidates = list(cfg.cache_paths or []) + [op.get("nvme_path"), oo.get("nvme_path"), "/mnt/cache0"]
+    path_hint = next(p for p in candidates if isinstance(p, str) and p.strip())
+    for which, sec in sections.items():
+        p = sec.get("nvme_path")
+        if p is not None and not (isinstance(p, str) and p.strip()):
+            problems.append(f"zero_optimization.{which}.nvme_path is {_short(p)}; it must be one directory path as "
+                            f"a string. Fix: \"nvme_path\": \"{path_hint}\" (list several drives in "
+                            f"aidaptiv.cache_paths)")
+    if op.get("device", "none") != "nvme":
+        problems.append(f"zero_optimization.offload_param.device is {_short(op.get('device', 'none'))}; aidaptiv_ds "
+                        f"replaces the NVMe offload. Fix: set\n      \"offload_param\": {{\"device\": \"nvme\", "
+                        f"\"nvme_path\": \"{path_hint}\", \"max_in_cpu\": 0}}")
+    elif not (_number(op.get("max_in_cpu", 1e9)) and op.get("max_in_cpu", 1e9) == 0):
+        problems.append(f"zero_optimization.offload_param.max_in_cpu is {_short(op.get('max_in_cpu', '1e9 (default)'))}; "
+                        f"DeepSpeed would pin that many parameters in its own CPU buffers outside the aidaptiv DRAM "
+                        f"budget. Fix: add\n      \"max_in_cpu\": 0\n    to offload_param (use aidaptiv.dram_budget "
+                        f"to keep state in DRAM)")
+    if oo.get("device", "none") != "nvme":
+        problems.append(f"zero_optimization.offload_optimizer.device is {_short(oo.get('device', 'none'))}. Fix: set\n"
+                        f"      \"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": \"{path_hint}\"}}")
+    elif "ratio" in oo and not (_number(oo["ratio"]) and oo["ratio"] == 1):
+        problems.append(f"zero_optimization.offload_optimizer.ratio is {_short(oo['ratio'])}; partial optimizer "
+                        f"offload is CPU-only in DeepSpeed. Fix: remove \"ratio\" (aidaptiv.dram_budget keeps "
+                        f"sub-groups in DRAM)")
+    return problems
 
 
 def validate(ds: dict, check_paths: bool = True) -> AidaptivConfig:
     """Validate the section and its combination with the rest of the DeepSpeed config.
 
-    Fills ``cache_paths`` from ``offload_param.nvme_path`` when absent.
+    Fills ``cache_paths`` from ``offload_param.nvme_path`` when absent. The DeepSpeed keys
+    aidaptiv_ds depends on are checked here with our messages (``zero_optimization`` and its
+    ``stage``, ``sub_group_size``, ``offload_param`` / ``offload_optimizer`` with ``device``,
+    ``nvme_path``, ``max_in_cpu``, ``ratio``); other keys of DeepSpeed's sections are left to
+    DeepSpeed's own config model, whose errors name them.
 
     Raises:
         AidaptivConfigError: naming each key, its value and the exact lines to change.
     """
-    cfg = parse_section(ds.get(SECTION, {}))
-    problems = []
-    zero = ds.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if stage != 3:
-        problems.append(f"zero_optimization.stage is {stage!r}; aidaptiv_ds drives ZeRO stage 3 offload. Fix: set\n"
-                        f"      \"zero_optimization\": {{\"stage\": 3, ...}}")
-    op = _get(ds, "zero_optimization", "offload_param") or {}
-    oo = _get(ds, "zero_optimization", "offload_optimizer") or {}
-    path_hint = (cfg.cache_paths or [op.get("nvme_path") or oo.get("nvme_path") or "/mnt/cache0"])[0]
-    if str(op.get("device", "none")).lower() != "nvme":
-        problems.append(f"zero_optimization.offload_param.device is {op.get('device', 'none')!r}; aidaptiv_ds "
-                        f"replaces the NVMe offload. Fix: set\n      \"offload_param\": {{\"device\": \"nvme\", "
-                        f"\"nvme_path\": \"{path_hint}\", \"max_in_cpu\": 0}}")
-    elif op.get("max_in_cpu", 1e9) != 0:
-        problems.append(f"zero_optimization.offload_param.max_in_cpu is {op.get('max_in_cpu', '1e9 (default)')}; "
-                        f"DeepSpeed would pin that many parameters in its own CPU buffers outside the aidaptiv DRAM "
-                        f"budget. Fix: add\n      \"max_in_cpu\": 0\n    to offload_param (use aidaptiv.dram_budget "
-                        f"to keep state in DRAM)")
-    if str(oo.get("device", "none")).lower() != "nvme":
-        problems.append(f"zero_optimization.offload_optimizer.device is {oo.get('device', 'none')!r}. Fix: set\n"
-                        f"      \"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": \"{path_hint}\"}}")
-    elif float(oo.get("ratio", 1.0)) < 1.0:
-        problems.append(f"zero_optimization.offload_optimizer.ratio is {oo['ratio']}; partial optimizer offload is "
-                        f"CPU-only in DeepSpeed. Fix: remove \"ratio\" (aidaptiv.dram_budget keeps sub-groups in DRAM)")
+    if not isinstance(ds, dict):
+        raise AidaptivConfigError(f"DeepSpeed config: {_short(ds)} must be a JSON object. Fix: pass the config as a "
+                                  f"dict or the path of a JSON file holding one, e.g. {{\"{SECTION}\": {{...}}}}")
+    section = ds.get(SECTION, {})
+    cfg = parse_section(section)
+    problems = _deepspeed_problems(ds, cfg)
     if problems:
         raise AidaptivConfigError("DeepSpeed config cannot run with \"aidaptiv\" enabled:\n  - " +
                                   "\n  - ".join(problems))
     if not cfg.cache_paths:
-        nvme = op.get("nvme_path")
+        nvme = ds["zero_optimization"]["offload_param"].get("nvme_path")
         if not nvme:
             raise AidaptivConfigError(f"{SECTION}.cache_paths is not set and offload_param.nvme_path is empty. Fix: "
                                       f"add \"cache_paths\": [\"/mnt/cache0\"] to the \"aidaptiv\" section")
-        cfg.cache_paths = [str(nvme)]
-        if cfg.path_weights is not None and len(cfg.path_weights) != 1:
-            raise AidaptivConfigError(f"{SECTION}.path_weights: {len(cfg.path_weights)} weights for 1 cache path")
+        try:  # parse again with the path filled in, so every cross-check sees it
+            cfg = parse_section({**section, "cache_paths": [nvme]})
+        except AidaptivConfigError as e:
+            raise AidaptivConfigError(
+                f"{e}\n  {SECTION}.cache_paths: not set, so it is [{nvme!r}] from zero_optimization.offload_param."
+                f"nvme_path. Fix: set aidaptiv.cache_paths to list every cache directory") from None
     if check_paths:
         for i, p in enumerate(cfg.cache_paths):
             try:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from ..io.buffers import reuse_freed_host_memory
 from ..io.engine import IOEngine
 from ..store.layout import Namespace
 from ..store.ledger import EnduranceRating
@@ -104,6 +105,8 @@ class Runtime:
         self.rank, self.world = _dist_rank_world()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_world = local_world_size()
+        if cfg.io.reuse_host_memory:
+            reuse_freed_host_memory()
         self.engine = IOEngine(block_size=cfg.io.block_size, threads_per_drive=cfg.io.threads_per_drive,
                                max_retries=cfg.io.max_retries, direct=cfg.io.direct)
         run = resolve_run_name(cfg.run_name)
@@ -115,7 +118,7 @@ class Runtime:
         self.store = SlabStore(self.namespace, [PathSpec(p, w, None, rating) for p, w in zip(paths, weights)],
                                engine=self.engine, policy=cfg.placement, primary=primary,
                                stripe_unit=cfg.stripe_unit, checksum=cfg.checksum,
-                               keep=cfg.keep_files or cfg.from_unpacked)
+                               keep=cfg.keep_files or cfg.from_unpacked, local_ranks=self.local_world)
         self.budget = auto_dram_budget() if cfg.dram_budget == "auto" else int(cfg.dram_budget)
         wb = 512 << 20 if cfg.writeback_bytes == "auto" else int(cfg.writeback_bytes)
         self.order = AccessOrder()
@@ -227,17 +230,28 @@ def shutdown() -> None:
 
 
 def _shutdown_at_exit() -> None:
-    """:func:`shutdown` at interpreter exit. When the process is exiting because of an unhandled
-    exception (``sys.last_value`` is set: the run failed and Python already printed its error), an
-    error of the close itself (typically the same failed write, met again while flushing) is only
-    logged at debug level, so the run's own error stays the last thing on stderr. The close still
-    frees the drive: the store's files are deleted (or kept with ``keep_files``) either way."""
-    try:
+    """:func:`shutdown` at interpreter exit.
+
+    When the process is exiting because of an unhandled exception (``sys.last_value`` is set: the
+    run failed and Python already printed its error), what the close meets on the way (typically
+    the same failed write again, or a ledger that cannot be written on a full or vanished drive) is
+    only logged at debug level, so the run's own error stays the last thing on stderr. The close
+    still frees the drive: the store's files are deleted (or kept with ``keep_files``) either way.
+    """
+    if getattr(sys, "last_value", None) is None:
         shutdown()
-    except BaseException as e:  # noqa: BLE001 - re-raised unless a prior error was already reported
-        if getattr(sys, "last_value", None) is None:
-            raise
+        return
+    import warnings
+    was_disabled, log.disabled = log.disabled, True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shutdown()
+    except BaseException as e:  # noqa: BLE001 - the run's own error was already reported
+        log.disabled = was_disabled
         log.debug("aidaptiv_ds: closing the store after the run failed: %s", e)
+    finally:
+        log.disabled = was_disabled
 
 
 atexit.register(_shutdown_at_exit)
