@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES = [
     "aidaptiv_ds.cli.site_hook",
     "aidaptiv_ds.cli.unpack",
     "aidaptiv_ds.cli.gc",
+    "aidaptiv_ds.cli.compare",
 ]
 
 

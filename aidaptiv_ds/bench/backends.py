@@ -1,0 +1,133 @@
+"""The DeepSpeed config of each compared backend: identical except where the offload differs.
+
+Backends:
+
+* ``native``: DeepSpeed ZeRO-3 NVMe offload of parameters and optimizer state with DeepSpeed's own
+  swappers (``max_in_cpu: 0`` so every partition really goes to the drive; the parameter buffer
+  pool is sized for the largest partition);
+* ``cpu``: DeepSpeed ZeRO-3 offload of parameters and optimizer state to DRAM;
+* ``aidaptiv0``: the ``native`` config plus an ``"aidaptiv"`` section with ``dram_budget: 0``;
+* ``aidaptiv_auto``: the same with ``dram_budget: "auto"``;
+* ``aidaptiv_grads`` (optional, not in the default set): a budget of the fp32 gradients plus 5%, so
+  the residency plan keeps exactly the gradients in DRAM (the "<= 14 bytes written per parameter
+  once the gradients fit" case).
+
+Shared by all: stage 3, AdamW with ``torch_adam`` (no ``cpu_adam`` compile), the same
+``sub_group_size``, persistence threshold, gradient clipping, micro batch and dtype.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+BACKENDS = ("native", "cpu", "aidaptiv0", "aidaptiv_auto")
+OPTIONAL_BACKENDS = ("aidaptiv_grads",)
+LABELS = {
+    "native": "DeepSpeed native NVMe",
+    "cpu": "DeepSpeed CPU offload",
+    "aidaptiv0": "aidaptiv_ds, DRAM budget 0",
+    "aidaptiv_auto": "aidaptiv_ds, DRAM budget auto",
+    "aidaptiv_grads": "aidaptiv_ds, DRAM budget = gradients",
+}
+#: The backend every ratio is taken against.
+REFERENCE = "native"
+
+
+@dataclasses.dataclass
+class TrainSettings:
+    """Settings every backend of one comparison shares.
+
+    Attributes:
+        dtype: ``"fp32"`` or ``"bf16"`` (model and partitions; masters and moments are fp32).
+        micro_batch: sequences per step; seq: tokens per sequence.
+        sub_group_size: optimizer sub-group size in elements (``zero_optimization.sub_group_size``).
+        persistence_threshold: ``stage3_param_persistence_threshold`` (elements; 0: every
+            parameter is partitioned and offloaded).
+        max_reuse_distance: ``stage3_max_reuse_distance`` (elements). DeepSpeed keeps a parameter
+            gathered after use when it is used again within this many elements of later modules;
+            with its default 1e9 every partition of a model under 1e9 parameters stays live from its
+            forward use to its backward use, so DeepSpeed's native swapper needs one pool buffer
+            (each sized for the largest partition) per parameter, e.g. 111 x 98 MB at 150M in fp32,
+            and otherwise asserts "Not enough buffers". 0 (the default here) releases a parameter
+            after each use: the pool only holds the current module and the prefetch.
+        native_pipeline: DeepSpeed's ``pipeline_read``/``pipeline_write`` of the optimizer swapper
+            (default off, DeepSpeed's default).
+        param_buffer_count: DeepSpeed's ``offload_param.buffer_count`` (its parameter buffer pool).
+        aio_block_size, aio_queue_depth, aio_intra_op: DeepSpeed's ``"aio"`` section (native only).
+        pin_memory: ``pin_memory`` of both offload sections (only meaningful with a GPU).
+        lr: AdamW learning rate; clip: ``gradient_clipping``.
+    """
+    dtype: str = "fp32"
+    micro_batch: int = 1
+    seq: int = 256
+    sub_group_size: int = 20_000_000
+    persistence_threshold: int = 0
+    max_reuse_distance: int = 0
+    native_pipeline: bool = False
+    param_buffer_count: int = 5
+    aio_block_size: int = 1 << 20
+    aio_queue_depth: int = 8
+    aio_intra_op: int = 1
+    pin_memory: bool = False
+    lr: float = 1e-4
+    clip: float = 1.0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _align(n: int, to: int) -> int:
+    return -(-int(n) // to) * to
+
+
+def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_tensor: int, n_params: int = 0) -> dict:
+    """The DeepSpeed config dict of ``backend``.
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+        settings: the shared settings.
+        cache_dir: ``nvme_path`` (and the aidaptiv cache path) of this run.
+        largest_tensor: elements of the model's largest parameter: DeepSpeed's parameter buffers
+            (``offload_param.buffer_size``) must hold its partition or it asserts.
+        n_params: the model's parameters (sizes the ``aidaptiv_grads`` budget).
+
+    Raises:
+        ValueError: unknown backend.
+    """
+    if backend not in BACKENDS + OPTIONAL_BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS + OPTIONAL_BACKENDS)}")
+    s = settings
+    dev = "cpu" if backend == "cpu" else "nvme"
+    zero: dict = {
+        "stage": 3,
+        "sub_group_size": int(s.sub_group_size),
+        "stage3_param_persistence_threshold": int(s.persistence_threshold),
+        "stage3_max_reuse_distance": int(s.max_reuse_distance),
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "offload_param": {"device": dev, "pin_memory": s.pin_memory},
+        "offload_optimizer": {"device": dev, "pin_memory": s.pin_memory},
+    }
+    if dev == "nvme":
+        zero["offload_param"].update(nvme_path=cache_dir, max_in_cpu=0, buffer_count=int(s.param_buffer_count),
+                                     buffer_size=_align(largest_tensor, 1 << 20))
+        zero["offload_optimizer"].update(nvme_path=cache_dir, buffer_count=4, pipeline_read=s.native_pipeline,
+                                         pipeline_write=s.native_pipeline)
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": int(s.micro_batch),
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+        "gradient_clipping": float(s.clip),
+        "bf16": {"enabled": s.dtype == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": float(s.lr), "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": zero,
+    }
+    if dev == "nvme":
+        cfg["aio"] = {"block_size": int(s.aio_block_size), "queue_depth": int(s.aio_queue_depth),
+                      "intra_op_parallelism": int(s.aio_intra_op), "single_submit": False, "overlap_events": True}
+    if backend.startswith("aidaptiv"):
+        budget = {"aidaptiv0": 0, "aidaptiv_auto": "auto",
+                  "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
+        cfg["aidaptiv"] = {"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget}
+    return copy.deepcopy(cfg)

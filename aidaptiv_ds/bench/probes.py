@@ -1,0 +1,97 @@
+"""In-process measurements for the comparison worker: I/O wait of the training thread, memory peaks.
+
+I/O wait is measured the same way for both storage backends: the seconds the *training thread*
+spends blocked on an I/O completion.
+
+* aidaptiv_ds: every blocking wait goes through :meth:`aidaptiv_ds.io.futures.IOFuture.wait`
+  (slice reads, write-back throttling, synchronous writes), which :func:`time_future_waits` times.
+  The runtime's own ``io_wait_s`` counter covers only the waits the swappers bracket, so it can be
+  lower; the worker reports both.
+* DeepSpeed native: every blocking wait of its swappers is ``aio_handle.wait()``;
+  :func:`aidaptiv_ds.bench.aio.install_native_aio` wraps the handle DeepSpeed loads (its compiled
+  ``async_io`` op, or aidaptiv_ds's pure-Python handle when the op cannot be loaded) so each
+  ``wait()`` is timed into the same kind of :class:`WaitClock`.
+
+Memory: ``VmHWM`` (peak resident set) can be reset through ``/proc/self/clear_refs`` (Linux >= 4.0),
+so the worker reports the peak of the training steps apart from the peak of model construction;
+``ru_maxrss`` is the peak of the whole process. All sizes in bytes, times in seconds.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+import time
+
+
+class WaitClock:
+    """Seconds the main thread spent in timed waits (calls on other threads are not counted)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._main = threading.main_thread().ident
+
+    def add(self, dt: float) -> None:
+        if threading.get_ident() == self._main:
+            self.seconds += dt
+            self.calls += 1
+
+
+def time_future_waits(clock: WaitClock):
+    """Time every :meth:`IOFuture.wait` call on the main thread into ``clock``; returns an undo function."""
+    from ..io.futures import IOFuture
+
+    orig = IOFuture.wait
+
+    def wait(self, timeout=None):
+        t0 = time.perf_counter()
+        try:
+            return orig(self, timeout)
+        finally:
+            clock.add(time.perf_counter() - t0)
+
+    IOFuture.wait = wait
+
+    def undo() -> None:
+        IOFuture.wait = orig
+    return undo
+
+
+# ---------------------------------------------------------------------------- memory
+def _status_field(name: str) -> int:
+    """A ``/proc/self/status`` field in bytes (0 where unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss_bytes() -> int:
+    """Current resident set size."""
+    return _status_field("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the process started or since :func:`reset_peak_rss` (``VmHWM``)."""
+    return _status_field("VmHWM")
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak resident set size of the whole process (``ru_maxrss``; never reset)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (``echo 5 > /proc/self/clear_refs``); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

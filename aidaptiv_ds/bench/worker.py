@@ -1,0 +1,255 @@
+"""One training run of one backend, in its own process (DeepSpeed keeps process-global state).
+
+Usage (the runner does this; by hand only for debugging)::
+
+    python -m aidaptiv_ds.bench.worker SPEC.json RESULT.json
+
+``SPEC.json`` keys: ``backend``, ``shape`` (:class:`~aidaptiv_ds.bench.models.LlamaShape` fields),
+``settings`` (:class:`~aidaptiv_ds.bench.backends.TrainSettings` fields), ``steps``, ``seed``,
+``cache_dir``, ``aio`` (``"compiled"``/``"python"``, native only), ``native_dedup`` (native only,
+default true: :func:`dedup_native_swap_in`), ``t_launch`` (``time.time()``
+when the runner started the process), optional ``profile`` (a path: cProfile of the steps after
+``profile_after`` steps) and ``profile_after``.
+
+The model is a HF ``LlamaForCausalLM`` built and initialised (HF init, ``torch.manual_seed(seed)``)
+*before* partitioning, then converted with ``deepspeed.zero.Init(module=model)`` (no ``dtype``
+argument: DeepSpeed 0.19.8 on a CPU accelerator would otherwise hand its swapper bf16 for an fp32
+model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a generator seeded with
+``seed * 1000 + i``, labels = inputs, so every backend sees the same batches.
+
+``RESULT.json`` is rewritten after every phase and step (a killed run leaves what it got to):
+``phase``, ``ok``, ``error``, ``n_params``, ``setup_s`` (launch to the first step's start),
+``first_step_s`` (launch to the end of step 1), ``steps`` (per step: ``wall_s``, ``loss``,
+``io_wait_s``, ``rt_io_wait_s``, ``proc_read_bytes``, ``proc_write_bytes``, ``cache_read_bytes``,
+``cache_written_bytes``, ``dram_tier_bytes`` (aidaptiv_ds's DRAM tier after the step), ``rss_bytes``,
+``peak_rss_bytes`` (peak so far)), ``peak_rss_steps_bytes`` (``VmHWM`` reset before step 1),
+``peak_rss_process_bytes`` (``ru_maxrss``), ``aio`` (native), ``plan`` and ``budget_bytes``
+(aidaptiv_ds), ``tail`` (aidaptiv_ds: the write-back still in flight after the last step).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+for _k, _v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+               ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29631")):
+    os.environ.setdefault(_k, _v)
+
+
+class ResultFile:
+    """The worker's result dict, rewritten atomically on every :meth:`update`."""
+
+    def __init__(self, path: str, **init) -> None:
+        self.path = path
+        self.data: dict = {"ok": False, "error": None, "phase": "start", "steps": [], **init}
+        self.write()
+
+    def update(self, **kw) -> None:
+        from .probes import rss_bytes
+
+        self.data.update(kw)
+        self.data["rss_bytes"] = rss_bytes()
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def batch(seed: int, step: int, micro: int, seq: int, vocab: int):
+    """The token batch of ``step`` (the same for every backend)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randint(0, vocab, (micro, seq), generator=g)
+
+
+def dedup_native_swap_in() -> None:
+    """Make DeepSpeed's own ``AsyncPartitionedParameterSwapper.swap_in`` drop repeated parameters.
+
+    DeepSpeed 0.19.8's NVMe prefetch (``partitioned_param_coordinator.py:667-690``) walks the trace
+    without de-duplicating, so a parameter used at the end of the forward and again at the start of
+    the backward (a Llama's ``lm_head``) can be passed twice, and its swapper then asserts
+    ``param N already assigned swap buffer id M`` (``deepspeed-seams.md`` §5). Keeping the first
+    occurrence is what the call means; nothing else changes.
+    """
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper as S
+
+    orig = S.swap_in
+
+    def swap_in(self, params, async_op=True, swap_in_buffers=None):
+        seen, unique = set(), []
+        for p in params:
+            if p.ds_id not in seen:
+                seen.add(p.ds_id)
+                unique.append(p)
+        return orig(self, unique, async_op=async_op, swap_in_buffers=swap_in_buffers)
+
+    S.swap_in = swap_in
+
+
+def skip_shm_comm_build() -> None:
+    """Keep DeepSpeed's CPU accelerator from JIT-loading its ``deepspeed_shm_comm`` op.
+
+    Every DeepSpeed process on a CPU accelerator builds or loads that op (shared-memory collectives
+    for several ranks on one host) when ``deepspeed.comm`` initialises, through the torch extensions
+    cache: a first build takes minutes, and a stale lock left there by a killed build makes every
+    later process wait forever. A single-rank run never uses it, so each backend skips it alike and
+    launch-to-first-step measures the backends, not that cache.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _counters():
+    from ..telemetry import counters
+
+    return counters.snapshot()
+
+
+def build_engine(spec: dict, out: ResultFile, clock) -> tuple:
+    """Set up the backend's I/O probes, build and initialise the model, partition it, build the
+    engine. Returns ``(engine, settings, shape)``."""
+    from .aio import install_native_aio
+    from .backends import TrainSettings, ds_config
+    from .models import LlamaShape
+    from .probes import time_future_waits
+
+    backend = spec["backend"]
+    t_launch = float(spec["t_launch"])
+    shape = LlamaShape(**spec["shape"])
+    settings = TrainSettings(**spec["settings"])
+    cfg = ds_config(backend, settings, spec["cache_dir"], shape.largest_tensor(), shape.n_params())
+    out.update(phase="import", ds_config=cfg)
+    import torch
+
+    if backend == "native":
+        out.update(aio=install_native_aio(spec.get("aio", "compiled"), clock))
+        if spec.get("native_dedup", True):
+            dedup_native_swap_in()
+        out.update(native_dedup=bool(spec.get("native_dedup", True)))
+    elif backend.startswith("aidaptiv"):
+        time_future_waits(clock)
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    skip_shm_comm_build()
+    if backend.startswith("aidaptiv"):
+        from ..integration.hooks import is_installed
+        if not is_installed():
+            raise RuntimeError("aidaptiv_ds hooks are not installed (AIDAPTIV_DS_NO_AUTOINSTALL=1 in the environment?)")
+    dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
+    out.update(phase="build", import_s=time.time() - t_launch)
+    torch.manual_seed(int(spec["seed"]))
+    model = LlamaForCausalLM(shape.hf_config())  # HF init runs here, before any partitioning
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    out.update(phase="partition", n_params=sum(p.numel() for p in model.parameters()),
+               build_s=time.time() - t_launch)
+    with deepspeed.zero.Init(module=model, config_dict_or_path=cfg):
+        pass
+    out.update(phase="initialize", partition_s=time.time() - t_launch)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=cfg)
+    return engine, settings, shape
+
+
+def _engine_info(engine, backend: str) -> dict:
+    """The swapper classes DeepSpeed ended up with and, for aidaptiv_ds, the budget and residency plan."""
+    info = {}
+    if backend.startswith("aidaptiv"):
+        from ..integration.runtime import current_runtime
+
+        plan = getattr(engine.optimizer, "aidaptiv_plan", None)
+        info = {"budget_bytes": current_runtime().budget, "plan": plan.as_dict() if plan is not None else None}
+    swapper = getattr(next(engine.module.parameters()), "nvme_swapper", None)
+    info["swapper"] = type(swapper).__name__ if swapper is not None else None
+    info["optimizer_swapper"] = type(getattr(engine.optimizer, "optimizer_swapper", None)).__name__
+    return info
+
+
+def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wait_s: float) -> dict:
+    return {"step": i + 1, "wall_s": wall, "loss": loss, "io_wait_s": wait_s,
+            "rt_io_wait_s": after["io_wait_s"] - before["io_wait_s"],
+            "proc_read_bytes": after["proc_read_bytes"] - before["proc_read_bytes"],
+            "proc_write_bytes": after["proc_write_bytes"] - before["proc_write_bytes"],
+            "cache_read_bytes": after["bytes_read"].get("cache", 0) - before["bytes_read"].get("cache", 0),
+            "cache_written_bytes": after["bytes_written"].get("cache", 0) - before["bytes_written"].get("cache", 0),
+            "dram_tier_bytes": after["dram_bytes"]}
+
+
+def run(spec: dict, out: ResultFile) -> None:
+    """Build, partition, train ``spec["steps"]`` steps and record everything into ``out``."""
+    from .probes import WaitClock, peak_rss_bytes, process_peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    backend = spec["backend"]
+    t_launch = float(spec["t_launch"])
+    clock = WaitClock()
+    engine, settings, shape = build_engine(spec, out, clock)
+    out.update(phase="step 1", setup_s=time.time() - t_launch, peak_rss_setup_bytes=peak_rss_bytes(),
+               peak_rss_reset=reset_peak_rss(), **_engine_info(engine, backend))
+    prof = None
+    steps = int(spec["steps"])
+    for i in range(steps):
+        if spec.get("profile") and i == int(spec.get("profile_after", 2)):
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
+        x = batch(int(spec["seed"]), i, settings.micro_batch, settings.seq, shape.vocab)
+        before, w0 = _counters(), clock.seconds
+        t0 = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        loss_v = float(loss.detach().float())
+        wall = time.perf_counter() - t0
+        rec = _step_record(i, wall, loss_v, before, _counters(), clock.seconds - w0)
+        rec.update(rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes())
+        out.data["steps"].append(rec)
+        extra = {"first_step_s": time.time() - t_launch} if i == 0 else {}
+        out.update(phase=f"step {i + 2}" if i + 1 < steps else "finish", peak_rss_steps_bytes=peak_rss_bytes(),
+                   **extra)
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(spec["profile"])
+    if backend.startswith("aidaptiv"):
+        from ..integration.runtime import current_runtime
+
+        before, t0 = _counters(), time.perf_counter()
+        current_runtime().flush()
+        after = _counters()
+        out.data["tail"] = {"wall_s": time.perf_counter() - t0,
+                            "proc_write_bytes": after["proc_write_bytes"] - before["proc_write_bytes"],
+                            "cache_written_bytes": (after["bytes_written"].get("cache", 0)
+                                                    - before["bytes_written"].get("cache", 0))}
+    out.update(ok=True, phase="done", peak_rss_steps_bytes=peak_rss_bytes(),
+               peak_rss_process_bytes=process_peak_rss_bytes(), wait_calls=clock.calls)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m aidaptiv_ds.bench.worker SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    out = ResultFile(argv[1], backend=spec["backend"], pid=os.getpid())
+    try:
+        run(spec, out)
+    except BaseException as e:  # noqa: BLE001 - recorded for the report, then re-raised as an exit code
+        from .probes import process_peak_rss_bytes
+
+        out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:],
+                   peak_rss_process_bytes=process_peak_rss_bytes())
+        print(traceback.format_exc(), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

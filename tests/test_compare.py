@@ -1,0 +1,156 @@
+"""The comparison plumbing (``aidaptiv-ds compare``, ``launch/large_model.py``) at a tiny size.
+
+One end-to-end comparison of native (pure-Python aio, so nothing is compiled), CPU offload and
+aidaptiv_ds at budget 0 on a 2-layer Llama whose embeddings (2 MiB each) are large enough for
+DeepSpeed's native swapper to offload; the rest are fast unit tests of the arithmetic, the configs,
+the aio preflight's unavailable path and the memory watchdog.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from aidaptiv_ds.bench.backends import BACKENDS, TrainSettings, ds_config
+from aidaptiv_ds.bench.compare import compare, run_order
+from aidaptiv_ds.bench.large import format_table as large_table
+from aidaptiv_ds.bench.large import outcome
+from aidaptiv_ds.bench.models import PRESETS, LlamaShape, resolve_shape
+from aidaptiv_ds.bench.summary import check_targets, summarize
+
+SMALL = LlamaShape(64, 172, 2, 4, 2, vocab=8192, max_positions=64)
+
+
+def _run(backend, walls, write=0, read=0, wait=0.0, n=1000, loss=1.0, rss=100, first=5.0):
+    steps = [{"step": i + 1, "wall_s": w, "loss": loss + i, "io_wait_s": wait, "rt_io_wait_s": wait,
+              "proc_read_bytes": read, "proc_write_bytes": write, "cache_read_bytes": read,
+              "cache_written_bytes": write} for i, w in enumerate(walls)]
+    return {"backend": backend, "ok": True, "steps": steps, "n_params": n, "peak_rss_steps_bytes": rss,
+            "peak_rss_process_bytes": rss, "first_step_s": first, "setup_s": first - 1}
+
+
+def test_summary_skips_warmup_and_takes_ratios_to_native():
+    runs = [_run("native", [9.0, 9.0, 2.0, 2.0], write=18000, read=20000, wait=0.5, rss=200, first=10.0),
+            _run("aidaptiv0", [9.0, 9.0, 1.0, 1.0], write=16000, read=20000, wait=0.25, rss=100, first=5.0),
+            _run("cpu", [9.0, 9.0, 0.5, 0.5], loss=1.0)]
+    figs = summarize(runs, ["native", "aidaptiv0", "cpu"], warmup=2)
+    a = figs["aidaptiv0"]
+    assert a["step_s"] == 1.0 and a["measured_steps"] == 2
+    assert a["written_per_param"] == 16.0 and a["read_per_param"] == 20.0
+    assert a["io_wait_share"] == 0.25
+    assert a["ratios"]["step_s"] == 0.5 and a["ratios"]["peak_rss_bytes"] == 0.5 and a["ratios"]["first_step_s"] == 0.5
+    assert a["loss_max_abs_diff"] == 0.0
+    targets = {t["target"]: t for t in check_targets(figs, "fp32")}
+    assert targets["step time aidaptiv_ds (budget 0) / DeepSpeed native NVMe"]["met"]
+    assert targets["bytes written per parameter per step, budget 0"]["met"]
+    assert not any("(auto)" in t for t in targets)  # auto did not run: no target judged
+    assert "step time aidaptiv_ds (budget 0) / DeepSpeed native NVMe" not in \
+        {t["target"] for t in check_targets(figs, "bf16")}
+    figs["aidaptiv0"]["written_per_param"] = 18.0004  # boundary blocks: meets "<= 18"
+    assert {t["target"]: t["met"] for t in check_targets(figs, "bf16")}[
+        "bytes written per parameter per step, budget 0"]
+    figs["aidaptiv0"]["written_per_param"] = 18.01
+    assert not {t["target"]: t["met"] for t in check_targets(figs, "bf16")}[
+        "bytes written per parameter per step, budget 0"]
+
+
+def test_summary_reports_a_failed_backend():
+    bad = {"backend": "native", "ok": False, "steps": [], "error": "AssertionError: param 38 already assigned"}
+    figs = summarize([bad, _run("aidaptiv0", [1, 1, 1])], ["native", "aidaptiv0"], warmup=1)
+    assert not figs["native"]["ok"] and "param 38" in figs["native"]["errors"][0]
+    assert "ratios" not in figs["aidaptiv0"]
+
+
+def test_run_order_is_abba():
+    assert run_order(["a", "c"], 3) == ["a", "c", "c", "a", "a", "c"]
+
+
+def test_configs_differ_only_in_offload():
+    s = TrainSettings()
+    cfgs = {b: ds_config(b, s, "/x", 1 << 20) for b in BACKENDS}
+    assert cfgs["aidaptiv0"]["aidaptiv"]["dram_budget"] == 0
+    assert cfgs["aidaptiv_auto"]["aidaptiv"]["dram_budget"] == "auto"
+    assert {k: v for k, v in cfgs["aidaptiv0"].items() if k != "aidaptiv"} == cfgs["native"]
+    assert cfgs["native"]["zero_optimization"]["offload_param"]["max_in_cpu"] == 0
+    assert cfgs["native"]["zero_optimization"]["offload_param"]["buffer_size"] >= 1 << 20
+    for b in BACKENDS:
+        z = cfgs[b]["zero_optimization"]
+        assert cfgs[b]["optimizer"]["params"]["torch_adam"] is True
+        assert z["sub_group_size"] == s.sub_group_size and z["stage3_param_persistence_threshold"] == 0
+    assert cfgs["cpu"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_grads_budget_and_allocator_env():
+    cfg = ds_config("aidaptiv_grads", TrainSettings(), "/x", 1 << 20, n_params=1000)
+    assert cfg["aidaptiv"]["dram_budget"] == 4200
+    with pytest.raises(ValueError, match="choose from"):
+        ds_config("zero_inf", TrainSettings(), "/x", 1)
+    from aidaptiv_ds.bench.runner import allocator_env, worker_env
+
+    alloc = allocator_env()
+    base = {"PATH": "/bin", **alloc, "AIDAPTIV_DS_NO_AUTOINSTALL": "1"}
+    native, ours = worker_env("native", base), worker_env("aidaptiv0", base)
+    assert all(native[k] == v for k, v in alloc.items()) and native["AIDAPTIV_DS_NO_AUTOINSTALL"] == "1"
+    assert not any(k in ours for k in alloc) and "AIDAPTIV_DS_NO_AUTOINSTALL" not in ours
+    assert not any(k in worker_env("cpu", base, same_allocator=False) for k in alloc)
+    assert os.path.isdir(os.path.join(native["PYTHONPATH"].split(os.pathsep)[0], "aidaptiv_ds"))
+
+
+def test_shapes():
+    from transformers import LlamaForCausalLM
+
+    m = LlamaForCausalLM(SMALL.hf_config())
+    assert sum(p.numel() for p in m.parameters()) == SMALL.n_params()
+    assert PRESETS["2.7B"].n_params() >= 2.3e9
+    assert PRESETS["2.7B"].state_bytes("fp32") >= 1.5 * 24 * 2 ** 30
+    assert 140e6 < PRESETS["150M"].n_params() < 160e6
+    assert resolve_shape("150M", layers=2).layers == 2
+    with pytest.raises(ValueError, match="unknown preset"):
+        resolve_shape("7B")
+    with pytest.raises(ValueError, match="divisible"):
+        resolve_shape(hidden=100, layers=2, heads=3)
+
+
+def test_preflight_says_why_the_compiled_op_is_unavailable(tmp_path):
+    from aidaptiv_ds.bench.aio import aio_env, preflight
+
+    pre = preflight(aio_env(extensions_dir=str(tmp_path)), build=False, timeout_s=120)
+    assert pre["aio"] == "python"
+    assert pre["status"].startswith("compiled aio unavailable:") and str(tmp_path) in pre["status"]
+
+
+def test_watchdog_stops_a_run_over_the_memory_limit(tmp_path):
+    from aidaptiv_ds.bench.aio import aio_env
+    from aidaptiv_ds.bench.runner import run_worker, worker_env
+
+    spec = {"backend": "cpu", "shape": dataclasses.asdict(SMALL), "settings": TrainSettings(seq=16).as_dict(),
+            "steps": 1, "seed": 0}
+    res = run_worker(spec, str(tmp_path / "run"), worker_env("cpu", aio_env()), mem_limit_bytes=64 << 20,
+                     poll_s=0.1)
+    assert not res["ok"] and res["killed"].startswith("RSS") and res["rc"] != 0
+    o = outcome(res)
+    assert not o["finished"] and o["failure"] == res["killed"]
+    table = large_table({"config": {"model": "m", "dtype": "fp32", "seq": 16, "micro_batch": 1, "steps": 1,
+                                    "state_bytes": 1, "ram_bytes": 2, "state_over_ram": 0.5},
+                         "aio": {"status": "x"}, "outcomes": [o]})
+    assert "| DeepSpeed CPU offload | no | 0 |" in table and "does not show training beyond RAM" in table
+
+
+def test_compare_end_to_end_tiny(tmp_path):
+    s = TrainSettings(seq=32, sub_group_size=1_000_000)
+    res = compare(SMALL, s, backends=["native", "cpu", "aidaptiv0"], steps=3, warmup=1, repeats=1,
+                  work_dir=str(tmp_path), aio="python", timeout_s=300)
+    figs = res["summary"]
+    assert all(f["ok"] for f in figs.values()), {b: f.get("errors") for b, f in figs.items()}
+    assert figs["native"]["aio"]["aio"] == "python"
+    assert figs["aidaptiv0"]["loss_max_abs_diff"] == 0.0 and figs["native"]["loss_max_abs_diff"] == 0.0
+    assert figs["aidaptiv0"]["written_per_param"] > 4 and figs["aidaptiv0"]["cache_written_per_param"] > 4
+    assert figs["native"]["written_per_param"] > 1  # the 2 MiB embeddings go through DeepSpeed's swapper
+    assert figs["cpu"]["written_per_param"] < 0.5
+    assert figs["aidaptiv0"]["ratios"]["step_s"] > 0 and figs["native"]["ratios"]["step_s"] == 1.0
+    assert figs["cpu"]["peak_rss_bytes"] > 0 and figs["aidaptiv0"]["first_step_s"] > figs["aidaptiv0"]["setup_s"]
+    assert "| aidaptiv_ds, DRAM budget 0 |" in res["table"] and "pure-Python" in res["table"]
+    json.dumps(res)
+    assert not any(os.path.exists(os.path.join(r["run_dir"], "cache")) for r in res["runs"])  # cache paths emptied
