@@ -77,3 +77,21 @@ def test_bytes_written_per_param_half_state(tmp_path_factory):
     ledger, proc, res = _figure(str(9 * nparams + (1 << 20)), tmp_path_factory)
     print(f"half the state in DRAM: {ledger:.3f} B/param/step (ledger), {proc:.3f} (/proc/self/io)")
     assert ledger <= 18.0 / 2 * 1.05
+
+
+def _cpu_adam_buildable() -> str | None:
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+        return None if CPUAdamBuilder().is_compatible() else "DeepSpeed's cpu_adam op is not buildable here"
+    except Exception as e:  # noqa: BLE001 - any reason to skip
+        return f"DeepSpeed's cpu_adam op is not available: {e}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_cpu_adam_buildable() is not None, reason=str(_cpu_adam_buildable()))
+def test_bit_identical_with_deepspeed_cpu_adam(tmp_path_factory):
+    """DeepSpeedCPUAdam (JIT-built cpu_adam; minutes on first use) works on our path too."""
+    args = ["--model", "llama", "--dtype", "bf16", "--steps", "5", "--cpu_adam"]
+    ref = oracle(args, str(tmp_path_factory.getbasetemp()))
+    got = run("aidaptiv", args + ["--budget", "0"], str(tmp_path_factory.mktemp("cpuadam")))
+    assert_identical(ref, got)

@@ -37,7 +37,10 @@ def test_read_after_write_sees_the_write(tmp_path):
     st.write("x", old).wait()
     w = st.write("x", new)  # still sleeping in the drive
     out = alloc_aligned(1 << 20)
-    st.read("x", out).wait()  # must not overtake the write
+    t0 = time.perf_counter()
+    r = st.read("x", out)  # queued behind the write, without blocking the caller
+    assert time.perf_counter() - t0 < 0.1 and not r.done()
+    r.wait()  # must not overtake the write
     assert w.done() and torch.equal(out, new)
     st.close()
 

@@ -396,7 +396,8 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig) -> list[str]:
                         f"replaces the NVMe offload. Fix: set\n      \"offload_param\": {{\"device\": \"nvme\", "
                         f"\"nvme_path\": \"{path_hint}\", \"max_in_cpu\": 0}}")
     elif not (_number(op.get("max_in_cpu", 1e9)) and op.get("max_in_cpu", 1e9) == 0):
-        problems.append(f"zero_optimization.offload_param.max_in_cpu is {_short(op.get('max_in_cpu', '1e9 (default)'))}; "
+        shown = _short(op["max_in_cpu"]) if "max_in_cpu" in op else "1e9 (default)"
+        problems.append(f"zero_optimization.offload_param.max_in_cpu is {shown}; "
                         f"DeepSpeed would pin that many parameters in its own CPU buffers outside the aidaptiv DRAM "
                         f"budget. Fix: add\n      \"max_in_cpu\": 0\n    to offload_param (use aidaptiv.dram_budget "
                         f"to keep state in DRAM)")

@@ -164,7 +164,13 @@ class AidaptivOptimizerSwapper:
         """DeepSpeed resets its swap timers here; our per-step figures come from the counters."""
 
     def log_timers(self) -> None:
-        """Debug log of this swapper's DRAM and store figures (DeepSpeed logs its timers here)."""
+        """Debug log of this swapper's DRAM and store figures (DeepSpeed logs its timers here, after every
+        optimizer step), and the store's per-step health check (:meth:`Runtime.check`).
+
+        Raises:
+            CachePathError: the store's directory was removed under the run.
+        """
+        self.rt.check()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("aidaptiv_ds optimizer swapper: %s", self.rt.counters())
 
@@ -298,9 +304,9 @@ class AidaptivOptimizerSwapper:
         s = self._adopt_states(g, parameter, s)
         if not self.init_phase:
             self.rt.tier.mark_dirty(s)
+        if not g.resident:  # issue the write while the slice is still referenced: releasing a dirty slice
+            self.rt.tier.write_back(s)  # first would evict it, and a dirty eviction writes and waits
         self._release(g, parameter)
-        if not g.resident:
-            self.rt.tier.write_back(s)
         self.rt.tier.enforce_budget()
 
     def _release(self, g: _Group, parameter) -> None:
@@ -335,9 +341,9 @@ class AidaptivOptimizerSwapper:
         if write_opt_state and g.slice is not None:
             s = self._adopt_states(g, parameter, g.slice)
             self.rt.tier.mark_dirty(s)
-            self._release(g, parameter)
             if not g.resident:
                 self.rt.tier.write_back(s)
+            self._release(g, parameter)
         else:
             self._release(g, parameter)
         self.rt.tier.enforce_budget()

@@ -281,12 +281,30 @@ class AidaptivParamSwapper:
             self._read_slices(take, READ_PREFETCH)
         return sum(self._loc[i].nbytes for i in take)
 
-    def promote_ready(self, params) -> None:
-        """Publish (INFLIGHT) the leading partitions of ``params`` (queue order) whose reads are done,
-        stopping at the first one that is still on the drive or being read."""
+    def promote_ready(self, params, numel_limit: int | None = None) -> None:
+        """Publish (INFLIGHT) leading partitions of ``params`` (queue order), so DeepSpeed's all-gather
+        prefetch, which stops at the first partition on NVMe that is not available, runs on over them.
+
+        ``numel_limit`` None (one rank): those whose reads are done, stopping at the first one that is
+        still on the drive or being read. ``numel_limit`` given (several ranks): the partitions among
+        the queue entries that start within the first ``numel_limit`` elements (DeepSpeed's own NVMe
+        prefetch rule, at least one entry), read or not; a later ``synchronize_reads`` waits for them.
+        With several ranks the set must not depend on timing: the all-gathers DeepSpeed then issues
+        are collective, and ranks that published different sets (one rank's reads finished sooner)
+        all-gather different parameters: a crash on a size mismatch, or silently exchanged wrong
+        bytes when the sizes agree.
+        """
         S = _status()
         take = []
+        considered = 0
         for p in params:
+            if numel_limit is not None:
+                if considered > numel_limit:
+                    break
+                considered += p.ds_numel
+                if p.ds_tensor.status == S.NOT_AVAILABLE:
+                    take.append(p)
+                continue
             if p.ds_tensor.status != S.NOT_AVAILABLE:
                 continue
             s = self._slice_of.get(p.ds_id)

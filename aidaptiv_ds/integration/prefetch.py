@@ -9,11 +9,18 @@ module fetch, once the trace is complete):
    access order, so eviction is by furthest next use (Belady), and the position in it;
 2. reads ahead, in queue order, every parameter partition not in DRAM, as coalesced slices, while
    the bytes read ahead and not used yet fit the prefetch window (from the DRAM budget);
-3. marks the leading partitions whose reads have completed ``INFLIGHT`` (published), so DeepSpeed's
-   own all-gather prefetch, which stops at the first partition that is on NVMe and not available,
-   carries on over them; ``synchronize_reads`` then never waits on a read that is not done.
+3. marks leading partitions ``INFLIGHT`` (published), so DeepSpeed's own all-gather prefetch, which
+   stops at the first partition that is on NVMe and not available, carries on over them. With one
+   rank: those whose reads have completed (``synchronize_reads`` then never waits on a read that is
+   not done). With several ranks: those within ``2 x`` the numel of the all-gathers in flight, as
+   DeepSpeed's own NVMe prefetch does, whether read or not: every rank must publish the same
+   partitions, because the all-gathers that follow are collective (a rule based on read completion
+   let ranks on drives of different speed all-gather different parameters: gloo aborted with a
+   size mismatch in ``tests/test_multirank.py::test_affinity_*``).
 """
 from __future__ import annotations
+
+import torch
 
 from .param_swapper import AidaptivParamSwapper
 
@@ -56,7 +63,13 @@ def prefetch_nvme_param_partitions(coord) -> None:
         return
     window = swapper.prefetch_window()
     swapper.prefetch(ids, window)
-    swapper.promote_ready([t.param for t in queue if getattr(t.param, "nvme_swapper", None) is swapper])
+    mine = [t.param for t in queue if getattr(t.param, "nvme_swapper", None) is swapper]
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        in_flight = sum(p.ds_numel for p in _attr(coord, "inflight_param_registry"))
+        swapper.promote_ready(mine, numel_limit=2 * in_flight)
+    else:
+        swapper.promote_ready(mine)
 
 
 def install(coordinator_cls) -> None:

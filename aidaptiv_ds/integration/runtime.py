@@ -20,6 +20,7 @@ import torch
 
 from ..io.buffers import reuse_freed_host_memory
 from ..io.engine import IOEngine
+from ..io.errors import StorageError
 from ..store.layout import Namespace
 from ..store.ledger import EnduranceRating
 from ..store.store import PathSpec, SlabStore
@@ -142,12 +143,12 @@ class Runtime:
 
     def prefetch_bytes(self, largest_slice: int) -> int:
         """Read-ahead window in bytes: the configured value, or for ``"auto"`` what the budget has left
-        after residency, at least ``2 x largest_slice`` and 64 MiB (reads in flight are working
-        memory, so a budget of 0 still streams) and at most 1 GiB."""
+        after residency, at least ``2 x largest_slice`` and 256 MiB (reads in flight are working
+        memory, so a budget of 0 still streams) and at most 1 GiB (or ``2 x largest_slice``)."""
         if self.cfg.prefetch_bytes != "auto":
             return int(self.cfg.prefetch_bytes)
         left = self.budget - self.tier.resident_bytes()
-        return int(min(max(left, 2 * largest_slice, 64 << 20), max(1 << 30, 2 * largest_slice)))
+        return int(min(max(left, 2 * largest_slice, 256 << 20), max(1 << 30, 2 * largest_slice)))
 
     def counters(self) -> dict:
         """Cumulative counters for :mod:`aidaptiv_ds.telemetry.counters`."""
@@ -162,18 +163,28 @@ class Runtime:
         }
 
     def check(self) -> None:
-        """Per-step health check of the store (see :meth:`SlabStore.check_files`).
+        """Per-step health check: no write failed for good, and the store's files are still there.
+
+        A write that failed after its retries has already raised where it was waited for; but its
+        bytes are not on the drive, so a run that caught that error must neither go on nor save a
+        checkpoint from the incomplete state (the last good checkpoint must stay the latest).
 
         Raises:
+            StorageError: a write failed earlier (its message, with the path, offset and fix, inside).
             CachePathError: the store's directory on a cache path was removed under the run.
         """
+        failed = self.engine.failed_write
+        if failed is not None:
+            raise StorageError(f"aidaptiv_ds: a write failed earlier, so the training state on the drive is "
+                               f"incomplete; this run can neither go on nor save a checkpoint from it. The failed "
+                               f"write: {failed}")
         self.store.check_files()
 
     def flush(self) -> None:
         """Finish every write in flight and book the ledger.
 
         Raises:
-            StorageIOError: a write failed (path, offset, fix); CachePathError: see :meth:`check`.
+            StorageIOError: a write failed (path, offset, fix); StorageError, CachePathError: see :meth:`check`.
         """
         self.check()
         if self.param_swapper is not None:

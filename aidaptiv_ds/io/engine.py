@@ -186,6 +186,9 @@ class IOEngine:
         self._seq = 0
         self._warned: set[str] = set()
         self.fallback_paths: dict[str, str] = {}
+        #: the first write that failed for good (after the retries): its bytes are not on the drive,
+        #: whoever waited for it; the runtime refuses to go on or checkpoint after one
+        self.failed_write: BaseException | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ setup
@@ -268,6 +271,9 @@ class IOEngine:
                 self._run(drive, chunk)
                 chunk.future._chunk_done()
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                if chunk.write:
+                    with self._lock:
+                        self.failed_write = self.failed_write or e
                 chunk.future._chunk_done(e)
 
     def _run(self, drive: _Drive, c: _Chunk) -> None:

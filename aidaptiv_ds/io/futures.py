@@ -13,8 +13,8 @@ class IOFuture:
     A request never reports success unless all of its bytes were transferred.
     """
 
-    __slots__ = ("nbytes", "_pending", "_lock", "_event", "_error", "_callbacks", "submitted_at", "finished_at",
-                 "_keepalive")
+    __slots__ = ("nbytes", "_pending", "_lock", "_event", "_error", "_error_tb", "_callbacks", "submitted_at",
+                 "finished_at", "_keepalive")
 
     def __init__(self, nbytes: int, chunks: int, keepalive=None) -> None:
         self.nbytes = nbytes
@@ -22,6 +22,7 @@ class IOFuture:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self._error_tb = None  # the error's traceback where it happened (re-raising would grow it)
         self._callbacks: list = []
         self.submitted_at = time.perf_counter()
         self.finished_at: float | None = None
@@ -43,7 +44,7 @@ class IOFuture:
     def _chunk_done(self, error: BaseException | None = None) -> None:
         with self._lock:
             if error is not None and self._error is None:
-                self._error = error
+                self._error, self._error_tb = error, error.__traceback__
             self._pending -= 1
             last = self._pending == 0
         if last:
@@ -73,7 +74,9 @@ class IOFuture:
         if not self._event.wait(timeout):
             raise TimeoutError(f"I/O request of {self.nbytes} bytes not complete after {timeout} s")
         if self._error is not None:
-            raise self._error
+            # each raise of one exception object appends the raising frames to its traceback: reset it,
+            # so the traceback shows this wait and the failed transfer, not every earlier waiter too
+            raise self._error.with_traceback(self._error_tb)
         return self.nbytes
 
 

@@ -41,8 +41,14 @@ def safe_name(name: str) -> str:
     return out or "_"
 
 
+HOSTNAME_ENV = "AIDAPTIV_HOSTNAME"
+
+
 def hostname() -> str:
-    return safe_name(socket.gethostname())
+    """This node's name in the layout: ``$AIDAPTIV_HOSTNAME`` when set (non-empty), else the machine's
+    host name; reduced by :func:`safe_name`. The override is for nodes whose host names clash (containers
+    that all call themselves ``localhost``) and for several simulated nodes on one machine."""
+    return safe_name(os.environ.get(HOSTNAME_ENV) or socket.gethostname())
 
 
 def check_cache_path(path: str, field: str = "aidaptiv.cache_paths") -> str:
@@ -58,6 +64,9 @@ def check_cache_path(path: str, field: str = "aidaptiv.cache_paths") -> str:
     if not os.path.isdir(ap):
         raise CachePathError(f"{field}: {path!r} is not a directory. Fix: give the directory on the cache drive "
                              f"(a mount point or a folder below it).")
+    if os.statvfs(ap).f_flag & os.ST_RDONLY:  # before access(): "not writable by this user" would mislead
+        raise CachePathError(f"{field}: {path!r} is on a read-only filesystem. Fix: remount it read-write "
+                             f"(mount -o remount,rw <its mount point>), or choose a directory on a writable drive.")
     if not os.access(ap, os.W_OK | os.X_OK):
         raise CachePathError(f"{field}: {path!r} is not writable by this user (uid {os.getuid()}). Fix: "
                              f"chown/chmod it, or choose a writable directory.")
@@ -71,7 +80,7 @@ class Namespace:
         cache_paths: user directories on the cache drives (must exist and be writable).
         run: run name (a path component; two concurrent runs need different names).
         rank: global rank of the owning process.
-        host: node name (default: this machine's host name).
+        host: node name (default: :func:`hostname`, i.e. ``$AIDAPTIV_HOSTNAME`` or the machine's host name).
     """
 
     def __init__(self, cache_paths: list[str], run: str, rank: int, host: str | None = None) -> None:
@@ -137,12 +146,27 @@ class Namespace:
     def locked(self) -> bool:
         return bool(self._lock_fds)
 
+    def still_owned(self, i: int) -> bool:
+        """True while ``rank_dir(i)/owner.lock`` is still the file this process locked: False once
+        someone removed the directory (or removed and re-created it), i.e. it is no longer ours."""
+        if i >= len(self._lock_fds):
+            return False
+        try:
+            st = os.stat(os.path.join(self.rank_dir(i), "owner.lock"))
+        except OSError:
+            return False
+        mine = os.fstat(self._lock_fds[i])
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
     def remove_files(self) -> None:
         """Delete this namespace's rank directories (only while we hold their locks), then the run
         directory when it is empty. Other ranks' and runs' directories are never touched."""
         if not self.locked:
             raise StorageError("aidaptiv_ds: refusing to delete a namespace this process does not own")
+        ours = [self.still_owned(i) for i in range(len(self.cache_paths))]
         for i in range(len(self.cache_paths)):
+            if not ours[i]:  # removed under us, maybe re-created by another process: not ours to delete
+                continue
             d = self.rank_dir(i)
             for name in os.listdir(d):
                 if name != "owner.lock":
@@ -150,6 +174,8 @@ class Namespace:
                     shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
         self.release()
         for i in range(len(self.cache_paths)):
+            if not ours[i]:
+                continue
             d = self.rank_dir(i)
             try:
                 os.unlink(os.path.join(d, "owner.lock"))

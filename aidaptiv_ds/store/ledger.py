@@ -16,12 +16,43 @@ counters next to ours where the OS exposes them.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
 import time
 
 SECONDS_PER_DAY = 86400.0
+
+
+class LedgerWarning(UserWarning):
+    """A ledger file could not be updated (see :meth:`SlabStore.flush_ledger`); its bytes are kept for a
+    later flush."""
+
+
+class LedgerError(OSError):
+    """A ledger file could not be written. Attributes: ``path`` (the file), ``errno``.
+
+    An ``OSError`` (not a :class:`~aidaptiv_ds.io.errors.StorageError`) because this module needs only
+    the standard library: processes that book bytes load it alone.
+    """
+
+    _FIX = {errno.ENOSPC: "free space on the drive",
+            errno.ENOENT: "its directory was removed; do not delete aidaptiv_ds/ under a cache path while a run "
+                          "uses it",
+            errno.EROFS: "the filesystem is read-only; remount it read-write",
+            errno.EACCES: "make the directory writable by this user"}
+
+    def __init__(self, path: str, cache_path: str, err: int | None) -> None:
+        what = os.strerror(err) if err else "unknown error"
+        super().__init__(err, what, path)
+        self.path = path
+        fix = self._FIX.get(err or 0, "check the drive and the path")
+        self.message = (f"aidaptiv_ds: cannot update the endurance ledger {path} of cache path {cache_path}: {what}. "
+                        f"Fix: {fix}.")
+
+    def __str__(self) -> str:  # OSError.__str__ would print "[Errno n] ..." instead of the message
+        return self.message
 
 
 @dataclasses.dataclass
@@ -95,21 +126,36 @@ class EnduranceLedger:
         self.run_bytes += int(nbytes)
 
     def _locked_update(self, fn) -> dict:
-        fd = os.open(self.file + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        """Read, update with ``fn`` and atomically rewrite the file under the node-wide lock.
+
+        Raises:
+            LedgerError: the file could not be written (full, read-only or removed directory), naming
+                it; a partly written temporary file is removed and the old file stays.
+        """
+        tmp = f"{self.file}.tmp.{os.getpid()}"
+        fd = None
         try:
+            fd = os.open(self.file + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = self._read()
             fn(data)
-            tmp = f"{self.file}.tmp.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
+            payload = json.dumps(data, indent=1, sort_keys=True).encode()
+            with open(tmp, "wb") as f:
+                f.write(payload)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.file)
             return data
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise LedgerError(self.file, self.cache_path, e.errno) from e
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
 
     def _read(self) -> dict:
         try:
@@ -120,7 +166,11 @@ class EnduranceLedger:
                     "runs": {}, "history": []}
 
     def flush(self) -> dict:
-        """Add the unflushed bytes to the file (under the lock) and return the updated record."""
+        """Add the unflushed bytes to the file (under the lock) and return the updated record.
+
+        Raises:
+            LedgerError: the file could not be written; the bytes stay unflushed for the next call.
+        """
         delta, self._unflushed = self._unflushed, 0
         now = time.time()
 
@@ -143,7 +193,11 @@ class EnduranceLedger:
                 hist.append([now, d["bytes_written_total"]])
                 del hist[:-1000]
 
-        return self._locked_update(update)
+        try:
+            return self._locked_update(update)
+        except BaseException:
+            self._unflushed += delta
+            raise
 
     def report(self) -> dict:
         """The record on disk plus projections at this run's pace (see module docstring)."""

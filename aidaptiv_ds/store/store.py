@@ -10,6 +10,9 @@
 * **Space.** Each path's capacity is its configured limit or its free space at open minus a
   reserve. :meth:`preflight` refuses a plan that does not fit, naming the path, the bytes needed
   and the bytes free, before anything is written; slabs grow with ``fallocate``.
+* **Order.** A request overlapping earlier in-flight writes is submitted when they complete
+  (chained, the caller does not block): a read never returns bytes older than a write issued
+  before it, and overlapping writes land in issue order.
 * **Integrity.** Optional CRC32 per ``checksum_block`` of logical space, recorded for each block a
   write covers entirely and verified for each block a read covers entirely.
 * **Accounting.** Bytes read and written per path, and the endurance ledger of each path.
@@ -24,6 +27,7 @@ import logging
 import math
 import os
 import threading
+import warnings
 import zlib
 
 import numpy as np
@@ -34,8 +38,8 @@ from ..io.engine import READ_DEMAND, WRITE_BACK, IOEngine, default_engine
 from ..io.errors import ChecksumError, StorageError, StorageFullError
 from ..io.futures import IOFuture, combine
 from .allocator import ExtentAllocator, OutOfSpace
-from .layout import Namespace
-from .ledger import EnduranceLedger, EnduranceRating
+from .layout import CachePathError, Namespace
+from .ledger import EnduranceLedger, EnduranceRating, LedgerError, LedgerWarning
 from .slab import Slab, free_bytes
 from .striping import StripeLayout
 
@@ -87,6 +91,9 @@ class SlabStore:
         checksum: record and verify CRC32 per ``checksum_block`` bytes (with several paths, a block is
             at most one stripe unit, so a mismatch names the one path and offset that hold it).
         keep: keep the files on :meth:`close` (default: delete them on a clean shutdown).
+        local_ranks: processes of the run on this node, each with its own store on the same cache
+            paths; a path without a configured capacity gives each of them an equal part of its free
+            space (default 1: this store alone).
 
     Raises:
         StoreInUseError: another process owns the namespace.
@@ -95,7 +102,8 @@ class SlabStore:
 
     def __init__(self, namespace: Namespace, paths: list[PathSpec], engine: IOEngine | None = None,
                  policy: str = "striped", primary: int = 0, stripe_unit: int = 1 << 20, alignment: int = 4096,
-                 checksum: bool = False, checksum_block: int = 1 << 20, keep: bool = False) -> None:
+                 checksum: bool = False, checksum_block: int = 1 << 20, keep: bool = False,
+                 local_ranks: int = 1) -> None:
         if len(paths) != len(namespace.cache_paths):
             raise ValueError("one PathSpec per namespace cache path")
         if policy not in ("striped", "affinity"):
@@ -115,6 +123,9 @@ class SlabStore:
         # drive returned the bad bytes; gcd keeps it a divisor of the unit and a multiple of the alignment
         self.checksum_block = math.gcd(checksum_block, stripe_unit) if len(paths) > 1 else checksum_block
         self.keep = keep
+        if int(local_ranks) < 1:
+            raise ValueError(f"local_ranks: {local_ranks} must be >= 1 (the processes of this run on this node)")
+        self.local_ranks = int(local_ranks)
         self._lock = threading.RLock()
         self._extents: dict[str, Extent] = {}
         self._crc = np.full(0, -1, dtype=np.int64)
@@ -123,6 +134,7 @@ class SlabStore:
         self._ledgered = [0] * len(paths)
         self._writes_inflight: list[tuple[int, int, IOFuture]] = []  # (logical start, end, future)
         self._inflight: set[IOFuture] = set()  # requests not yet complete; close() waits for them
+        self._ledger_warned: set = set()  # (ledger file, errno) already reported by flush_ledger
         self._closed = False
 
         namespace.acquire()
@@ -142,10 +154,30 @@ class SlabStore:
             raise
 
     # ------------------------------------------------------------------ layout
+    def _run_slab_bytes(self, i: int) -> int:
+        """Bytes the slabs of the *other* ranks of this run on this node hold on path ``i`` (``st_blocks``)."""
+        run_dir, total = self.ns.run_dir(i), 0
+        try:
+            names = os.listdir(run_dir)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            if not name.startswith("rank") or name == f"rank{self.ns.rank}":
+                continue
+            try:
+                total += os.stat(os.path.join(run_dir, name, "slab.bin")).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        return total
+
     def _phys_caps(self) -> dict[int, int]:
         """Bytes each path may hold: its configured capacity, else a weighted share of the free space
         of its filesystem (paths on one filesystem split it, so the sum is never over-counted),
-        minus a reserve of 2% of the filesystem, at most 1 GiB."""
+        minus a reserve of 2% of the filesystem, at most 1 GiB. With ``local_ranks`` > 1 the node's
+        ranks split it too: the pool (free space plus what this run's slabs on this node already
+        hold, so the split does not depend on which rank opened first) is divided equally among them;
+        otherwise each rank would plan with the whole drive, and a rank spilling onto another's
+        primary path (``affinity``) would find it full."""
         caps: dict[int, int] = {}
         by_fs: dict[int, list[int]] = {}
         for i, p in enumerate(self.paths):
@@ -157,7 +189,10 @@ class SlabStore:
             cp = self.ns.cache_paths[members[0]]
             st = os.statvfs(cp)
             reserve = min(1 << 30, st.f_blocks * st.f_frsize // 50)
-            pool = max(free_bytes(cp) + sum(self.slabs[i].size for i in members) - reserve, 0)
+            held = sum(self.slabs[i].size for i in members)
+            if self.local_ranks > 1:
+                held += sum(self._run_slab_bytes(i) for i in members)
+            pool = max(free_bytes(cp) + held - reserve, 0) // self.local_ranks
             wsum = sum(self.paths[i].weight for i in members)
             for i in members:
                 caps[i] = int(pool * self.paths[i].weight / wsum)
@@ -318,37 +353,47 @@ class SlabStore:
         if offset % self.alignment or n % self.alignment:
             raise ValueError(f"extent {key!r}: offset {offset} and length {n} must be multiples of {self.alignment}")
         logical = ext.offset + offset
-        self._order_after_writes(logical, logical + n)
         finalizer = None
         if self.checksum:
             if write:
                 self._record_crc(logical, raw)
             else:
                 finalizer = self._verifier(key, logical, raw)
-        futs = []
-        for path, phys, parts in self._map(logical, n):
-            f = self.engine.submit(self.slabs[path].fh, write, phys, [raw[o:o + m] for o, m in parts], priority)
-            f.add_done_callback(self._counter(path, write, sum(m for _, m in parts)))
-            futs.append(f)
-        out = combine(futs, n, finalizer, keepalive=buf)
         with self._lock:
+            self._writes_inflight = [w for w in self._writes_inflight if not w[2].done()]
+            deps = [f for a, b, f in self._writes_inflight if a < logical + n and logical < b]
+            if deps:  # ordered after the overlapping writes issued before it, without blocking the caller
+                out = IOFuture(n, 1, keepalive=buf)
+                after = combine(deps, 0)
+                after.add_done_callback(lambda _f: self._chain(out, write, logical, n, raw, priority, finalizer))
+            else:
+                out = self._submit(write, logical, n, raw, priority, finalizer, buf)
             self._inflight.add(out)
             if write:
                 self._writes_inflight.append((logical, logical + n, out))
         out.add_done_callback(self._retire)
         return out
 
-    def _order_after_writes(self, start: int, end: int) -> None:
-        """Wait for in-flight writes overlapping logical bytes ``[start, end)``: a read never returns
-        bytes older than a write issued before it, and overlapping writes land in issue order."""
-        with self._lock:
-            self._writes_inflight = [w for w in self._writes_inflight if not w[2].done()]
-            overlap = [f for a, b, f in self._writes_inflight if a < end and start < b]
-        for f in overlap:
-            try:
-                f.wait()
-            except BaseException:  # noqa: BLE001 - the write's owner gets its error; order is all we need
-                pass
+    def _submit(self, write: bool, logical: int, n: int, raw: torch.Tensor, priority: int, finalizer, keepalive
+                ) -> IOFuture:
+        """Hand the request's runs to the engine (one sequential transfer per run)."""
+        futs = []
+        for path, phys, parts in self._map(logical, n):
+            f = self.engine.submit(self.slabs[path].fh, write, phys, [raw[o:o + m] for o, m in parts], priority)
+            f.add_done_callback(self._counter(path, write, sum(m for _, m in parts)))
+            futs.append(f)
+        return combine(futs, n, finalizer, keepalive=keepalive)
+
+    def _chain(self, out: IOFuture, write: bool, logical: int, n: int, raw: torch.Tensor, priority: int,
+               finalizer) -> None:
+        """Submit a request whose earlier overlapping writes completed (an engine thread calls this);
+        ``out`` completes with it. A failed earlier write does not stop it: its owner gets that error."""
+        try:
+            inner = self._submit(write, logical, n, raw, priority, finalizer, None)
+        except BaseException as e:  # noqa: BLE001 - delivered to the waiter of out
+            out._chunk_done(e)
+            return
+        inner.add_done_callback(lambda f: out._chunk_done(f.exception()))
 
     def _retire(self, f: IOFuture) -> None:
         with self._lock:
@@ -444,13 +489,47 @@ class SlabStore:
                     for p, r, w in zip(self.ns.cache_paths, self.bytes_read, self.bytes_written)}
 
     def flush_ledger(self) -> None:
-        """Book bytes written since the last call in each path's endurance ledger."""
+        """Book bytes written since the last call in each path's endurance ledger.
+
+        A ledger file that cannot be written (drive full, read-only, directory removed) does not stop
+        training: the training state's space was reserved at start, so the failure is reported once
+        per path and error as a :class:`LedgerWarning` naming the file, and its bytes stay booked in
+        memory until a later flush succeeds.
+        """
         with self._lock:
             deltas = [w - done for w, done in zip(self.bytes_written, self._ledgered)]
             self._ledgered = list(self.bytes_written)
         for led, d in zip(self.ledgers, deltas):
             led.add(d)
-            led.flush()
+            try:
+                led.flush()
+            except LedgerError as e:
+                key = (led.file, getattr(e, "errno", None))
+                if key not in self._ledger_warned:
+                    self._ledger_warned.add(key)
+                    msg = (f"{e} The endurance ledger is not updated until that succeeds (the bytes are kept in "
+                           f"memory); training goes on, since its space on the drive was reserved at start.")
+                    log.warning(msg)
+                    warnings.warn(msg, LedgerWarning, stacklevel=2)
+
+    def check_files(self) -> None:
+        """Raise if the namespace directory of a path was removed (or replaced) while the store is open.
+
+        The slabs stay usable through their open descriptors, so nothing else would notice; but the
+        owner lock went with the directory, another run could now take the same namespace, and the
+        drive's space is held by files nobody can see. Cheap (one ``stat`` per path): the runtime calls
+        it after every optimizer step.
+
+        Raises:
+            CachePathError: naming the cache path, the directory that disappeared and the fix.
+        """
+        for i, cp in enumerate(self.ns.cache_paths):
+            if not self.ns.still_owned(i):
+                raise CachePathError(
+                    f"aidaptiv_ds: {self.ns.rank_dir(i)} on cache path {cp} was removed while this run was using "
+                    f"it (its owner lock went with it, so another run could take the same namespace, and the slab "
+                    f"is reachable only through this process). Fix: resume from the last checkpoint; clean cache paths "
+                    f"with `aidaptiv-ds gc --cache {cp} --delete`, which never deletes a live store.")
 
     # ------------------------------------------------------------------ persistence
     def save_index(self) -> None:
@@ -519,13 +598,15 @@ class SlabStore:
             return
         keep = self.keep if keep is None else keep
         self._closed = True  # no new requests; the queued ones finish before the slabs close
-        self.drain()
-        if keep:
-            self.save_index()
-        self.flush_ledger()  # after the index, so its bytes are booked too
-        for s in self.slabs:
-            s.close()
-        if keep:
-            self.ns.release()
-        else:
-            self.ns.remove_files()
+        try:
+            self.drain()
+            if keep:
+                self.save_index()
+            self.flush_ledger()  # after the index, so its bytes are booked too
+        finally:  # even when the index cannot be saved: close the slabs, free the drive and the namespace
+            for s in self.slabs:
+                s.close()
+            if keep:
+                self.ns.release()
+            else:
+                self.ns.remove_files()

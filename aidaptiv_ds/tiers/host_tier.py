@@ -8,7 +8,8 @@ booked in three classes:
   are written only on :meth:`HostTier.flush`, i.e. at a checkpoint);
 * **cached** slices: unreferenced copies kept for reuse; ``resident + cached <= budget``, and the
   excess is evicted by :class:`EvictionPolicy` (furthest next use, LRU before the order is known).
-  Evicting a clean slice writes nothing; evicting a dirty one writes it back first;
+  Evicting a clean slice writes nothing; evicting a dirty one issues its write-back and lets it go
+  once written (the training thread does not wait);
 * **working** slices: referenced by compute, prefetched and not yet used, or being written back.
   These are bounded by their owners (DeepSpeed's live-parameter limit, the prefetch window, the
   write-back limit), not by the cache budget, so a budget of 0 still streams everything.
@@ -256,13 +257,16 @@ class HostTier:
                 self.evict(victim)
 
     def evict(self, s: Slice) -> None:
-        """Remove an unreferenced slice; a dirty one is written back first (and waited for)."""
+        """Remove an unreferenced slice. A dirty one is written back first, without waiting: it stays
+        (as working memory, bounded by ``writeback_limit``) until its write completes, then goes as a
+        clean slice at the next budget check."""
         with self._lock:
             if s.refs:
                 raise RuntimeError(f"slice {s.key!r} is in use and cannot be evicted")
             if s.dirty:
                 self.dirty_evictions += 1
                 self.write_back(s)
+                return
             if s.writing is not None:
                 s.writing.wait()
                 s.writing = None

@@ -63,6 +63,7 @@ def parse():
     ap.add_argument("--save16", default="", help="after training, engine.save_16bit_model(DIR)")
     ap.add_argument("--resume", action="store_true", help="load the latest checkpoint of --ckpt_dir first")
     ap.add_argument("--no_optimizer_state", action="store_true", help="resume with load_optimizer_states=False")
+    ap.add_argument("--cpu_adam", action="store_true", help="DeepSpeedCPUAdam (compiled cpu_adam op) instead of torch AdamW")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=None, help="passed by the deepspeed launcher (unused)")
     ap.add_argument("--rank_out", default="", help="test-only: every rank writes DIR/rank<R>.pt")
@@ -88,7 +89,7 @@ def ds_config(a) -> dict:
         "train_micro_batch_size_per_gpu": a.micro,
         "gradient_accumulation_steps": a.ga,
         "steps_per_print": 10 ** 9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": not a.cpu_adam}},
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": int(a.sub_group_size),
@@ -238,10 +239,12 @@ class StoreShadow:
             with shadow.lock:
                 lo, hi = ext.offset + offset, ext.offset + offset + len(raw)  # logical bytes of this write
                 for k, seg in enumerate(store.segments):
-                    shadow.segment_bytes[k] = shadow.segment_bytes.get(k, 0) + max(0, min(hi, seg.end) - max(lo, seg.start))
+                    inside = max(0, min(hi, seg.end) - max(lo, seg.start))
+                    shadow.segment_bytes[k] = shadow.segment_bytes.get(k, 0) + inside
                 cur = shadow.data.get(key)
                 if cur is None or cur[0] != ext.offset or len(cur[1]) != ext.nbytes:
-                    cur = shadow.data[key] = (ext.offset, bytearray(ext.nbytes), bytearray(ext.nbytes // store.alignment))
+                    cur = shadow.data[key] = (ext.offset, bytearray(ext.nbytes),
+                                              bytearray(ext.nbytes // store.alignment))
                 cur[1][offset:offset + len(raw)] = raw
                 a = store.alignment
                 cur[2][offset // a:(offset + len(raw)) // a] = b"\x01" * (len(raw) // a)
@@ -318,7 +321,7 @@ def main():
     for step in range(first, a.steps + (1 if a.save_after == a.steps else 0)):
         if step in save_at or (a.save_after and step == a.save_after):
             eng.save_checkpoint(a.save_dir or a.ckpt_dir, client_state={"step": step, "micro": micro})
-            if step == a.save_after:
+            if a.save_after and step == a.save_after:  # (--save_at 0 saved and then stopped)
                 break
         _between_steps(a, step)
         before = counters.snapshot()
@@ -384,6 +387,7 @@ def main():
                          "primary": st.primary, "phys_caps": st.phys_caps, "slab_sizes": [s.size for s in st.slabs],
                          "weights": [p.weight for p in st.paths], "stripe_unit": st.stripe_unit,
                          "alignment": st.alignment, "local_world": getattr(rt, "local_world", None),
+                         "index_bytes": os.path.getsize(ns.index_path()) if os.path.exists(ns.index_path()) else 0,
                          "segments": [(sg.start, sg.end, sg.layout.paths) for sg in st.segments],
                          "extents": {k: (e.offset, e.nbytes) for k, e in st._extents.items()},
                          "shadow": shadow.digests() if shadow is not None else None,
