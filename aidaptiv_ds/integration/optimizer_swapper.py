@@ -203,8 +203,9 @@ class AidaptivOptimizerSwapper:
             self.groups[key] = g
             self.order.append(key)
             self.rt.store.allocate(self._extent_key(g), self._span(g, g.slots))
-            g.grad_region = PackedRegion(self.rt.store, f"grad{self.engine_id}/{key}",
-                                         chunk_bytes=round_up(numel * 4, self.rt.store.alignment))
+            one = round_up(numel * 4, self.rt.store.alignment)
+            g.grad_region = PackedRegion(self.rt.store, f"grad{self.engine_id}/{key}", chunk_bytes=one,
+                                         first_chunk=one)
             g.grad_region.append(numel * 4)
             buf = alloc_aligned(self._span(g, g.slots))
             buf[: g.slot_bytes].view(self.dtype).copy_(src.reshape(-1))

@@ -2,8 +2,8 @@
 
 Parameter partitions are packed in creation order (so one module's partitions are one contiguous
 range and one fetch is one sequential read) with no per-item padding (so a 128-byte norm weight
-costs 128 bytes of writes, not a 4 KiB block). The region lives in store extents of
-``chunk_bytes`` ("chunks") appended as it grows.
+costs 128 bytes of writes, not a 4 KiB block). The region lives in store extents ("chunks")
+appended as it grows, each twice the previous one up to ``chunk_bytes``.
 
 I/O is always block-aligned (``store.alignment``): a write of ``[start, end)`` becomes a write of
 the enclosing aligned range ``[A, B)`` whose partial head and tail blocks are filled
@@ -14,6 +14,7 @@ block never lands last and a read never returns bytes older than a write issued 
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 
@@ -31,18 +32,22 @@ class PackedRegion:
     Args:
         store: the slab store holding the chunks.
         name: key prefix of the chunks (``"<name>/<k>"``).
-        chunk_bytes: size of each chunk extent in bytes (a multiple of the store's alignment).
+        chunk_bytes: largest chunk extent in bytes (a multiple of the store's alignment).
+        first_chunk: size of the first chunk; each next one doubles, up to ``chunk_bytes`` (a small
+            model takes little space; a large one gets large sequential chunks). Default 4 MiB.
         edge_cache_blocks: boundary blocks kept in memory (4 KiB each at the default alignment).
     """
 
-    def __init__(self, store: SlabStore, name: str, chunk_bytes: int = 256 << 20, edge_cache_blocks: int = 4096
-                 ) -> None:
+    def __init__(self, store: SlabStore, name: str, chunk_bytes: int = 256 << 20, first_chunk: int = 4 << 20,
+                 edge_cache_blocks: int = 4096) -> None:
         self.store = store
         self.name = name
         self.block = store.alignment
         self.chunk_bytes = round_up(chunk_bytes, self.block)
+        self.first_chunk = min(round_up(first_chunk, self.block), self.chunk_bytes)
         self.size = 0
-        self._chunks = 0
+        self._starts: list[int] = []  # region offset of each chunk; chunk k spans [starts[k], starts[k] + size_k)
+        self._capacity = 0
         self._lock = threading.RLock()
         self._edges: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self._edge_limit = edge_cache_blocks
@@ -59,30 +64,43 @@ class PackedRegion:
         with self._lock:
             start = round_up(self.size, align)
             end = start + int(nbytes)
-            while self._chunks * self.chunk_bytes < end:
-                self.store.allocate(f"{self.name}/{self._chunks}", self.chunk_bytes)
-                self._chunks += 1
+            while self._capacity < end:
+                k = len(self._starts)
+                self.store.allocate(f"{self.name}/{k}", self._chunk_size(k))
+                self._starts.append(self._capacity)
+                self._capacity += self._chunk_size(k)
             self.size = end
             return start
 
+    def _chunk_size(self, k: int) -> int:
+        return min(self.first_chunk << min(k, 40), self.chunk_bytes)
+
     def reopen(self, size: int) -> None:
-        """Adopt ``size`` bytes already in the store (after :meth:`SlabStore` reopened an index)."""
+        """Adopt ``size`` bytes already in the store (after :meth:`SlabStore` reopened an index).
+
+        Raises:
+            KeyError: a chunk the size implies is missing from the store index.
+        """
         with self._lock:
-            self.size = size
-            self._chunks = -(-size // self.chunk_bytes)
-            for k in range(self._chunks):
+            self.size, self._starts, self._capacity = size, [], 0
+            while self._capacity < size:
+                k = len(self._starts)
                 if self.store.extent(f"{self.name}/{k}") is None:
                     raise KeyError(f"{self.name}: chunk {k} missing from the store index")
+                self._starts.append(self._capacity)
+                self._capacity += self._chunk_size(k)
 
     def _pieces(self, a: int, b: int):
         """``(chunk_key, offset_in_chunk, offset_in_request, length)`` for aligned region bytes ``[a, b)``."""
         out = []
         pos = a
+        k = bisect.bisect_right(self._starts, pos) - 1
         while pos < b:
-            k, off = divmod(pos, self.chunk_bytes)
-            n = min(self.chunk_bytes - off, b - pos)
+            off = pos - self._starts[k]
+            n = min(self._chunk_size(k) - off, b - pos)
             out.append((f"{self.name}/{k}", off, pos - a, n))
             pos += n
+            k += 1
         return out
 
     # ------------------------------------------------------------------ reads
