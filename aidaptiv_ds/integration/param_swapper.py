@@ -53,6 +53,7 @@ class _Loc(NamedTuple):
     dtype: torch.dtype
     elsize: int
     readonly: bool = False  # an unpacked partition: the first write relocates it (the unpacked copy stays)
+    aliased: bool = False  # an fp32 partition read from its master slot: writes are the master's write-back
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +88,7 @@ class AidaptivParamSwapper:
         self.init_phase = False  # set by the Stage-3 subclass while DeepSpeed rewrites unchanged partitions
         self.from_unpacked = bool(runtime.cfg.from_unpacked)
         self._unadopted: set[int] = set()  # first partitions not written: their bytes come from the unpacked store
+        self.aliased_skipped_bytes = 0  # parameter writes saved by reading fp32 partitions from their masters
         self.skipped_init_bytes = 0
         self.swap_folder = runtime.namespace.rank_dir(0)
 
@@ -377,6 +379,12 @@ class AidaptivParamSwapper:
         src = {}
         for p, t in items:
             loc = self._loc[p.ds_id]
+            if loc.aliased:  # the same bytes reach the drive with the master's write-back: drop old copies
+                old = self._slice_of.pop(p.ds_id, None)
+                if old is not None:
+                    old.members = tuple(m for m in old.members if m != p.ds_id)
+                self.aliased_skipped_bytes += loc.nbytes
+                continue
             if loc.readonly:  # keep the unpacked copy: the new bytes get a place of their own
                 region = self._region(loc.dtype)
                 self._loc[p.ds_id] = _Loc(region, region.append(loc.nbytes, align=loc.elsize), loc.numel, loc.dtype,
@@ -492,6 +500,28 @@ class AidaptivParamSwapper:
                              f"model:\n  " + "\n  ".join(problems[:10]) + "\nFix: unpack the model you train "
                              f"(`aidaptiv-ds unpack MODEL_DIR ...`), or remove \"from_unpacked\"")
         return adopted
+
+    def alias_to_master(self, params, view) -> int:
+        """Read ``params`` (one sub-group's fp32 partitions, in sub-group order) from ``view``, the
+        master slot of their sub-group, and never write them on their own; returns the bytes aliased.
+
+        Raises:
+            ValueError: a partition is not fp32 or the partitions do not fill the view in order.
+        """
+        off = 0
+        for p in params:
+            loc = self._loc.get(p.ds_id)
+            if loc is None or loc.dtype != torch.float32:
+                raise ValueError(f"aidaptiv_ds: parameter ds_id={p.ds_id} cannot alias an fp32 master slot")
+            old = self._slice_of.pop(p.ds_id, None)
+            if old is not None:
+                old.members = tuple(m for m in old.members if m != p.ds_id)
+            self._loc[p.ds_id] = _Loc(view, off, loc.numel, loc.dtype, loc.elsize, aliased=True)
+            self._unadopted.discard(p.ds_id)
+            off += loc.nbytes
+        if off != view.size:
+            raise ValueError(f"aidaptiv_ds: partitions of {view.name} cover {off} bytes, its master slot {view.size}")
+        return off
 
     def write_partitions(self, items: list) -> None:
         """Replace partitions' stored bytes: ``[(param, tensor of ds_numel elements)]`` (synchronous)."""

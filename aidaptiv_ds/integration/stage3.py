@@ -18,8 +18,11 @@ from __future__ import annotations
 import itertools
 import logging
 
+import torch
+
 from ..planner.auto import host_working_set
 from ..planner.residency import StateSizes, plan_residency
+from ..store.packed import ExtentView
 from ..units import format_bytes
 from .config import section_enabled, validate
 from .optimizer_swapper import AidaptivOptimizerSwapper
@@ -57,6 +60,25 @@ def make_stage3_class(base: type) -> type:
             rt.optimizer_swappers.append(sw)
             self._aidaptiv_plan()
 
+        def _create_fp32_partitions(self):
+            super()._create_fp32_partitions()
+            self._aidaptiv_alias_params()
+
+        def _aidaptiv_alias_params(self) -> None:
+            """fp32 parameters are their master slot, byte for byte: read them from it and stop writing
+            them separately (sub-groups kept in DRAM, and resident parameters, keep their own copy)."""
+            sw, psw = self.optimizer_swapper, self._aidaptiv_param_swapper()
+            plan = self.aidaptiv_plan
+            if psw is None or plan.params_resident or not self.aidaptiv_sizes.alias_params:
+                return
+            for i, fp32 in enumerate(self.fp32_partitioned_groups_flat):
+                g = sw.groups.get(str(fp32.ds_id))
+                params = self.fp16_groups[i]
+                if g is None or g.resident or any(getattr(p.ds_tensor, "final_location", None) is None or
+                                                  p.ds_id not in psw._loc for p in params):
+                    continue
+                psw.alias_to_master(params, ExtentView(self._aidaptiv_rt.store, sw._extent_key(g), g.slot_bytes))
+
         def initialize_optimizer_states(self):
             sw = self.optimizer_swapper
             psw = self._aidaptiv_param_swapper()
@@ -93,10 +115,14 @@ def make_stage3_class(base: type) -> type:
             align = rt.store.alignment
             slots = 1 + sw.expected_states
             module_params = list(self._aidaptiv_module.parameters()) if self._aidaptiv_module is not None else []
+            alias = (psw is not None and sw.dtype == torch.float32
+                     and all(p.dtype == torch.float32 for group in self.fp16_groups for p in group))
             sizes = StateSizes(param_bytes=sum(p.ds_tensor.ds_numel * p.element_size() for p in module_params
                                                if getattr(p, "ds_tensor", None) is not None),
                                grad_bytes=sum(numels) * 4,
-                               subgroup_bytes=[n * sw.elsize * slots for n in numels])
+                               subgroup_bytes=[n * sw.elsize * slots for n in numels], alias_params=alias,
+                               subgroup_param_bytes=[sum(p.ds_tensor.ds_numel * p.element_size() for p in group)
+                                                     for group in self.fp16_groups])
             if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
                 rt.set_budget(auto_dram_budget(working_set_bytes=host_working_set(
                     largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,

@@ -212,13 +212,16 @@ def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes:
 
     ``param_bytes`` per element for parameters, 4 B for gradients, ``4 + moment_bytes`` per element
     for each optimizer sub-group of at most ``sub_group_size`` elements (item 1 of the module docstring).
+    fp32 parameters (``param_bytes`` 4) are read from the fp32 master weights, not written on their own
+    (``StateSizes.alias_params``).
     """
     numel = -(-int(n_params) // int(dp))
     full, rest = divmod(numel, int(sub_group_size))
     groups = [sub_group_size] * full + ([rest] if rest else [])
     per = MASTER_BYTES_PER_PARAM + moment_bytes
     return StateSizes(param_bytes=numel * param_bytes, grad_bytes=numel * GRAD_BYTES_PER_PARAM,
-                      subgroup_bytes=[g * per for g in groups])
+                      subgroup_bytes=[g * per for g in groups], alias_params=param_bytes == MASTER_BYTES_PER_PARAM,
+                      subgroup_param_bytes=[g * param_bytes for g in groups])
 
 
 def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, flash_attention: bool = True,

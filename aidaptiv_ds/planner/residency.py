@@ -13,6 +13,12 @@ step whatever it holds, so the choice is made on what else it saves:
 3. **optimizer sub-groups** (fp32 master + moments) last, whole sub-groups in step order.
 
 What remains of the budget caches clean parameter slices (reads only, never writes).
+
+When the parameters are fp32 like the master weights (no mixed precision), a parameter partition
+*is* its master slot, byte for byte: it is read from the master extent and never written on its own
+(``alias_params``), so per step 4 B/param fewer are written (DeepSpeed writes both). Only the
+parameters of sub-groups kept in DRAM still need their own copy on the drive; keeping parameters
+resident then saves reads only, so sub-groups come before parameters.
 """
 from __future__ import annotations
 
@@ -27,10 +33,15 @@ class StateSizes:
         param_bytes: low-precision parameter partitions (numel x 2 for bf16/fp16, x 4 for fp32).
         grad_bytes: fp32 gradient partitions (numel x 4).
         subgroup_bytes: per optimizer sub-group, fp32 master + optimizer state (numel x 12 for Adam).
+        alias_params: the parameters are read from the master weights and not written on their own
+            (fp32 parameters and fp32 master weights).
+        subgroup_param_bytes: per sub-group, the bytes of its parameter partitions (for ``alias_params``).
     """
     param_bytes: int
     grad_bytes: int
     subgroup_bytes: list[int]
+    alias_params: bool = False
+    subgroup_param_bytes: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def optimizer_bytes(self) -> int:
@@ -69,28 +80,40 @@ class ResidencyPlan:
 
 
 def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
-    """Fill ``budget`` bytes of DRAM in the order gradients, parameters, optimizer sub-groups.
+    """Fill ``budget`` bytes of DRAM in the order gradients, parameters, optimizer sub-groups (with
+    ``alias_params``: gradients, sub-groups, parameters).
 
     Each item is taken whole or not at all (gradients and parameters as one block each, sub-groups
     one by one in step order; a sub-group that does not fit is skipped and a later, smaller one may
-    still fit). Bytes written per step = non-resident parameters + non-resident gradients +
-    non-resident sub-groups; bytes read per step = 2 x non-resident parameters + non-resident
-    gradients + non-resident sub-groups.
+    still fit). Bytes written per step = non-resident parameters (with ``alias_params``: only those
+    of resident sub-groups) + non-resident gradients + non-resident sub-groups; bytes read per step =
+    2 x non-resident parameters + non-resident gradients + non-resident sub-groups.
     """
     left = max(int(budget), 0)
     grads = sizes.grad_bytes <= left
     if grads:
         left -= sizes.grad_bytes
-    params = sizes.param_bytes <= left
-    if params:
-        left -= sizes.param_bytes
+    params = False
+    if not sizes.alias_params:
+        params = sizes.param_bytes <= left
+        if params:
+            left -= sizes.param_bytes
     resident = []
     for i, b in enumerate(sizes.subgroup_bytes):
         if b <= left:
             resident.append(i)
             left -= b
+    if sizes.alias_params:
+        params = sizes.param_bytes <= left
+        if params:
+            left -= sizes.param_bytes
     opt_written = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in resident)
-    p_w = 0 if params else sizes.param_bytes
+    if params:
+        p_w = 0
+    elif sizes.alias_params:  # only parameters of sub-groups kept in DRAM have a copy of their own
+        p_w = sum(sizes.subgroup_param_bytes[i] for i in resident)
+    else:
+        p_w = sizes.param_bytes
     g_w = 0 if grads else sizes.grad_bytes
     return ResidencyPlan(
         budget=int(budget), grads_resident=grads, params_resident=params, resident_subgroups=resident,

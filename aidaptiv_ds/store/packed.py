@@ -181,3 +181,34 @@ class PackedRegion:
         with self._lock:
             pending, self._pending = self._pending, []
         wait_all(pending)
+
+
+class ExtentView:
+    """The first ``size`` bytes of one store extent seen as a read-only region (the read API of
+    :class:`PackedRegion`): fp32 parameter partitions read straight from their sub-group's master
+    slot, which holds exactly those bytes (:mod:`aidaptiv_ds.planner.residency`, ``alias_params``).
+
+    Args:
+        store: the slab store; key: the extent; size: bytes of the view (from the extent's start).
+    """
+
+    def __init__(self, store: SlabStore, key: str, size: int) -> None:
+        self.store = store
+        self.name = key
+        self.block = store.alignment
+        self.size = int(size)
+
+    def aligned(self, start: int, end: int) -> tuple[int, int]:
+        """The block-aligned range ``[A, B)`` that encloses ``[start, end)``."""
+        return round_down(start, self.block), round_up(end, self.block)
+
+    def read(self, start: int, end: int, buf: torch.Tensor | None = None, priority: int = READ_DEMAND
+             ) -> tuple[IOFuture, torch.Tensor, int]:
+        """As :meth:`PackedRegion.read` (ordered after in-flight writes of the extent by the store)."""
+        a, b = self.aligned(start, end)
+        if buf is None:
+            buf = alloc_aligned(b - a)
+        return self.store.read(self.name, buf[: b - a], a, priority), buf, start - a
+
+    def flush(self) -> None:
+        """Nothing to wait for: the view is never written through."""

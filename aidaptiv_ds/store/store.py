@@ -10,9 +10,9 @@
 * **Space.** Each path's capacity is its configured limit or its free space at open minus a
   reserve. :meth:`preflight` refuses a plan that does not fit, naming the path, the bytes needed
   and the bytes free, before anything is written; slabs grow with ``fallocate``.
-* **Order.** A request overlapping earlier in-flight writes is submitted when they complete
-  (chained, the caller does not block): a read never returns bytes older than a write issued
-  before it, and overlapping writes land in issue order.
+* **Order.** A request overlapping earlier in-flight writes (a write: also reads) is submitted when
+  they complete (chained, the caller does not block): a read never returns bytes older than a
+  write issued before it, nor bytes of a write issued after it; overlapping writes land in order.
 * **Integrity.** Optional CRC32 per ``checksum_block`` of logical space, recorded for each block a
   write covers entirely and verified for each block a read covers entirely.
 * **Accounting.** Bytes read and written per path, and the endurance ledger of each path.
@@ -133,6 +133,7 @@ class SlabStore:
         self.bytes_read = [0] * len(paths)
         self._ledgered = [0] * len(paths)
         self._writes_inflight: list[tuple[int, int, IOFuture]] = []  # (logical start, end, future)
+        self._reads_inflight: list[tuple[int, int, IOFuture]] = []
         self._inflight: set[IOFuture] = set()  # requests not yet complete; close() waits for them
         self._ledger_warned: set = set()  # (ledger file, errno) already reported by flush_ledger
         self._closed = False
@@ -361,16 +362,18 @@ class SlabStore:
                 finalizer = self._verifier(key, logical, raw)
         with self._lock:
             self._writes_inflight = [w for w in self._writes_inflight if not w[2].done()]
+            self._reads_inflight = [r for r in self._reads_inflight if not r[2].done()]
             deps = [f for a, b, f in self._writes_inflight if a < logical + n and logical < b]
-            if deps:  # ordered after the overlapping writes issued before it, without blocking the caller
+            if write:  # nor may a write change bytes an earlier read is still transferring
+                deps += [f for a, b, f in self._reads_inflight if a < logical + n and logical < b]
+            if deps:  # ordered after the overlapping requests issued before it, without blocking the caller
                 out = IOFuture(n, 1, keepalive=buf)
                 after = combine(deps, 0)
                 after.add_done_callback(lambda _f: self._chain(out, write, logical, n, raw, priority, finalizer))
             else:
                 out = self._submit(write, logical, n, raw, priority, finalizer, buf)
             self._inflight.add(out)
-            if write:
-                self._writes_inflight.append((logical, logical + n, out))
+            (self._writes_inflight if write else self._reads_inflight).append((logical, logical + n, out))
         out.add_done_callback(self._retire)
         return out
 
