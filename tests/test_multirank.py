@@ -364,15 +364,15 @@ def test_striped_every_rank_reads_back_after_a_restart(striped):
     assert len(out["bad"]) == 1
 
 
-SMALL_FS = 256 << 20
+SMALL_FS = 16 << 20
 
 
 @pytest.fixture(scope="module")
 def affinity(tmp_path_factory):
-    """2 ranks, affinity over 3 paths weighted 1:1:2; paths 0 and 1 (the ranks' primaries) are 256 MiB
-    tmpfs mounts, path 2 a directory on the big disk. Each rank's state (a 256 MiB parameter chunk, of
-    which ~1.4 MB is used, then ~11 MB of optimizer state and gradients) is larger than its share of
-    its primary, so it must spill."""
+    """2 ranks, affinity over 3 paths weighted 1:1:2; paths 0 and 1 (the ranks' primaries) are 16 MiB
+    tmpfs mounts, path 2 a directory on the big disk. Each rank's state (a 4 MiB parameter chunk, then
+    ~11 MB of optimizer state and gradients) is larger than its share of its primary (~7 MiB), so it
+    must spill."""
     if os.geteuid() != 0:
         pytest.skip("mounting the small filesystems needs root")
     root = tmp_path_factory.mktemp("affinity-paths")

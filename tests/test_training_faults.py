@@ -66,7 +66,7 @@ ALIGN = 4096
 # the same as tests/test_multirank.py uses.
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
     "/tmp", "aidaptiv_ds_torch_extensions_" + __import__("hashlib").sha1(sys.prefix.encode()).hexdigest()[:10])
-PARAM_CHUNK = 256 * MiB  # PackedRegion's default chunk: the parameters' first extent
+FIRST_CHUNK = 4 * MiB  # PackedRegion's first chunk; each next one doubles (4, 8, 16 ... MiB)
 STEPS = 4
 ARGS = ["--model", "llama", "--dtype", "fp32", "--budget", "0", "--steps", str(STEPS)]
 TIMEOUT = 600  # seconds for one child on a loaded 2-core machine; a hang fails the test, it never blocks
@@ -74,6 +74,15 @@ TIMEOUT = 600  # seconds for one child on a loaded 2-core machine; a hang fails 
 
 def _round(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _param_chunks(nbytes: int) -> list[int]:
+    """Sizes of the parameter region's chunks (4 MiB, then doubling) that hold ``nbytes`` of fp32
+    partitions (packed at 128-byte granularity: a few KiB over ``nbytes``, far from a chunk boundary here)."""
+    sizes = [FIRST_CHUNK]
+    while sum(sizes) < nbytes + (64 << 10):
+        sizes.append(sizes[-1] * 2)
+    return sizes
 
 
 @pytest.fixture(scope="module")
@@ -240,10 +249,12 @@ def fill(mnt: str) -> str:
 
 # ------------------------------------------------------------------------------------------ drive full
 def test_drive_too_small_is_refused_before_step_1(tmp_path, launch, ref):
-    """A tmpfs with room for the parameters' extent but not for the optimizer state and gradients."""
+    """A tmpfs with room for the parameters' extents but not for the optimizer state and gradients."""
     n = ref["nparams"]
-    needed = PARAM_CHUNK + _round(n * 4 * 3) + _round(n * 4)  # params extent + fp32 master & 2 moments + grads
-    size_mib = (PARAM_CHUNK + (needed - PARAM_CHUNK) // 2) // MiB + 6  # the store keeps 2% in reserve
+    chunks = _param_chunks(n * 4)
+    params = sum(chunks)
+    needed = params + _round(n * 4 * 3) + _round(n * 4)  # params extents + fp32 master & 2 moments + grads
+    size_mib = (params + (needed - params) // 2) // MiB + 6  # the store keeps 2% in reserve
     with mounted(tmp_path, "tmpfs", size_mib) as mnt:
         st = os.statvfs(mnt)
         total = st.f_blocks * st.f_frsize
@@ -251,7 +262,7 @@ def test_drive_too_small_is_refused_before_step_1(tmp_path, launch, ref):
         # MiB; at open the owner lock (a page or so on tmpfs) is already there
         cap_hi = (st.f_bavail * st.f_frsize - total // 50) // MiB * MiB
         cap_lo = (st.f_bavail * st.f_frsize - 16384 - total // 50) // MiB * MiB
-        assert PARAM_CHUNK <= cap_lo and cap_hi < needed, "the filesystem must hold the parameters, not the state"
+        assert params <= cap_lo and cap_hi < needed, "the filesystem must hold the parameters, not the state"
         cache = os.path.join(mnt, "cache")
         c = launch("small", ARGS + ["--cache", cache, "--extra", json.dumps({"keep_files": True, "run_name": "r"})])
         c.finish()
@@ -261,12 +272,13 @@ def test_drive_too_small_is_refused_before_step_1(tmp_path, launch, ref):
                          r"state and gradients but has \S+ \S+ \((\d+) bytes\) free\. Fix: .*", msg)
         assert m, msg
         assert int(m.group(1)) == needed and cap_lo <= int(m.group(2)) <= cap_hi, (needed, cap_lo, cap_hi, msg)
-        # nothing of the optimizer was allocated or written: the kept slab is exactly the parameters' extent
+        # nothing of the optimizer was allocated: the index holds the parameters' chunks only, and the slab
+        # (grown in steps, never past the path's capacity) was not grown for the state
         rank_dir = os.path.join(cache, "aidaptiv_ds", os.listdir(os.path.join(cache, "aidaptiv_ds"))[0], "r", "rank0")
-        assert os.path.getsize(os.path.join(rank_dir, "slab.bin")) == PARAM_CHUNK
+        assert params <= os.path.getsize(os.path.join(rank_dir, "slab.bin")) <= cap_hi
         with open(os.path.join(rank_dir, "index.json")) as f:
             extents = json.load(f)["extents"]
-        assert list(extents) == ["params/float32/0"], extents
+        assert extents == {f"params/float32/{k}": [sum(chunks[:k]), size] for k, size in enumerate(chunks)}, extents
 
 
 def test_drive_filled_by_another_writer_mid_run_does_not_stop_training(tmp_path, launch, ref):
