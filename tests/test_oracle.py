@@ -55,28 +55,35 @@ def _figure(budget: str, tmp_path_factory) -> tuple[float, float, dict]:
 
 
 def test_bytes_written_per_param_budget0_at_most_deepspeed(tmp_path_factory):
-    """Budget 0: at most DeepSpeed 0.19.8's 18 B/param/step in bf16 (2 param + 4 master + 8 moments + 4 grad)."""
+    """Budget 0, bf16: 14 B/param/step (2 parameter + 4 master + 8 moments), against DeepSpeed 0.19.8's
+    18 (it also writes the 4 B fp32 gradient). On CPU ranks the gradients stay in DeepSpeed's own flat
+    host buffer, which it keeps for the whole run anyway; the swapper reads them from there."""
     ledger, proc, res = _figure("0", tmp_path_factory)
     print(f"budget 0: {ledger:.3f} B/param/step (ledger), {proc:.3f} (/proc/self/io)")
-    assert ledger <= 18.0
-    assert ledger >= 17.9  # everything really goes through the drive
+    assert res["plan"]["grads_resident"] and not res["plan"]["params_resident"]
+    assert 13.9 <= ledger <= 14.0  # everything else really goes through the drive
     assert proc == pytest.approx(ledger, rel=0.02)
 
 
-def test_bytes_written_per_param_grads_in_dram(tmp_path_factory):
-    """A budget that holds the gradients (4 B/param here, 4M params): at most 18 - 4."""
-    ledger, proc, res = _figure(str(4 * 4 * 1024 * 1024), tmp_path_factory)
-    print(f"gradients in DRAM: {ledger:.3f} B/param/step (ledger), {proc:.3f} (/proc/self/io)")
-    assert res["plan"]["grads_resident"]
-    assert ledger <= 14.0
+def test_bytes_written_per_param_params_in_dram(tmp_path_factory):
+    """A budget that holds the bf16 parameters (2 B/param here, 4M params): 14 - 2."""
+    ledger, proc, res = _figure(str(2 * 4 * 1024 * 1024 + (1 << 20)), tmp_path_factory)
+    print(f"parameters in DRAM: {ledger:.3f} B/param/step (ledger), {proc:.3f} (/proc/self/io)")
+    assert res["plan"]["params_resident"] and res["plan"]["resident_subgroups"] == []
+    assert 11.9 <= ledger <= 12.0
 
 
 def test_bytes_written_per_param_half_state(tmp_path_factory):
-    """A budget holding about half of the 18 B/param of state: about half of the budget-0 figure."""
+    """A budget holding the parameters and 2 of the 4 optimizer sub-groups (12 B/param each): half of the
+    optimizer state, 6 B/param, is written, as the residency plan says."""
     nparams = 4 * 1024 * 1024
-    ledger, proc, res = _figure(str(9 * nparams + (1 << 20)), tmp_path_factory)
-    print(f"half the state in DRAM: {ledger:.3f} B/param/step (ledger), {proc:.3f} (/proc/self/io)")
-    assert ledger <= 18.0 / 2 * 1.05
+    ledger, proc, res = _figure(str(2 * nparams + 2 * 12 * (1 << 20) + (1 << 20)), tmp_path_factory)
+    planned = res["plan"]["write_bytes_per_step"] / nparams
+    print(f"half the state in DRAM: {ledger:.3f} B/param/step (ledger), {proc:.3f} (/proc/self/io), "
+          f"planned {planned:.3f}")
+    assert res["plan"]["params_resident"] and len(res["plan"]["resident_subgroups"]) == 2
+    assert ledger == pytest.approx(6.0, rel=0.02)
+    assert ledger == pytest.approx(planned, rel=0.02)
 
 
 def _cpu_adam_buildable() -> str | None:

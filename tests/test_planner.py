@@ -270,6 +270,32 @@ def test_runtime_defaults_use_plan_residency_and_prefetch():
     assert rd.residency.params_resident and rd.prefetch.depth == 0
 
 
+def test_gradients_in_deepspeeds_host_buffer_cost_no_budget_and_no_writes():
+    """CPU ranks: the gradients are views of DeepSpeed's flat host buffer, resident for free."""
+    sizes = StateSizes(param_bytes=300, grad_bytes=200, subgroup_bytes=[300, 300], grads_in_host_buffer=True)
+    p = plan_residency(sizes, 0)
+    assert p.grads_resident and not p.params_resident and p.resident_bytes == 0
+    assert (p.write_bytes_per_step, p.read_bytes_per_step) == (300 + 600, 2 * 300 + 600)
+    p = plan_residency(sizes, 300)  # the whole budget goes to the parameters, none to the gradients
+    assert p.params_resident and p.resident_subgroups == [] and p.write_bytes_per_step == 600
+
+
+def test_working_set_counts_deepspeeds_host_gradient_buffer():
+    base = auto.host_working_set(100, 10, 8, rank_overhead_bytes=1000)
+    assert auto.host_working_set(100, 10, 8, rank_overhead_bytes=1000, host_grad_buffer_bytes=4000) == base + 4000
+    assert auto.host_working_set(100, 10, 8, local_ranks=2, rank_overhead_bytes=1000,
+                                 host_grad_buffer_bytes=4000) == 2 * (base + 4000)
+
+
+def test_cli_cpu_ranks_plan_writes_no_gradients(capsys):
+    def per_step(*extra):
+        assert main(["plan", "--params", "1e9", "--gpus", "1", "--vram", "80GB", "--dram", "512GB", "--dram-budget",
+                     "0", "--cache", "4TB", "--dtype", "bf16", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["per_step"]["write_bytes"]
+    gpu, cpu = per_step(), per_step("--cpu-ranks")
+    assert gpu - cpu == 4 * 10 ** 9  # 4 B/param of fp32 gradients not written
+
+
 # ---------------------------------------------------------------- CLI
 
 def test_cli_json_params(tmp_path):

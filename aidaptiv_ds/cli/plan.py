@@ -102,6 +102,9 @@ def register(subparsers) -> None:
     p.add_argument("--dataset-tokens", type=float, help="tokens in one epoch (for writes per epoch and run)")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the run (default 1)")
     p.add_argument("--step-time", type=float, help="measured seconds per step (endurance pace; default: lower bound)")
+    p.add_argument("--cpu-ranks", action="store_true",
+                   help="the ranks train on the CPU (DeepSpeed's CPU accelerator; --gpus counts ranks): gradients "
+                        "stay in DeepSpeed's host buffer and are never written")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -164,7 +167,7 @@ def plan_input_from_args(args) -> PlanInput:
         dropout=args.dropout, sub_group_size=int(args.sub_group_size),
         gpu_flops=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
-        step_time_s=args.step_time, assumed=assumed)
+        step_time_s=args.step_time, cpu_ranks=args.cpu_ranks, assumed=assumed)
 
 
 def _days(x: float | None) -> str:

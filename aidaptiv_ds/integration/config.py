@@ -62,13 +62,16 @@ class IOConfig(_Model):
     ``direct``: use O_DIRECT where the filesystem allows (default true).
     ``max_retries``: retries of EIO/EAGAIN before a request fails (default 3).
     ``reuse_host_memory``: keep freed large host buffers in the heap for reuse instead of unmapping
-    them (glibc ``mallopt``, process-wide; default true; see :func:`aidaptiv_ds.io.buffers.reuse_freed_host_memory`).
+    them (glibc ``mallopt``, process-wide; see :func:`aidaptiv_ds.io.buffers.reuse_freed_host_memory`):
+    ``true``, ``false``, or ``"auto"`` (default): on once the plan shows the rank's whole training state
+    and working set fit in half the host memory available to it (faster steps where memory is plenty;
+    off for models larger than DRAM, where a heap that keeps freed buffers outgrows the budget).
     """
     block_size: Union[int, str] = 8 << 20
     threads_per_drive: int = Field(4, ge=1, le=64)
     direct: bool = True
     max_retries: int = Field(3, ge=0, le=20)
-    reuse_host_memory: bool = True
+    reuse_host_memory: Union[bool, Literal["auto"]] = "auto"
 
     @field_validator("block_size", mode="before")
     @classmethod

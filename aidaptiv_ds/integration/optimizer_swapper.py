@@ -17,6 +17,13 @@ Per optimizer sub-group (``deepspeed-seams.md`` §2):
 * **Gradients** match DeepSpeed's CPU-offload semantics bit for bit: one persistent fp32 buffer per
   sub-group, zero at start, fragments copied in at the accumulation boundary; a parameter that got
   no gradient keeps its previous values.
+* **Gradients already in host memory are not copied.** DeepSpeed 0.19.8's Stage 3 accumulates every
+  gradient partition in one flat host buffer whenever the optimizer is offloaded
+  (``grad_partitions_flat_buffer``, ``stage3.py:786-800``: ``self.device`` is the CPU then), in the
+  gradient-accumulation dtype, and keeps it for the whole run. Where DeepSpeed hands us views of
+  that buffer (a CPU accelerator; the Stage-3 subclass passes them on unconverted and sets
+  :attr:`AidaptivOptimizerSwapper.host_grad_buffer`), the swapper keeps the views and builds the sub-group's fp32 ``.grad`` from them at swap-in: no write,
+  no read, no second copy in DRAM. Elsewhere (gradients arriving on a GPU) they are stored as above.
 """
 from __future__ import annotations
 
@@ -70,6 +77,7 @@ class _Group:
     grad_written: bool = False
     slice: Slice | None = None
     grad_slice: Slice | None = None
+    grad_views: dict = dataclasses.field(default_factory=dict)  # offset -> view of DeepSpeed's host buffer
 
     @property
     def valid_slots(self) -> int:
@@ -97,6 +105,8 @@ class AidaptivOptimizerSwapper:
         self.plan: ResidencyPlan | None = None
         self.init_phase = False
         self.expected_states = expected_state_slots(optimizer)
+        self.grads_in_host_buffer = False  # the plan expects gradients as views of DeepSpeed's host buffer
+        self.host_grad_buffer: torch.Tensor | None = None  # DeepSpeed's flat host gradient buffer, when adopted
         self.swap_folder = os.path.join(runtime.namespace.rank_dir(0), f"optimizer{engine_id}")
         os.makedirs(self.swap_folder, exist_ok=True)
 
@@ -203,10 +213,11 @@ class AidaptivOptimizerSwapper:
             self.groups[key] = g
             self.order.append(key)
             self.rt.store.allocate(self._extent_key(g), self._span(g, g.slots))
-            one = round_up(numel * 4, self.rt.store.alignment)
-            g.grad_region = PackedRegion(self.rt.store, f"grad{self.engine_id}/{key}", chunk_bytes=one,
-                                         first_chunk=one)
-            g.grad_region.append(numel * 4)
+            if not g.grads_resident:  # gradients kept in DRAM need no extent
+                one = round_up(numel * 4, self.rt.store.alignment)
+                g.grad_region = PackedRegion(self.rt.store, f"grad{self.engine_id}/{key}", chunk_bytes=one,
+                                             first_chunk=one)
+                g.grad_region.append(numel * 4)
             buf = alloc_aligned(self._span(g, g.slots))
             buf[: g.slot_bytes].view(self.dtype).copy_(src.reshape(-1))
             s = self._new_slice(g, buf)
@@ -257,7 +268,9 @@ class AidaptivOptimizerSwapper:
         for j, name in enumerate(g.state_names, start=1):
             if name in state:
                 state[name].data = self._slot(g, s, j)
-        if g.grads_resident:
+        if g.grad_views:
+            parameter.grad = self._grad_from_views(g)
+        elif g.grads_resident and (g.grad_host is not None or not self.grads_in_host_buffer):
             if g.grad_host is None:
                 g.grad_host = torch.zeros(g.numel, dtype=torch.float32)
             parameter.grad = g.grad_host
@@ -350,11 +363,43 @@ class AidaptivOptimizerSwapper:
         self.rt.tier.enforce_budget()
 
     def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors) -> None:
-        """Store fp32 gradient fragments (offsets in elements within the sub-group's flat buffer)."""
+        """Store gradient fragments (offsets in elements within the sub-group's flat buffer).
+
+        Fragments that are views of DeepSpeed's flat host gradient buffer (:attr:`host_grad_buffer`,
+        any float dtype) are kept as views; others (fp32) are stored in DRAM or on the cache tier.
+        """
         g = self._group(parameter)
-        self._store_grad(g, list(zip(gradient_offsets, gradient_tensors)), full=False)
+        frags = list(zip(gradient_offsets, gradient_tensors))
+        if self._adoptable(frags):
+            for off, t in frags:
+                g.grad_views[int(off)] = t
+            return
+        if g.grad_views:  # the views held the earlier values: they become the stored copy first
+            full_grad = self._grad_from_views(g)
+            g.grad_views.clear()
+            self._store_grad(g, [(0, full_grad)], full=True)
+        self._store_grad(g, frags, full=False)
+
+    def _adoptable(self, frags: list) -> bool:
+        host = self.host_grad_buffer
+        if host is None or host.device.type != "cpu":
+            return False
+        ptr = host.untyped_storage().data_ptr()
+        return all(t.device.type == "cpu" and t.untyped_storage().data_ptr() == ptr for _, t in frags)
+
+    def _grad_from_views(self, g: _Group) -> torch.Tensor:
+        """The sub-group's fp32 gradient (``numel`` elements) built from the adopted views: zeros where
+        no parameter ever got a gradient, as DeepSpeed's CPU-offload buffer starts."""
+        covered = sum(t.numel() for t in g.grad_views.values())
+        out = torch.empty(g.numel, dtype=torch.float32) if covered == g.numel else torch.zeros(g.numel,
+                                                                                                dtype=torch.float32)
+        for off, t in g.grad_views.items():
+            out[off:off + t.numel()].copy_(t.reshape(-1))
+        return out
 
     def _store_grad(self, g: _Group, frags: list, full: bool) -> None:
+        if full:  # a whole new gradient: the stored copy is authoritative from now on
+            g.grad_views.clear()
         if g.grads_resident:
             if g.grad_host is None:
                 g.grad_host = torch.zeros(g.numel, dtype=torch.float32)

@@ -106,8 +106,7 @@ class Runtime:
         self.rank, self.world = _dist_rank_world()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_world = local_world_size()
-        if cfg.io.reuse_host_memory:
-            reuse_freed_host_memory()
+        self.reuse_host_memory = cfg.io.reuse_host_memory is True and reuse_freed_host_memory()
         self.engine = IOEngine(block_size=cfg.io.block_size, threads_per_drive=cfg.io.threads_per_drive,
                                max_retries=cfg.io.max_retries, direct=cfg.io.direct)
         run = resolve_run_name(cfg.run_name)
@@ -134,6 +133,23 @@ class Runtime:
         if self.rank == 0:
             log.info("aidaptiv_ds: run %s, %d cache path(s) %s (%s), DRAM budget %s", run, len(paths), paths,
                      cfg.placement, format_bytes(self.budget))
+
+    def settle_host_memory_reuse(self, footprint_bytes: int) -> bool:
+        """Decide ``io.reuse_host_memory: "auto"`` once the plan is known; returns whether reuse is on.
+
+        Reuse (:func:`~aidaptiv_ds.io.buffers.reuse_freed_host_memory`) saves page-faulting every swap
+        buffer every step, but the heap then keeps what it freed, up to the high-water mark of all
+        buffers ever live at once. It is turned on only when this rank's ``footprint_bytes`` (whole
+        training state + host working set) fits in half of the memory available to it now
+        (``MemAvailable / local ranks``): then even a heap holding everything stays in bounds.
+        """
+        if self.cfg.io.reuse_host_memory == "auto" and not self.reuse_host_memory:
+            from ..telemetry.sysinfo import host_memory
+
+            avail = int(host_memory().get("available_bytes") or 0) // max(self.local_world, 1)
+            if 2 * int(footprint_bytes) <= avail:
+                self.reuse_host_memory = reuse_freed_host_memory()
+        return self.reuse_host_memory
 
     def set_budget(self, budget: int) -> None:
         """Change the DRAM budget (the ``"auto"`` budget is refined once the working set is known)."""

@@ -19,7 +19,9 @@ import itertools
 import logging
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
+from ..io.buffers import release_free_host_memory
 from ..planner.auto import host_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
@@ -79,6 +81,23 @@ def make_stage3_class(base: type) -> type:
                     continue
                 psw.alias_to_master(params, ExtentView(self._aidaptiv_rt.store, sw._extent_key(g), g.slot_bytes))
 
+        def _offload_grad_partition_at_boundary(self, param, grad_buffer, offload_fp32_gradients,
+                                                offload_fp32_offsets):
+            """DeepSpeed converts each gradient partition to fp32 here and hands the copies to the swapper.
+            When ``grad_buffer`` is a view of DeepSpeed's flat host gradient buffer (CPU accelerator),
+            hand the view itself instead: the swapper keeps it (no copy, no I/O) and converts to fp32
+            at the sub-group's swap-in, the same ``Tensor.to`` DeepSpeed would have run here."""
+            flat = getattr(self, "grad_partitions_flat_buffer", None)
+            i, dest_offset, _ = self.grad_position[self.get_param_id(param)]
+            if (flat is None or grad_buffer.device.type != "cpu" or not self._swappable_optimizer_subgroup(i)
+                    or grad_buffer.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()):
+                return super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
+                                                                   offload_fp32_offsets)
+            self.optimizer_swapper.host_grad_buffer = flat
+            self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+            offload_fp32_gradients.setdefault(i, []).append(grad_buffer)
+            offload_fp32_offsets.setdefault(i, []).append(dest_offset)
+
         def initialize_optimizer_states(self):
             sw = self.optimizer_swapper
             psw = self._aidaptiv_param_swapper()
@@ -91,6 +110,10 @@ def make_stage3_class(base: type) -> type:
                 sw.init_phase = False
                 if psw is not None:
                     psw.init_phase = False
+            # initialisation streamed every sub-group through host buffers once; give their pages back
+            # before DeepSpeed allocates its flat gradient buffer (stage3.py:791) on top of them
+            self._aidaptiv_rt.tier.wait_writes()
+            release_free_host_memory()
 
         def _aidaptiv_param_swapper(self):
             for group in self.fp16_groups:
@@ -117,22 +140,35 @@ def make_stage3_class(base: type) -> type:
             module_params = list(self._aidaptiv_module.parameters()) if self._aidaptiv_module is not None else []
             alias = (psw is not None and sw.dtype == torch.float32
                      and all(p.dtype == torch.float32 for group in self.fp16_groups for p in group))
+            # DeepSpeed's flat host gradient buffer (allocated after this, stage3.py:786-800); on CPU ranks
+            # the gradients reach the swapper as views of it (_offload_grad_partition_at_boundary)
+            accum_elsize = torch.empty((), dtype=self.gradient_accumulation_dtype).element_size()
+            cpu_ranks = get_accelerator().device_name() == "cpu"
             sizes = StateSizes(param_bytes=sum(p.ds_tensor.ds_numel * p.element_size() for p in module_params
                                                if getattr(p, "ds_tensor", None) is not None),
                                grad_bytes=sum(numels) * 4,
                                subgroup_bytes=[n * sw.elsize * slots for n in numels], alias_params=alias,
                                subgroup_param_bytes=[sum(p.ds_tensor.ds_numel * p.element_size() for p in group)
-                                                     for group in self.fp16_groups])
+                                                     for group in self.fp16_groups],
+                               grads_in_host_buffer=cpu_ranks)
+            ws = host_working_set(
+                largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
+                largest_subgroup_numel=max(numels, default=0),
+                moment_bytes_per_param=sw.elsize * sw.expected_states,
+                local_ranks=1, host_grad_buffer_bytes=sum(numels) * accum_elsize)
+            rt.settle_host_memory_reuse(sizes.total + ws)
             if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
-                rt.set_budget(auto_dram_budget(working_set_bytes=host_working_set(
-                    largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
-                    largest_subgroup_numel=max(numels, default=0),
-                    moment_bytes_per_param=sw.elsize * sw.expected_states,
-                    local_ranks=1)))
+                held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
+                rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
+                rt.tier.wait_writes()
+                release_free_host_memory()  # what the smaller budget evicted goes back to the OS
             plan = plan_residency(sizes, rt.budget)
             sw.plan = plan
-            store_bytes = sum(-(-n * sw.elsize * slots // align) * align + -(-n * 4 // align) * align for n in numels)
-            rt.store.preflight(store_bytes, "the optimizer state and gradients")
+            sw.grads_in_host_buffer = sizes.grads_in_host_buffer
+            store_bytes = sum(-(-n * sw.elsize * slots // align) * align
+                              + (0 if plan.grads_resident else -(-n * 4 // align) * align) for n in numels)
+            rt.store.preflight(store_bytes, "the optimizer state" if plan.grads_resident
+                               else "the optimizer state and gradients")
             if psw is not None and plan.params_resident:
                 psw.make_resident()
             self.aidaptiv_plan = plan
@@ -140,7 +176,8 @@ def make_stage3_class(base: type) -> type:
             if rt.rank == 0:
                 log.info("aidaptiv_ds: DRAM budget %s -> gradients %s, parameters %s, %d/%d optimizer sub-groups in "
                          "DRAM; %s written to the cache tier per step",
-                         format_bytes(rt.budget), "in DRAM" if plan.grads_resident else "on the cache tier",
+                         format_bytes(rt.budget), "in DeepSpeed's host buffer" if sizes.grads_in_host_buffer
+                         else "in DRAM" if plan.grads_resident else "on the cache tier",
                          "in DRAM" if plan.params_resident else "on the cache tier", len(plan.resident_subgroups),
                          len(numels), format_bytes(plan.write_bytes_per_step))
 

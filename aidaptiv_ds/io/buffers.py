@@ -161,3 +161,20 @@ def reuse_freed_host_memory(threshold: int = 1 << 30) -> bool:
             bool(libc.mallopt(m_trim_threshold, 4 * int(threshold)))
     except (OSError, AttributeError):
         return False
+
+
+def release_free_host_memory() -> bool:
+    """Give the free pages of the process heap back to the OS (glibc ``malloc_trim(0)``).
+
+    With :func:`reuse_freed_host_memory` freed buffers stay in the heap; after a one-time drop of
+    many of them (the DRAM budget shrinking once the working set is known) this returns their
+    pages, so a large allocation that follows (DeepSpeed's flat gradient buffer, served by a fresh
+    ``mmap``) does not come on top of them. Costs page faults on the next use of those pages only.
+    Returns False where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False

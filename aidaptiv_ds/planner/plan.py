@@ -143,6 +143,8 @@ class PlanInput:
         dataset_tokens / epochs: for writes per epoch and per run (None: not computed).
         step_time_s: a measured step time for the endurance pace (None: the lower bound).
         rank_overhead / vram_overhead: allowances (bytes) per rank in DRAM and per GPU.
+        cpu_ranks: the ranks compute on the CPU (DeepSpeed's CPU accelerator; ``gpus`` then counts
+            ranks): gradients stay in DeepSpeed's host buffer and are never written.
         assumed: names of inputs that were defaulted rather than given (reported).
     """
     shape: ModelShape
@@ -169,6 +171,7 @@ class PlanInput:
     rank_overhead: int = RANK_OVERHEAD_BYTES
     vram_overhead: int = VRAM_OVERHEAD_BYTES
     shape_source: str = "exact"
+    cpu_ranks: bool = False
     assumed: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -207,13 +210,14 @@ class PlanInput:
 
 
 def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes: int,
-                         sub_group_size: int) -> StateSizes:
+                         sub_group_size: int, cpu_ranks: bool = False) -> StateSizes:
     """One rank's :class:`StateSizes`: its partition ``ceil(N / dp)`` in bytes per tensor kind.
 
     ``param_bytes`` per element for parameters, 4 B for gradients, ``4 + moment_bytes`` per element
     for each optimizer sub-group of at most ``sub_group_size`` elements (item 1 of the module docstring).
     fp32 parameters (``param_bytes`` 4) are read from the fp32 master weights, not written on their own
-    (``StateSizes.alias_params``).
+    (``StateSizes.alias_params``). ``cpu_ranks``: the ranks compute on the CPU, so the gradients stay
+    in DeepSpeed's host buffer (``StateSizes.grads_in_host_buffer``).
     """
     numel = -(-int(n_params) // int(dp))
     full, rest = divmod(numel, int(sub_group_size))
@@ -221,7 +225,7 @@ def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes:
     per = MASTER_BYTES_PER_PARAM + moment_bytes
     return StateSizes(param_bytes=numel * param_bytes, grad_bytes=numel * GRAD_BYTES_PER_PARAM,
                       subgroup_bytes=[g * per for g in groups], alias_params=param_bytes == MASTER_BYTES_PER_PARAM,
-                      subgroup_param_bytes=[g * param_bytes for g in groups])
+                      subgroup_param_bytes=[g * param_bytes for g in groups], grads_in_host_buffer=cpu_ranks)
 
 
 def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, flash_attention: bool = True,
@@ -391,7 +395,7 @@ def _core(inp: PlanInput) -> dict:
     """The numbers of the three checks (shared by :func:`make_plan` and the change search)."""
     shape, N, dp, ranks = inp.shape, inp.params, inp.dp, inp.gpus
     pb, mb = PARAM_BYTES[inp.dtype], MOMENT_BYTES[inp.optimizer]
-    sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_size)
+    sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_size, cpu_ranks=inp.cpu_ranks)
     slice_numel = shape.largest_slice_params
     if inp.n_params is not None and shape.n_params:
         slice_numel = int(slice_numel * N / shape.n_params)

@@ -19,6 +19,11 @@ When the parameters are fp32 like the master weights (no mixed precision), a par
 (``alias_params``), so per step 4 B/param fewer are written (DeepSpeed writes both). Only the
 parameters of sub-groups kept in DRAM still need their own copy on the drive; keeping parameters
 resident then saves reads only, so sub-groups come before parameters.
+
+When the ranks compute on the CPU (DeepSpeed's CPU accelerator), the gradients need no budget at
+all (``grads_in_host_buffer``): DeepSpeed 0.19.8 accumulates them in its own flat host buffer
+(``stage3.py:786-800``) for the whole run, and the optimizer swapper reads them from there. With
+GPUs the gradients reach the swapper on the GPU and are handled as above.
 """
 from __future__ import annotations
 
@@ -36,12 +41,15 @@ class StateSizes:
         alias_params: the parameters are read from the master weights and not written on their own
             (fp32 parameters and fp32 master weights).
         subgroup_param_bytes: per sub-group, the bytes of its parameter partitions (for ``alias_params``).
+        grads_in_host_buffer: the gradients are views of DeepSpeed's flat host gradient buffer (CPU
+            ranks): in DRAM outside the budget, never written or read back.
     """
     param_bytes: int
     grad_bytes: int
     subgroup_bytes: list[int]
     alias_params: bool = False
     subgroup_param_bytes: list[int] = dataclasses.field(default_factory=list)
+    grads_in_host_buffer: bool = False
 
     @property
     def optimizer_bytes(self) -> int:
@@ -85,13 +93,13 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
 
     Each item is taken whole or not at all (gradients and parameters as one block each, sub-groups
     one by one in step order; a sub-group that does not fit is skipped and a later, smaller one may
-    still fit). Bytes written per step = non-resident parameters (with ``alias_params``: only those
+    still fit; with ``grads_in_host_buffer`` the gradients are resident at no cost). Bytes written per step = non-resident parameters (with ``alias_params``: only those
     of resident sub-groups) + non-resident gradients + non-resident sub-groups; bytes read per step =
     2 x non-resident parameters + non-resident gradients + non-resident sub-groups.
     """
     left = max(int(budget), 0)
-    grads = sizes.grad_bytes <= left
-    if grads:
+    grads = sizes.grads_in_host_buffer or sizes.grad_bytes <= left
+    if grads and not sizes.grads_in_host_buffer:
         left -= sizes.grad_bytes
     params = False
     if not sizes.alias_params:
