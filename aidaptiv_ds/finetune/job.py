@@ -176,6 +176,9 @@ def run(args: FinetuneArgs) -> dict:
          f"({plan.steps_per_epoch}/epoch), world size {world}")
     try:
         stats = train(engine, train_split.examples, eval_split.examples, settings, log, n_params)
+        # DeepSpeed's coordinator may still have parameters in flight that it prefetched after the last eval
+        # forward; gathering one of them for the save asserts ("Cannot partition a param in flight")
+        engine.empty_partition_cache()
         saved = save_hf_model(engine.module, tokenizer, args.output_dir, dtype, rank)
         summary = {"summary": True, **stats, "total_params": n_params, "saved_model": saved or args.output_dir,
                    "dtype": str(dtype).replace("torch.", ""), "world_size": world,
