@@ -532,6 +532,22 @@ def _node_env(node: int) -> dict:
     return {"AIDAPTIV_HOSTNAME": f"mr-node{node}"}
 
 
+def _run_two_nodes(ref: dict, locals_: list[str], shared: str, wd: str, launcher) -> dict:
+    """Start one launcher per simulated node (``launcher(node)`` is its command up to the script), each
+    node with its own local cache path plus the shared one; wait; the results, oracle-equal to ``ref``."""
+    procs = []
+    for node in range(2):
+        args = ARGS + ["--cache_paths", f"{locals_[node]},{shared}", *_extra(keep_files=True)]
+        procs.append(subprocess.Popen(launcher(node) + _script_args("aidaptiv", args, wd), env=_env(_node_env(node)),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for node, p in enumerate(procs):
+        out, err = p.communicate(timeout=TIMEOUT)
+        _check(p, out, err, f"node {node}")
+    res = _results(wd, "aidaptiv", 2)
+    assert_identical(ref, res)
+    return res
+
+
 def test_two_nodes_with_torchrun_c10d_on_localhost(tmp_path, tmp_path_factory):
     """``torchrun --nnodes 2 --nproc_per_node 1`` twice (rendezvous c10d on 127.0.0.1): oracle-equal to
     2 ranks on one node."""
@@ -540,19 +556,10 @@ def test_two_nodes_with_torchrun_c10d_on_localhost(tmp_path, tmp_path_factory):
     shared = str(tmp_path / "shared-network-path")
     wd = str(tmp_path / "run")
     port = free_port()
-    procs = []
-    for node in range(2):
-        args = ARGS + ["--cache_paths", f"{locals_[node]},{shared}", *_extra(keep_files=True)]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-               "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-               "--rdzv_id", f"mr-{port}", SCRIPT] + _script_args("aidaptiv", args, wd)
-        procs.append(subprocess.Popen(cmd, env=_env(_node_env(node)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    for node, p in enumerate(procs):
-        out, err = p.communicate(timeout=TIMEOUT)
-        _check(p, out, err, f"node {node}")
-    res = _results(wd, "aidaptiv", 2)
-    assert_identical(ref, res)
+    res = _run_two_nodes(ref, locals_, shared, wd, lambda node: [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+        "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+        "--rdzv_id", f"mr-{port}", SCRIPT])
     _two_node_check(tmp_path, res, locals_, shared)
 
 
@@ -567,18 +574,9 @@ def test_two_nodes_with_the_deepspeed_launcher_and_a_hostfile(tmp_path, tmp_path
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     wd = str(tmp_path / "run")
     port = free_port()
-    procs = []
-    for node in range(2):
-        args = ARGS + ["--cache_paths", f"{locals_[node]},{shared}", *_extra(keep_files=True)]
-        cmd = [*_deepspeed(), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), SCRIPT] + _script_args("aidaptiv", args, wd)
-        procs.append(subprocess.Popen(cmd, env=_env(_node_env(node)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    for node, p in enumerate(procs):
-        out, err = p.communicate(timeout=TIMEOUT)
-        _check(p, out, err, f"node {node}")
-    res = _results(wd, "aidaptiv", 2)
-    assert_identical(ref, res)
+    res = _run_two_nodes(ref, locals_, shared, wd, lambda node: [
+        *_deepspeed(), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
+        "127.0.0.1", "--master_port", str(port), SCRIPT])
     _two_node_check(tmp_path, res, locals_, shared)
     assert [r["host"] for r in res["ranks"]] == ["mr-node0", "mr-node1"]  # --node_rank fixes the order
 

@@ -1,7 +1,7 @@
 """DeepSpeed's compiled ``async_io`` op for the native baseline: where it is, whether it loads, timed waits.
 
 DeepSpeed JIT-builds the op with torch's cpp_extension into ``$TORCH_EXTENSIONS_DIR/async_io``
-(default ``~/.cache/torch_extensions/<py>_<cpu|cuXXX>/async_io``); a later load with the same
+(default ``~/.cache/torch_extensions/py<version>_<cpu or cu<CUDA version>>/async_io``); a later load with the same
 sources, flags and *the same ninja binary* finds nothing to rebuild and takes seconds. Two ninja
 versions on ``PATH`` (a venv's and the system's) rebuild each other's output, so the processes the
 comparison starts always get the interpreter's own ``bin`` directory first on ``PATH``

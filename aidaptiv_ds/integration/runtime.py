@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..io.buffers import reuse_freed_host_memory
+from ..io.buffers import release_free_host_memory, reuse_freed_host_memory
 from ..io.engine import IOEngine
 from ..io.errors import StorageError
 from ..store.layout import Namespace
@@ -150,6 +150,13 @@ class Runtime:
             if 2 * int(footprint_bytes) <= avail:
                 self.reuse_host_memory = reuse_freed_host_memory()
         return self.reuse_host_memory
+
+    def release_host_memory(self) -> None:
+        """Wait for the write-backs in flight, then give the freed heap pages back to the OS
+        (:func:`~aidaptiv_ds.io.buffers.release_free_host_memory`): after a one-time drop of many host
+        buffers (a budget shrinking, initialisation), before DeepSpeed's next large allocation."""
+        self.tier.wait_writes()
+        release_free_host_memory()
 
     def set_budget(self, budget: int) -> None:
         """Change the DRAM budget (the ``"auto"`` budget is refined once the working set is known)."""

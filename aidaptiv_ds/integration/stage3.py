@@ -21,7 +21,6 @@ import logging
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..io.buffers import release_free_host_memory
 from ..planner.auto import host_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
@@ -112,8 +111,7 @@ def make_stage3_class(base: type) -> type:
                     psw.init_phase = False
             # initialisation streamed every sub-group through host buffers once; give their pages back
             # before DeepSpeed allocates its flat gradient buffer (stage3.py:791) on top of them
-            self._aidaptiv_rt.tier.wait_writes()
-            release_free_host_memory()
+            self._aidaptiv_rt.release_host_memory()
 
         def _aidaptiv_param_swapper(self):
             for group in self.fp16_groups:
@@ -160,8 +158,7 @@ def make_stage3_class(base: type) -> type:
             if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
                 held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
                 rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
-                rt.tier.wait_writes()
-                release_free_host_memory()  # what the smaller budget evicted goes back to the OS
+                rt.release_host_memory()  # what the smaller budget evicted goes back to the OS
             plan = plan_residency(sizes, rt.budget)
             sw.plan = plan
             sw.grads_in_host_buffer = sizes.grads_in_host_buffer

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import threading
 
 import torch
@@ -143,6 +144,12 @@ def address_aligned(t: torch.Tensor, alignment: int) -> bool:
     return t.data_ptr() % alignment == 0
 
 
+@functools.lru_cache(maxsize=1)
+def _glibc() -> ctypes.CDLL:
+    """The C library (raises OSError where there is no ``libc.so.6``)."""
+    return ctypes.CDLL("libc.so.6")
+
+
 def reuse_freed_host_memory(threshold: int = 1 << 30) -> bool:
     """Keep freed large host buffers in the process heap for reuse (glibc ``mallopt``).
 
@@ -155,7 +162,7 @@ def reuse_freed_host_memory(threshold: int = 1 << 30) -> bool:
     where the C library is not glibc.
     """
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        libc = _glibc()
         m_trim_threshold, m_mmap_threshold = -1, -3
         return bool(libc.mallopt(m_mmap_threshold, int(threshold))) and \
             bool(libc.mallopt(m_trim_threshold, 4 * int(threshold)))
@@ -173,8 +180,7 @@ def release_free_host_memory() -> bool:
     Returns False where the C library is not glibc.
     """
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
+        _glibc().malloc_trim(0)
         return True
     except (OSError, AttributeError):
         return False
