@@ -124,7 +124,7 @@ def store_run(nranks: int, paths: list[str], nbytes: int, extent: int, depth: in
 def raw_run(nranks: int, paths: list[str], nbytes: int, tag: str, streams: int = 1) -> dict:
     """Aggregate dd O_DIRECT write and read GB/s: one file per (rank, path) of ``nbytes / len(paths)``,
     each covered by ``streams`` dd processes on disjoint ranges, all at once."""
-    from aidaptiv_ds.io.bench import _run_dd_parallel
+    from aidaptiv_ds.bench.bench_io import _run_dd_parallel
 
     count = max(nbytes // len(paths) // DD_BLOCK, 1)
     per = -(-count // streams)
@@ -159,7 +159,7 @@ def raw_best(nranks: int, paths: list[str], nbytes: int, tag: str, streams: list
 
 
 def device_of(path: str) -> str:
-    from aidaptiv_ds.io.bench import filesystem_of
+    from aidaptiv_ds.bench.bench_io import filesystem_of
     fs = filesystem_of(path)
     return f"{fs['device']} ({fs['fstype']} on {fs['mount']})"
 

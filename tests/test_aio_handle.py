@@ -13,7 +13,7 @@ import torch
 
 from _storage_helpers import REPO, child_env, free_port, rand_tensor, same_bytes
 from aidaptiv_ds.io import REGISTRY, IOEngine, StorageIOError
-from aidaptiv_ds.io.aio_handle import AioHandle, make_op_module
+from aidaptiv_ds.integration.aio_handle import AioHandle, make_op_module
 from aidaptiv_ds.io.buffers import PAGE_BYTES
 
 
@@ -160,7 +160,7 @@ OpBuilder.jit_load = no_build
 calls = {"init": 0, "async_pwrite": 0, "async_pread": 0, "wait": 0}
 registered = None
 if MODE == "nvme":
-    from aidaptiv_ds.io.aio_handle import AioHandle, register_with_deepspeed
+    from aidaptiv_ds.integration.aio_handle import AioHandle, register_with_deepspeed
     register_with_deepspeed()
     from deepspeed.ops.op_builder import AsyncIOBuilder
     registered = AsyncIOBuilder().load().aio_handle is AioHandle

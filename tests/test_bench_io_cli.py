@@ -8,7 +8,7 @@ import os
 import pytest
 
 from aidaptiv_ds.cli import bench_io as cli
-from aidaptiv_ds.io import bench
+from aidaptiv_ds.bench import bench_io as bench
 from aidaptiv_ds.io.errors import StorageFullError
 from aidaptiv_ds.store.layout import CachePathError
 
@@ -102,7 +102,7 @@ def test_deepspeed_aio_is_not_built_without_permission(monkeypatch):
         assert module is None and status.startswith("not built: ") and "--with-deepspeed-aio" in status
     assert bench.load_deepspeed_aio("off") == (None, "not built: not requested (--no-deepspeed-aio)")
     # our own registered handle is never measured as "DeepSpeed's"
-    from aidaptiv_ds.io.aio_handle import make_op_module
+    from aidaptiv_ds.integration.aio_handle import make_op_module
     monkeypatch.setitem(OpBuilder._loaded_ops, "async_io", make_op_module())
     module, status = bench.load_deepspeed_aio("auto")
     assert module is None or not bench._is_ours(module)

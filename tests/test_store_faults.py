@@ -15,7 +15,7 @@ import torch
 from _storage_helpers import REPO, file_digest, make_dirs, rand_tensor, run_child, same_bytes
 from aidaptiv_ds.io import (ChecksumError, DirectIOFallbackWarning, IOEngine, StorageFullError, StorageIOError,
                             alloc_aligned, wait_all)
-from aidaptiv_ds.io.aio_handle import AioHandle
+from aidaptiv_ds.integration.aio_handle import AioHandle
 from aidaptiv_ds.io.syscalls import FaultRule, FaultyIO, SysIO, default_sysio, rules_from_env
 from aidaptiv_ds.store import Namespace, PathSpec, SlabStore
 

@@ -2,6 +2,7 @@
 
 Modules (one job each):
 
+* :mod:`.bench_io`: ``aidaptiv-ds bench-io`` (engine vs raw ``O_DIRECT`` vs DeepSpeed's compiled aio);
 * :mod:`.models`: Llama shapes of a requested size (presets and parameter counts);
 * :mod:`.backends`: the DeepSpeed config of each backend, identical except where offload differs;
 * :mod:`.probes`: in-process measurements (I/O wait of the training thread, peak RSS);

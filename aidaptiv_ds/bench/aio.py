@@ -72,7 +72,7 @@ def _check(build: bool) -> dict:
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    from ..io.bench import load_deepspeed_aio
+    from .bench_io import load_deepspeed_aio
 
     d = _get_build_directory("async_io", verbose=False)
     so = os.path.join(d, "async_io.so")
@@ -161,8 +161,8 @@ def install_native_aio(want: str, clock: WaitClock) -> dict:
     """
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    from ..io.aio_handle import register_with_deepspeed
-    from ..io.bench import load_deepspeed_aio
+    from ..integration.aio_handle import register_with_deepspeed
+    from .bench_io import load_deepspeed_aio
 
     t0 = time.perf_counter()
     kind, status = "python", "aidaptiv_ds pure-Python handle (requested)"

@@ -30,7 +30,7 @@ def machine_info(path: str) -> dict:
     """CPU model and cores, host memory, the filesystem of ``path``, torch/DeepSpeed/transformers versions."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from ..io.bench import filesystem_of
+    from .bench_io import filesystem_of
 
     cpu = platform.processor() or "unknown"
     flags = ""

@@ -8,7 +8,7 @@ Example::
 
 The JSON has ``engine_read_gbps``, ``engine_write_gbps``, ``raw_read_gbps``, ``raw_write_gbps`` (and
 ``read_ratio``/``write_ratio``) for the largest request size of at least 4 MiB, plus a per-size
-``table`` and ``ratios``; see :mod:`aidaptiv_ds.io.bench` for the method.
+``table`` and ``ratios``; see :mod:`aidaptiv_ds.bench.bench_io` for the method.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from ..io.bench import bench_io, format_table
+from ..bench.bench_io import bench_io, format_table
 from ..io.errors import StorageError
 from ..units import parse_size
 

@@ -93,7 +93,7 @@ def _setup_aio(cfg: dict, choice: str) -> None:
     if not uses_nvme(cfg):
         return
     if choice == "aidaptiv":
-        from ..io.aio_handle import register_with_deepspeed
+        from ..integration.aio_handle import register_with_deepspeed
 
         register_with_deepspeed()
         return

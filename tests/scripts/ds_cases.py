@@ -114,7 +114,7 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.path, exist_ok=True)
     if a.backend == "native":
-        from aidaptiv_ds.io.aio_handle import register_with_deepspeed
+        from aidaptiv_ds.integration.aio_handle import register_with_deepspeed
         register_with_deepspeed()
     import aidaptiv_ds  # noqa: F401 - installs the hooks
 

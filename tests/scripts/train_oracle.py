@@ -302,7 +302,7 @@ def main():
     shadow = StoreShadow() if a.shadow and a.backend == "aidaptiv" else None
     cfg = ds_config(a)
     if a.backend == "native" or not cfg.get("aidaptiv", {}).get("enabled", True):
-        from aidaptiv_ds.io.aio_handle import register_with_deepspeed
+        from aidaptiv_ds.integration.aio_handle import register_with_deepspeed
         register_with_deepspeed()  # DeepSpeed's own swappers, on our pure-Python aio handle (no compile)
     import aidaptiv_ds  # noqa: F401 - installs the hooks
     import deepspeed

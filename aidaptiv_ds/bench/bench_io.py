@@ -35,11 +35,11 @@ import time
 
 import torch
 
+from ..io.buffers import alloc_aligned, round_down
+from ..io.engine import READ_DEMAND, WRITE_BACK, IOEngine
+from ..io.errors import StorageFullError
+from ..io.futures import IOFuture
 from ..units import MiB, format_bytes
-from .buffers import alloc_aligned, round_down
-from .engine import READ_DEMAND, WRITE_BACK, IOEngine
-from .errors import StorageFullError
-from .futures import IOFuture
 
 TARGET_RATIO = 0.9
 HEADLINE_MIN_BLOCK = 4 * MiB

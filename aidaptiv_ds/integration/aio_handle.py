@@ -24,10 +24,10 @@ import types
 
 import torch
 
-from .buffers import REGISTRY, alloc_aligned
-from .engine import READ_DEMAND, WRITE_BACK, IOEngine, default_engine
-from .errors import StorageIOError
-from .futures import IOFuture
+from ..io.buffers import REGISTRY, alloc_aligned
+from ..io.engine import READ_DEMAND, WRITE_BACK, IOEngine, default_engine
+from ..io.errors import StorageIOError
+from ..io.futures import IOFuture
 
 
 class AioHandle:
