@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 import re
 
+from .errors import AidaptivConfigError
+
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
 _UNITS = {
@@ -22,14 +24,14 @@ def parse_size(value: int | float | str, field: str = "size") -> int:
     binary units (``KiB MiB GiB TiB``) are powers of 1024. Case-insensitive.
 
     Raises:
-        ValueError: naming ``field``, the value and the accepted forms, for negative, infinite or
+        AidaptivConfigError: (a ``ValueError``) naming ``field``, the value and the accepted forms, for negative, infinite or
             NaN numbers, unknown units or anything else that is not a size.
     """
     if isinstance(value, bool):
-        raise ValueError(f"{field}: {value!r} is not a size; give bytes as an integer or a string such as '8GiB'")
+        raise AidaptivConfigError(f"{field}: {value!r} is not a size; give bytes as an integer or a string such as '8GiB'")
     if isinstance(value, (int, float)):
         if value < 0 or value != value or value == math.inf:
-            raise ValueError(f"{field}: {value!r} is negative, infinite or NaN; give a size >= 0 such as 0, 4096 "
+            raise AidaptivConfigError(f"{field}: {value!r} is negative, infinite or NaN; give a size >= 0 such as 0, 4096 "
                              f"or '8GiB'")
         return int(value)
     if isinstance(value, str):
@@ -37,10 +39,10 @@ def parse_size(value: int | float | str, field: str = "size") -> int:
         if m and m.group(2).lower() in _UNITS:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
             if not math.isfinite(n):  # '1e400', or 400 digits: int() of the float would raise OverflowError
-                raise ValueError(f"{field}: {value[:40]!r}{'...' if len(value) > 40 else ''} is too large to be a "
+                raise AidaptivConfigError(f"{field}: {value[:40]!r}{'...' if len(value) > 40 else ''} is too large to be a "
                                  f"size; give one such as '8GiB' or '2TB'")
             return int(n)
-    raise ValueError(f"{field}: {value!r} is not a size; use an integer number of bytes or a string such as "
+    raise AidaptivConfigError(f"{field}: {value!r} is not a size; use an integer number of bytes or a string such as "
                      f"'512MiB', '8GiB', '2TB' (units: B, KB/MB/GB/TB = 1000^n, KiB/MiB/GiB/TiB = 1024^n)")
 
 

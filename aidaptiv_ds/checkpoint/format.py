@@ -25,6 +25,8 @@ import os
 import struct
 import zlib
 
+from ..errors import AidaptivError
+
 LAYOUT_VERSION = 1
 DIRNAME = "aidaptiv"
 MANIFEST = "MANIFEST.json"
@@ -35,7 +37,7 @@ _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64":
               "uint8": "U8", "int32": "I32", "int64": "I64"}
 
 
-class IncompleteCheckpointError(RuntimeError):
+class IncompleteCheckpointError(AidaptivError, RuntimeError):
     """A checkpoint whose save did not finish (no manifest, or files missing or damaged)."""
 
 

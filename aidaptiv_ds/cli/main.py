@@ -4,8 +4,10 @@ Adding a subcommand: write ``aidaptiv_ds/cli/<name>.py`` with ``register(subpars
 ``subparsers.add_parser(...)``, adds its arguments and ``set_defaults(func=run)`` where
 ``run(args) -> int`` is the exit code; then append the module name to :data:`SUBCOMMAND_MODULES`.
 Every listed module is imported; a missing one fails loudly (it is a packaging bug, not an option).
-A ``ValueError`` from ``run`` is a user error: printed as ``aidaptiv-ds <cmd>: error: <message>``
-with exit code 2.
+A ``ValueError`` from ``run`` (:class:`~aidaptiv_ds.AidaptivConfigError` among them) is a user error:
+printed as ``aidaptiv-ds <cmd>: error: <message>`` with exit code 2; any other
+:class:`~aidaptiv_ds.AidaptivError` (a full drive, an incomplete checkpoint) is printed the same way
+with exit code 1. Other exceptions are bugs and keep their traceback.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import importlib
 import sys
 
 from .. import __version__
+from ..errors import AidaptivError
 
 # One line per subcommand module; append yours (bench_io, unpack, export, compare, gc, ...).
 SUBCOMMAND_MODULES = [
@@ -60,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(func(args) or 0)
-    except ValueError as e:
+    except ValueError as e:  # bad input (AidaptivConfigError, CachePathError, ...): a usage error
         print(f"aidaptiv-ds {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except AidaptivError as e:  # a drive full, a checkpoint incomplete, ...: the message says what to do
+        print(f"aidaptiv-ds {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ import json
 import os
 import random
 
+from ..errors import AidaptivError
+
 REQUIRED_FIELDS = ("instruction", "context", "response")
 
 
-class DollyFormatError(ValueError):
+class DollyFormatError(AidaptivError, ValueError):
     """A line of a Dolly JSONL file is not a valid record; the message names the file, line and field."""
 
 

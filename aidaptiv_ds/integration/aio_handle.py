@@ -28,6 +28,7 @@ from ..io.buffers import REGISTRY, alloc_aligned
 from ..io.engine import READ_DEMAND, WRITE_BACK, IOEngine, default_engine
 from ..io.errors import StorageIOError
 from ..io.futures import IOFuture
+from .errors import DeepSpeedContractError
 
 
 class AioHandle:
@@ -67,7 +68,9 @@ class AioHandle:
     def _submit(self, buffer: torch.Tensor, filename: str, file_offset: int, write: bool) -> IOFuture:
         buf = buffer.detach()
         if not buf.is_contiguous():
-            raise ValueError(f"aidaptiv_ds aio_handle: buffer for {filename} is not contiguous")
+            raise DeepSpeedContractError(f"aidaptiv_ds aio_handle: the buffer for {filename} is not contiguous; "
+                                         f"DeepSpeed's swappers pass contiguous (pinned) buffers. Fix: pass "
+                                         f"buffer.contiguous()")
         nbytes = buf.numel() * buf.element_size()
         if not write:
             try:

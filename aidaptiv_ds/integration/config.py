@@ -17,14 +17,11 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from ..errors import AidaptivConfigError
 from ..store.layout import CachePathError, check_cache_path
 from ..units import parse_size
 
 SECTION = "aidaptiv"
-
-
-class AidaptivConfigError(ValueError):
-    """A bad ``"aidaptiv"`` section or a DeepSpeed setting that cannot work with it."""
 
 
 def _size_or_auto(v: Any, field: str) -> int | str:

@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from ..errors import AidaptivConfigError, AidaptivWarning
 from .buffers import PAGE_BYTES, byte_view
 from .errors import StorageIOError
 from .futures import IOFuture
@@ -41,7 +42,7 @@ _RETRYABLE = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY}
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-class DirectIOFallbackWarning(UserWarning):
+class DirectIOFallbackWarning(AidaptivWarning):
     """A filesystem refused ``O_DIRECT``; that path now uses buffered I/O."""
 
 
@@ -172,9 +173,9 @@ class IOEngine:
     def __init__(self, block_size: int = 8 << 20, threads_per_drive: int = 4, max_retries: int = 3,
                  retry_delay_s: float = 0.02, direct: bool = True, sysio: SysIO | None = None) -> None:
         if block_size < PAGE_BYTES or block_size % PAGE_BYTES:
-            raise ValueError(f"aidaptiv.io.block_size: {block_size} must be a positive multiple of {PAGE_BYTES} bytes")
+            raise AidaptivConfigError(f"aidaptiv.io.block_size: {block_size} must be a positive multiple of {PAGE_BYTES} bytes")
         if threads_per_drive < 1:
-            raise ValueError(f"aidaptiv.io.threads_per_drive: {threads_per_drive} must be >= 1")
+            raise AidaptivConfigError(f"aidaptiv.io.threads_per_drive: {threads_per_drive} must be >= 1")
         self.block_size = int(block_size)
         self.threads_per_drive = int(threads_per_drive)
         self.max_retries = int(max_retries)

@@ -4,9 +4,11 @@ from __future__ import annotations
 import errno as _errno
 import os
 
+from ..errors import AidaptivError
 
-class StorageError(RuntimeError):
-    """Base class of every error aidaptiv_ds raises about cache drives."""
+
+class StorageError(AidaptivError, RuntimeError):
+    """Base class of every error aidaptiv_ds raises about cache drives (a :class:`~aidaptiv_ds.AidaptivError`)."""
 
 
 class StorageIOError(StorageError, OSError):

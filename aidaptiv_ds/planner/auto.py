@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import AidaptivConfigError
 from ..units import GiB, parse_size
 from .residency import ResidencyPlan, StateSizes, plan_residency
 
@@ -117,7 +118,7 @@ def resolve_dram_budget(value: str | int | float, working_set_bytes: int = 0, *,
     ``per_rank_bytes`` of it.
 
     Raises:
-        ValueError: naming ``field`` and the value, when it is neither ``"auto"`` nor a size, or when
+        AidaptivConfigError: (a ``ValueError``) naming ``field`` and the value, when it is neither ``"auto"`` nor a size, or when
             ``"auto"`` finds no ``/proc/meminfo``.
     """
     if isinstance(value, str) and value.strip().lower() == "auto":
@@ -125,7 +126,7 @@ def resolve_dram_budget(value: str | int | float, working_set_bytes: int = 0, *,
             from ..telemetry.sysinfo import host_memory
             meminfo = host_memory()
         if not meminfo.get("available_bytes"):
-            raise ValueError(f"{field}: 'auto' needs /proc/meminfo (MemAvailable), which this system does not "
+            raise AidaptivConfigError(f"{field}: 'auto' needs /proc/meminfo (MemAvailable), which this system does not "
                              f"expose. Fix: give a size such as '48GiB'.")
         return explain_dram_budget(meminfo["available_bytes"], working_set_bytes,
                                    total_host_bytes=meminfo.get("total_bytes"), local_ranks=local_ranks)

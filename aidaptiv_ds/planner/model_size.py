@@ -39,6 +39,8 @@ import json
 import math
 import os
 
+from ..errors import AidaptivConfigError
+
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = LLAMA_LIKE + ("gpt_neox", "gpt2")
 
@@ -149,7 +151,7 @@ def _get(cfg: dict, field: str, *names: str, default=None, source: str = "config
             return cfg[n]
     if default is not None:
         return default
-    raise ValueError(f"{source}: field {' / '.join(names)!r} ({field}) is missing; the config of a "
+    raise AidaptivConfigError(f"{source}: field {' / '.join(names)!r} ({field}) is missing; the config of a "
                      f"{cfg.get('model_type', '?')!r} model needs it. Fix: give the model's full HF config.json.")
 
 
@@ -208,12 +210,12 @@ def shape_from_config(cfg: dict, name: str = "config") -> ModelShape:
     """The :class:`ModelShape` of an HF config (the parsed ``config.json``).
 
     Raises:
-        ValueError: naming ``name``, the unsupported ``model_type`` and the supported ones, or a
+        AidaptivConfigError: (a ``ValueError``) naming ``name``, the unsupported ``model_type`` and the supported ones, or a
             missing field.
     """
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{name}: model_type {mt!r} is not supported by the planner; supported: "
+        raise AidaptivConfigError(f"{name}: model_type {mt!r} is not supported by the planner; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}. Fix: give --params N (the parameter count) instead.")
     if mt == "gpt2":
         h = int(_get(cfg, "hidden size", "n_embd", "hidden_size", source=name))
@@ -292,11 +294,11 @@ def preset_shape(name: str) -> ModelShape:
     """The shape of preset ``name`` (case-insensitive).
 
     Raises:
-        ValueError: naming the unknown preset and listing the known ones.
+        AidaptivConfigError: (a ``ValueError``) naming the unknown preset and listing the known ones.
     """
     key = name.lower()
     if key not in PRESETS:
-        raise ValueError(f"--model: {name!r} is neither a preset nor an existing path; presets: "
+        raise AidaptivConfigError(f"--model: {name!r} is neither a preset nor an existing path; presets: "
                          f"{', '.join(sorted(PRESETS))}. Fix: give a preset name, a model directory or its "
                          f"config.json.")
     return shape_from_config(PRESETS[key], key)
@@ -306,12 +308,12 @@ def load_model_shape(spec: str) -> ModelShape:
     """The shape of a model given as a ``config.json`` path, a model directory or a preset name.
 
     Raises:
-        ValueError: the path has no ``config.json``, the JSON does not parse, or the name is unknown.
+        AidaptivConfigError: (a ``ValueError``) the path has no ``config.json``, the JSON does not parse, or the name is unknown.
     """
     if os.path.isdir(spec):
         path = os.path.join(spec, "config.json")
         if not os.path.isfile(path):
-            raise ValueError(f"--model: directory {spec!r} has no config.json. Fix: give the HF model directory "
+            raise AidaptivConfigError(f"--model: directory {spec!r} has no config.json. Fix: give the HF model directory "
                              f"(the one holding config.json) or the config file itself.")
     elif os.path.isfile(spec):
         path = spec
@@ -321,7 +323,7 @@ def load_model_shape(spec: str) -> ModelShape:
         with open(path) as f:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--model: cannot read {path!r} as an HF config.json ({e}). Fix: point at a valid "
+        raise AidaptivConfigError(f"--model: cannot read {path!r} as an HF config.json ({e}). Fix: point at a valid "
                          f"config.json.") from e
     return shape_from_config(cfg, path)
 
@@ -333,6 +335,6 @@ def nearest_preset(n_params: float) -> ModelShape:
     the byte counts of the training state use ``n_params`` itself.
     """
     if n_params <= 0:
-        raise ValueError(f"--params: {n_params!r} must be a positive parameter count such as 405e9")
+        raise AidaptivConfigError(f"--params: {n_params!r} must be a positive parameter count such as 405e9")
     shapes = [preset_shape(k) for k in PRESETS]
     return min(shapes, key=lambda s: abs(math.log(s.n_params / n_params)))

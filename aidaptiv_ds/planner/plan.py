@@ -67,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..errors import AidaptivConfigError
 from ..jsonsafe import finite
 from ..store.ledger import SECONDS_PER_DAY, EnduranceRating, projection
 from ..store.striping import StripeLayout
@@ -183,7 +184,7 @@ class PlanInput:
         return self.gpus * self.nodes
 
     def validate(self) -> None:
-        """Raises ValueError naming the flag, the value and the fix for inputs that make no plan."""
+        """Raises AidaptivConfigError (a ``ValueError``) naming the flag, the value and the fix for inputs that make no plan."""
         checks = [("--gpus", self.gpus, self.gpus >= 1, "give at least 1 GPU"),
                   ("--nodes", self.nodes, self.nodes >= 1, "give at least 1 node"),
                   ("--vram", self.vram, self.vram > 0, "give the memory of one GPU, e.g. 96GB"),
@@ -206,7 +207,7 @@ class PlanInput:
                            "give positive GB/s"))
         for flag, value, ok, fix in checks:
             if not ok:
-                raise ValueError(f"{flag}: {value!r} does not make a plan; fix: {fix}")
+                raise AidaptivConfigError(f"{flag}: {value!r} does not make a plan; fix: {fix}")
 
 
 def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes: int,
@@ -493,7 +494,7 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     """The capacity plan of ``inp`` (every formula in the module docstring).
 
     Raises:
-        ValueError: from :meth:`PlanInput.validate`, naming the flag, the value and the fix.
+        AidaptivConfigError: from :meth:`PlanInput.validate`, naming the flag, the value and the fix.
     """
     inp.validate()
     c = _core(inp)

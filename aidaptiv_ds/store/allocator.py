@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import bisect
 
+from ..errors import AidaptivError
 from ..io.buffers import round_up
 
 
-class OutOfSpace(Exception):
+class OutOfSpace(AidaptivError):
     """The logical space has no free range of the requested size (the store turns this into a
     :class:`~aidaptiv_ds.io.errors.StorageFullError` that names the paths and the numbers)."""
 

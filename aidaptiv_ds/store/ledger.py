@@ -22,19 +22,23 @@ import json
 import os
 import time
 
+# absolute, not relative: this module is also loaded alone by file path (no package), and
+# aidaptiv_ds.errors imports nothing (``import aidaptiv_ds`` stays cheap)
+from aidaptiv_ds.errors import AidaptivError, AidaptivWarning
+
 SECONDS_PER_DAY = 86400.0
 
 
-class LedgerWarning(UserWarning):
+class LedgerWarning(AidaptivWarning):
     """A ledger file could not be updated (see :meth:`SlabStore.flush_ledger`); its bytes are kept for a
     later flush."""
 
 
-class LedgerError(OSError):
+class LedgerError(AidaptivError, OSError):
     """A ledger file could not be written. Attributes: ``path`` (the file), ``errno``.
 
     An ``OSError`` (not a :class:`~aidaptiv_ds.io.errors.StorageError`) because this module needs only
-    the standard library: processes that book bytes load it alone.
+    the standard library and :mod:`aidaptiv_ds.errors`: processes that book bytes load it alone.
     """
 
     _FIX = {errno.ENOSPC: "free space on the drive",

@@ -33,6 +33,7 @@ import zlib
 import numpy as np
 import torch
 
+from ..errors import AidaptivConfigError
 from ..io.buffers import alloc_aligned, byte_view, round_up
 from ..io.engine import READ_DEMAND, WRITE_BACK, IOEngine, default_engine
 from ..io.errors import ChecksumError, StorageError, StorageFullError
@@ -107,9 +108,9 @@ class SlabStore:
         if len(paths) != len(namespace.cache_paths):
             raise ValueError("one PathSpec per namespace cache path")
         if policy not in ("striped", "affinity"):
-            raise ValueError(f"aidaptiv.placement: {policy!r} is not a policy; use 'striped' or 'affinity'")
+            raise AidaptivConfigError(f"aidaptiv.placement: {policy!r} is not a policy; use 'striped' or 'affinity'")
         if stripe_unit % alignment or checksum_block % alignment:
-            raise ValueError(f"aidaptiv.stripe_unit ({stripe_unit}) and checksum block ({checksum_block}) must be "
+            raise AidaptivConfigError(f"aidaptiv.stripe_unit ({stripe_unit}) and checksum block ({checksum_block}) must be "
                              f"multiples of the I/O alignment ({alignment} bytes)")
         self.ns = namespace
         self.paths = paths

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+from ..errors import AidaptivError
 
-class NvmlUnavailable(Exception):
+
+class NvmlUnavailable(AidaptivError):
     """NVML cannot be used; the message is the reason shown to the user."""
 
 

@@ -1,0 +1,20 @@
+"""Errors of the DeepSpeed adapter (kinds of :class:`aidaptiv_ds.AidaptivError`).
+
+Config problems are :class:`aidaptiv_ds.errors.AidaptivConfigError` (re-exported by
+:mod:`.config`); another DeepSpeed release is :class:`.hooks.UnsupportedDeepSpeedError`.
+"""
+from __future__ import annotations
+
+from ..errors import AidaptivError
+
+
+class DeepSpeedContractError(AidaptivError, RuntimeError):
+    """DeepSpeed called a swapper, the Stage-3 subclass or the aio handle outside the contract the
+    adapter is built on (``docs/deepspeed-seams.md`` §1.3-1.5, §2, §3.4): a call order, a size or a
+    state that DeepSpeed 0.19.8 never produces. Causes, most likely first: a model changed after
+    ZeRO partitioned it (e.g. a parameter resized), a DeepSpeed patched or newer than 0.19.8 in
+    ways the version check cannot see, or a bug in aidaptiv_ds (please report it with the message).
+
+    The message names the parameter (``ds_id``) or sub-group, what was asked and what the
+    bookkeeping holds. Raised before any data is written for that request.
+    """
