@@ -1,0 +1,184 @@
+"""The layers of docs/design.md, enforced on the source: every ``import`` in aidaptiv_ds (also the lazy
+ones inside functions) points down or sideways as allowed, and DeepSpeed is imported only where the
+design says. Parsed with ``ast``; nothing is imported, so the test is instant and cannot be fooled
+by import order.
+
+Ranks, bottom-up (a module may import its own package and anything of a lower rank; packages of
+the same rank are independent of each other):
+
+0. ``errors``: the error root (imports nothing);
+1. ``units``, ``jsonsafe``: leaf utilities (standard library and ``errors`` only);
+2. ``io``: reads and writes of bytes at file offsets;
+3. ``store``: slabs, extents, striping, the ledger;
+4. ``tiers``: the DRAM tier and eviction;
+5. ``telemetry``: counters, NVML, host facts;
+6. ``planner``, ``checkpoint``;
+7. ``integration``: the DeepSpeed adapter;
+8. ``bench``: measurements;
+9. ``cli``, ``finetune``: the applications;
+10. ``_autoload`` (installs the hooks), 11. ``__init__`` and ``run``: the entry points.
+
+DeepSpeed may be imported by ``integration/``, ``bench/`` and the doctor's version report
+(``cli/doctor.py``: :func:`check_versions`, :func:`check_deepspeed_aio`); ``finetune/`` is a
+DeepSpeed *application* and may import DeepSpeed's public API (``deepspeed``, ``deepspeed.comm``,
+``deepspeed.accelerator``), plus the exceptions listed in :data:`DEEPSPEED_EXCEPTIONS`.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PKG = REPO / "aidaptiv_ds"
+
+RANK = {"errors": 0, "units": 1, "jsonsafe": 1, "io": 2, "store": 3, "tiers": 4, "telemetry": 5,
+        "planner": 6, "checkpoint": 6, "integration": 7, "bench": 8, "cli": 9, "finetune": 9,
+        "_autoload": 10, "__init__": 11, "run": 11}
+
+DEEPSPEED_PACKAGES = {"integration", "bench"}
+DOCTOR_FUNCTIONS = {"check_versions", "check_deepspeed_aio"}
+PUBLIC_DEEPSPEED = {"deepspeed", "deepspeed.comm", "deepspeed.accelerator"}
+# (file, DeepSpeed module): known imports of DeepSpeed outside the allowed places, each with its reason.
+# Remove the entry when the import moves; a stale entry fails the test.
+DEEPSPEED_EXCEPTIONS = {
+    ("aidaptiv_ds/finetune/job.py", "deepspeed.git_version_info"):
+        "_setup_aio: is DeepSpeed's async_io op installed (follow-up: move the probe into integration/aio_handle.py)",
+    ("aidaptiv_ds/finetune/job.py", "deepspeed.ops.op_builder"):
+        "_setup_aio: AsyncIOBuilder().is_compatible() (same follow-up)",
+}
+
+
+def _unit(path: pathlib.Path, pkg: pathlib.Path = PKG) -> str:
+    """The layer of a source file: its top-level package, or the root module's name."""
+    rel = path.relative_to(pkg).parts
+    return rel[0] if len(rel) > 1 else rel[0][:-3]
+
+
+def _imports(path: pathlib.Path, pkg: pathlib.Path = PKG):
+    """``(line, absolute module name, enclosing top-level function or None)`` for every import in ``path``
+    (module level, inside functions, and ``importlib.import_module("...")`` with a literal name)."""
+    pkg_parts = ["aidaptiv_ds", *path.relative_to(pkg).parts[:-1]]
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+
+    def visit(node, func):
+        for child in ast.iter_child_nodes(node):
+            f = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and func is None else func
+            if isinstance(child, ast.Import):
+                out.extend((child.lineno, a.name, func) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = pkg_parts[:len(pkg_parts) - (child.level - 1)]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                    if child.module is None:  # from .. import x: x is a submodule, or a name of the package
+                        here = pkg.joinpath(*base[1:])
+                        out.extend((child.lineno, f"{mod}.{a.name}" if (here / a.name).is_dir()
+                                    or (here / f"{a.name}.py").is_file() else mod, func) for a in child.names)
+                        continue
+                else:
+                    mod = child.module
+                out.append((child.lineno, mod, func))
+            elif (isinstance(child, ast.Call) and isinstance(child.func, (ast.Attribute, ast.Name))
+                  and getattr(child.func, "attr", getattr(child.func, "id", None)) in ("import_module", "__import__")
+                  and child.args and isinstance(child.args[0], ast.Constant) and isinstance(child.args[0].value, str)):
+                out.append((child.lineno, child.args[0].value, func))
+            visit(child, f)
+
+    visit(tree, None)
+    return out
+
+
+def _sources(pkg: pathlib.Path = PKG):
+    return sorted(pkg.rglob("*.py"))
+
+
+def _target_unit(mod: str) -> str | None:
+    parts = mod.split(".")
+    if parts[0] != "aidaptiv_ds" or len(parts) == 1:
+        return None  # another package, or the bare package (its __init__ runs for any import anyway)
+    return parts[1]
+
+
+def layer_violations(pkg: pathlib.Path = PKG) -> list[str]:
+    """``file:line: what`` for every import that points up, sideways between siblings, or to an unknown layer."""
+    bad = []
+    for path in _sources(pkg):
+        src = _unit(path, pkg)
+        if src not in RANK:
+            bad.append(f"{path.relative_to(pkg.parent)}: {src} has no rank (add it here and to docs/design.md)")
+            continue
+        for line, mod, _ in _imports(path, pkg):
+            dst = _target_unit(mod)
+            if dst is None or dst == src:
+                continue
+            if dst not in RANK:
+                bad.append(f"{path.relative_to(pkg.parent)}:{line}: imports unknown {mod}")
+            elif RANK[dst] >= RANK[src]:
+                bad.append(f"{path.relative_to(pkg.parent)}:{line}: {src} (rank {RANK[src]}) imports {mod} "
+                           f"({dst}, rank {RANK[dst]}): " + ("siblings are independent" if RANK[dst] == RANK[src]
+                                                             else "arrows point down only"))
+    return bad
+
+
+def deepspeed_violations(pkg: pathlib.Path = PKG) -> tuple[list[str], set]:
+    """(``file:line: imports X`` outside the allowed places, the exceptions of DEEPSPEED_EXCEPTIONS in use)."""
+    bad, used = [], set()
+    for path in _sources(pkg):
+        rel, unit = str(path.relative_to(pkg.parent)), _unit(path, pkg)
+        for line, mod, func in _imports(path, pkg):
+            if not (mod == "deepspeed" or mod.startswith("deepspeed.")) or unit in DEEPSPEED_PACKAGES:
+                continue
+            if rel == "aidaptiv_ds/cli/doctor.py" and func in DOCTOR_FUNCTIONS:
+                continue
+            if unit == "finetune" and mod in PUBLIC_DEEPSPEED:
+                continue
+            if (rel, mod) in DEEPSPEED_EXCEPTIONS:
+                used.add((rel, mod))
+                continue
+            bad.append(f"{rel}:{line}: imports {mod}" + (f" (in {func})" if func else ""))
+    return bad, used
+
+
+def test_imports_point_down_only():
+    assert len(_sources()) > 60  # the walk itself works
+    bad = layer_violations()
+    assert not bad, "layering broken (see docs/design.md):\n" + "\n".join(bad)
+
+
+def test_deepspeed_is_imported_only_by_the_adapter_the_benchmarks_and_the_doctors_version_report():
+    bad, used = deepspeed_violations()
+    assert not bad, ("DeepSpeed imported outside integration/, bench/ and the doctor's version report "
+                     "(move the code into integration/):\n" + "\n".join(bad))
+    stale = set(DEEPSPEED_EXCEPTIONS) - used
+    assert not stale, f"exceptions no longer needed; delete them: {sorted(stale)}"
+
+
+def test_the_checks_see_each_kind_of_violation(tmp_path):
+    """The scanner on a planted package: io importing store lazily, store importing tiers, tiers
+    importing integration, a DeepSpeed import in io/ and in the doctor outside its version report, two
+    independent siblings importing each other, a package without a rank."""
+    pkg = tmp_path / "aidaptiv_ds"
+    files = {
+        "io/engine.py": "def f():\n    from ..store import layout\n    import deepspeed.runtime.engine\n",
+        "store/store.py": "from ..tiers.host_tier import HostTier\n",
+        "tiers/host_tier.py": "import aidaptiv_ds.integration.hooks\n",
+        "planner/plan.py": "from ..checkpoint import format\n",
+        "cli/doctor.py": "def check_versions():\n    import deepspeed\n\ndef other():\n    import deepspeed\n",
+        "integration/hooks.py": "import deepspeed.runtime.zero.stage3\nfrom ..io import engine\n",
+        "newpkg/x.py": "",
+    }
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    bad = "\n".join(layer_violations(pkg))
+    for expected in ("io/engine.py:2: io (rank 2) imports aidaptiv_ds.store",
+                     "store/store.py:1: store (rank 3) imports aidaptiv_ds.tiers.host_tier",
+                     "tiers/host_tier.py:1: tiers (rank 4) imports aidaptiv_ds.integration.hooks",
+                     "planner/plan.py:1: planner (rank 6) imports aidaptiv_ds.checkpoint (checkpoint, rank 6): "
+                     "siblings are independent",
+                     "newpkg/x.py: newpkg has no rank"):
+        assert expected in bad, bad
+    assert "integration/hooks.py" not in bad
+    ds, _ = deepspeed_violations(pkg)
+    assert ds == ["aidaptiv_ds/cli/doctor.py:5: imports deepspeed (in other)",
+                  "aidaptiv_ds/io/engine.py:3: imports deepspeed.runtime.engine (in f)"], ds
