@@ -1,4 +1,4 @@
-"""The DeepSpeed aio_handle adapter: the contract of deepspeed-seams.md section 3, registration without
+"""The DeepSpeed aio_handle adapter: the contract of docs/deepspeed-seams.md section 3, registration without
 any compilation, and DeepSpeed 0.19.8's own ZeRO-3 NVMe swappers training through it."""
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def dedup_native_swap_in() -> None:
     DeepSpeed 0.19.8's NVMe prefetch (``partitioned_param_coordinator.py:667-690``) walks the trace
     without de-duplicating, so a parameter used at the end of the forward and again at the start of
     the backward (a Llama's ``lm_head``) can be passed twice, and its swapper then asserts
-    ``param N already assigned swap buffer id M`` (``deepspeed-seams.md`` §5). Keeping the first
+    ``param N already assigned swap buffer id M`` (``docs/deepspeed-seams.md`` §5). Keeping the first
     occurrence is what the call means; nothing else changes.
     """
     from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper as S

@@ -1,7 +1,7 @@
 """``aidaptiv-ds export CKPT_DIR --output HF_DIR``: an aidaptiv_ds checkpoint as a Hugging Face model directory.
 
 Replaces DeepSpeed's ``zero_to_fp32`` (which cannot read NVMe-offload checkpoints, see
-``deepspeed-seams.md`` §6.3) for our layout: consolidated fp32 master weights, in fp32 or cast to
+``docs/deepspeed-seams.md`` §6.3) for our layout: consolidated fp32 master weights, in fp32 or cast to
 bf16/fp16, as safetensors shards plus the model config and tokenizer
 (:func:`aidaptiv_ds.checkpoint.export.export_hf`).
 """

@@ -1,4 +1,4 @@
-"""The DeepSpeed adapter: the only layer that touches DeepSpeed internals (``deepspeed-seams.md``)."""
+"""The DeepSpeed adapter: the only layer that touches DeepSpeed internals (``docs/deepspeed-seams.md``)."""
 from .config import AidaptivConfig, AidaptivConfigError, parse_section, validate
 from .hooks import SUPPORTED_DEEPSPEED, UnsupportedDeepSpeedError, install, is_installed, uninstall
 

@@ -1,6 +1,6 @@
 """A pure-Python stand-in for DeepSpeed's compiled ``async_io`` op, backed by :class:`IOEngine`.
 
-Contract (``deepspeed-seams.md`` §3.2-3.4, DeepSpeed 0.19.8):
+Contract (``docs/deepspeed-seams.md`` §3.2-3.4, DeepSpeed 0.19.8):
 
 * ``aio_handle(block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism)``
   is constructed with keyword arguments;

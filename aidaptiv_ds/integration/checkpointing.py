@@ -3,7 +3,7 @@
 DeepSpeed 0.19.8 with NVMe optimizer offload restores the weights on resume but not the Adam
 moments, the optimizer step or the loss scaler (the engine skips its ZeRO states file,
 ``engine.py:4456``), refuses another world size, and its ``zero_to_fp32`` cannot read the result
-(``deepspeed-seams.md`` §6). Here, for engines whose optimizer is our Stage-3 subclass:
+(``docs/deepspeed-seams.md`` §6). Here, for engines whose optimizer is our Stage-3 subclass:
 
 * **save** runs DeepSpeed's own save (model states, LR scheduler, client state) with
   ``save_latest=False``, then each rank writes its sub-groups' fp32 master weights and optimizer

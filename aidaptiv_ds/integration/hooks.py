@@ -1,7 +1,7 @@
 """Install and uninstall the DeepSpeed hooks, with a version guard.
 
 What :func:`install` changes in DeepSpeed 0.19.8 (all by assigning module or class attributes; no
-DeepSpeed file is edited; ``deepspeed-seams.md`` §8):
+DeepSpeed file is edited; ``docs/deepspeed-seams.md`` §8):
 
 * ``partition_parameters.AsyncPartitionedParameterSwapper`` -> :func:`param_swapper_factory`, which
   returns DeepSpeed's own class for configs without an enabled ``"aidaptiv"`` section and our

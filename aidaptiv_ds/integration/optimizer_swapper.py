@@ -1,6 +1,6 @@
 """Optimizer swapper: DeepSpeed's ``PartitionedOptimizerSwapper`` contract on our store and tier.
 
-Per optimizer sub-group (``deepspeed-seams.md`` §2):
+Per optimizer sub-group (``docs/deepspeed-seams.md`` §2):
 
 * **One extent, one transfer.** The fp32 master weights and every per-element optimizer state
   tensor (Adam's ``exp_avg``, ``exp_avg_sq``) are slots of one extent, read and written as one

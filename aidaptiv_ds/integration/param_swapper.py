@@ -1,6 +1,6 @@
 """Parameter swapper: DeepSpeed's ``AsyncPartitionedParameterSwapper`` contract on our store and tier.
 
-Contract (``deepspeed-seams.md`` §1.3-1.5, DeepSpeed 0.19.8), and how it is met here:
+Contract (``docs/deepspeed-seams.md`` §1.3-1.5, DeepSpeed 0.19.8), and how it is met here:
 
 * partitions live packed in creation order in a :class:`PackedRegion` per dtype, so a module's
   partitions are one contiguous range and one fetch is one sequential read. The dtype is the

@@ -1,7 +1,7 @@
 """The process-wide aidaptiv_ds runtime: one I/O engine, one store, one DRAM tier per process.
 
 DeepSpeed builds a parameter swapper per ``zero.Init`` and an optimizer swapper per engine; two of
-DeepSpeed's own swappers on one ``nvme_path`` delete each other's files (``deepspeed-seams.md``
+DeepSpeed's own swappers on one ``nvme_path`` delete each other's files (``docs/deepspeed-seams.md``
 §1.1, case B03). Here every swapper of a process shares one :class:`Runtime`, whose store lives in
 its own (host, run, rank) namespace under each cache path, so engines, ranks and runs can share
 drives without ever touching each other's data.

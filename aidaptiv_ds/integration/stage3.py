@@ -4,7 +4,7 @@ Installed as ``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3`` (th
 name at call time, ``engine.py:2747``). Constructing it with a config whose ``"aidaptiv"`` section
 is absent or disabled returns an instance of DeepSpeed's own class, untouched.
 
-Overrides (``deepspeed-seams.md`` §2.5, §6.4):
+Overrides (``docs/deepspeed-seams.md`` §2.5, §6.4):
 
 * ``__init__`` sees the raw config dict (the optimizer swapper's constructor does not) and
   validates the section before anything is built;

@@ -5,7 +5,7 @@ machine. All sizes are bytes, times seconds, bandwidths GB/s (10^9 bytes per sec
 Formulas and their sources, in the order :func:`make_plan` applies them:
 
 1. **Training state per parameter** (DeepSpeed ZeRO-3 with both offloads, measured on 0.19.8 in
-   ``deepspeed-seams.md`` Appendix A): 2 B bf16/fp16 parameter (4 B for fp32) + 4 B fp32
+   ``docs/deepspeed-seams.md`` Appendix A): 2 B bf16/fp16 parameter (4 B for fp32) + 4 B fp32
    gradient + 4 B fp32 master weight + optimizer moments (8 B for Adam/AdamW: two fp32 moments;
    4 B for Lion, SGD with momentum, Adagrad) = **18 B/param** for bf16 + AdamW. These are also the
    bytes DeepSpeed's own NVMe offload writes per parameter per step. Each rank holds the partition

@@ -3,7 +3,7 @@
 Per optimizer step of ZeRO-3 with both offloads on the cache tier, every byte of state that does
 not stay in DRAM is written once (DeepSpeed 0.19.8 writes all of it: 2 B bf16 parameter + 4 B
 fp32 gradient + 12 B fp32 master weight and Adam moments = 18 B per parameter, see
-``deepspeed-seams.md`` Appendix A). Every byte kept in DRAM saves exactly one byte of writes per
+``docs/deepspeed-seams.md`` Appendix A). Every byte kept in DRAM saves exactly one byte of writes per
 step whatever it holds, so the choice is made on what else it saves:
 
 1. **gradients** first: produced in backward and consumed by the optimizer in the same step, so

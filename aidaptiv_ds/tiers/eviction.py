@@ -3,7 +3,7 @@
 Belady (1966), "A study of replacement algorithms for a virtual-storage computer": evicting the
 item whose next use lies furthest in the future minimises misses for a known reference string.
 ZeRO-3 training repeats the same parameter order every step (DeepSpeed's coordinator records it
-in its first step, ``deepspeed-seams.md`` §5), so the order is known from step 2 on and treated
+in its first step, ``docs/deepspeed-seams.md`` §5), so the order is known from step 2 on and treated
 as cyclic: an id not used again this step is next used at its first position of the next step.
 The tier decides when a slice is released after use, so the slice just used competes too (MIN
 with bypass: it never misses more than MIN); ties go to the least recently used.
