@@ -237,12 +237,14 @@ def zero3_runs(tmp_path_factory):
     return res
 
 
+@pytest.mark.subprocess
 def test_register_with_deepspeed_replaces_async_io_without_building(zero3_runs):
     """After register_with_deepspeed(), AsyncIOBuilder().load().aio_handle is AioHandle; the child
     patched OpBuilder.jit_load to fail for async_io/pin_memory, so nothing was (or could be) compiled."""
     assert zero3_runs["nvme"]["registered"] is True
 
 
+@pytest.mark.subprocess
 def test_deepspeed_zero3_nvme_swappers_train_through_our_handle(zero3_runs):
     """DeepSpeed's own AsyncPartitionedParameterSwapper + PartitionedOptimizerSwapper, bf16, 3 steps,
     nothing compiled; losses bit-identical to DeepSpeed's CPU offload of the same model."""

@@ -22,6 +22,7 @@ def _parser():
     return p
 
 
+@pytest.mark.subprocess
 def test_bench_io_result_has_the_keys_and_a_table(tmp_path):
     lines = []
     r = bench.bench_io(str(tmp_path), 24 * MiB, blocks=[MiB, 4 * MiB], threads=2, repeats=1,
@@ -44,6 +45,7 @@ def test_bench_io_result_has_the_keys_and_a_table(tmp_path):
     assert "| 4.00 MiB |" in table and "target engine >= 0.9" in table
 
 
+@pytest.mark.subprocess
 def test_cli_json(tmp_path, capsys):
     args = _parser().parse_args(["bench-io", "--path", str(tmp_path), "--size", "8MiB", "--block", "1MiB",
                                  "--block", "4MiB", "--threads", "1", "--repeats", "1", "--no-deepspeed-aio", "--json"])
@@ -55,6 +57,7 @@ def test_cli_json(tmp_path, capsys):
     assert out["table"][0]["raw_parallel_read_gbps"] is None            # one thread: no parallel dd
 
 
+@pytest.mark.subprocess
 def test_plugs_into_the_aidaptiv_ds_parser(tmp_path, capsys):
     """cli/main.py's build_parser takes our module as it takes the other subcommands."""
     from aidaptiv_ds.cli.main import build_parser

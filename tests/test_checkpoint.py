@@ -24,6 +24,8 @@ from _oracle import REPO, SCRIPT, free_port, run
 from aidaptiv_ds.checkpoint.format import IncompleteCheckpointError, read_manifest
 from aidaptiv_ds.checkpoint.reader import CheckpointReader
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 ARGS = ["--model", "llama", "--dtype", "bf16", "--steps", "6", "--budget", "0"]
 
 

@@ -113,6 +113,7 @@ def test_shapes():
         resolve_shape(hidden=100, layers=2, heads=3)
 
 
+@pytest.mark.subprocess
 def test_preflight_says_why_the_compiled_op_is_unavailable(tmp_path):
     from aidaptiv_ds.bench.aio import aio_env, preflight
 
@@ -121,6 +122,7 @@ def test_preflight_says_why_the_compiled_op_is_unavailable(tmp_path):
     assert pre["status"].startswith("compiled aio unavailable:") and str(tmp_path) in pre["status"]
 
 
+@pytest.mark.subprocess
 def test_watchdog_stops_a_run_over_the_memory_limit(tmp_path):
     from aidaptiv_ds.bench.aio import aio_env
     from aidaptiv_ds.bench.runner import run_worker, worker_env
@@ -138,6 +140,7 @@ def test_watchdog_stops_a_run_over_the_memory_limit(tmp_path):
     assert "| DeepSpeed CPU offload | no | 0 |" in table and "does not show training beyond RAM" in table
 
 
+@pytest.mark.subprocess
 def test_compare_end_to_end_tiny(tmp_path):
     s = TrainSettings(seq=32, sub_group_size=1_000_000)
     res = compare(SMALL, s, backends=["native", "cpu", "aidaptiv0"], steps=3, warmup=1, repeats=1,

@@ -15,6 +15,8 @@ import pytest
 
 from _oracle import REPO, free_port
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 SCRIPT = os.path.join(REPO, "tests", "scripts", "ds_cases.py")
 
 

@@ -88,6 +88,7 @@ def test_tmpfs_path_is_reported_with_fix(tmp_path):
             subprocess.run(["umount", to_unmount], check=True)
 
 
+@pytest.mark.subprocess
 def test_read_only_mount_real(tmp_path):
     mnt = tmp_path / "ro"
     mnt.mkdir()

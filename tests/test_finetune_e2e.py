@@ -20,6 +20,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.normpath(os.path.join(REPO, "..", "shared", "data"))
 DOLLY = os.path.join(SHARED, "dolly", "dolly_sample_151.jsonl")

@@ -9,6 +9,9 @@ import sys
 from aidaptiv_ds.cli.main import main as cli
 from aidaptiv_ds.io.engine import IOEngine
 from aidaptiv_ds.store import Namespace, PathSpec, SlabStore
+import pytest
+
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

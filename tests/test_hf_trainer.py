@@ -11,6 +11,8 @@ import pytest
 
 from _oracle import REPO, STORIES, free_port
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 SCRIPT = os.path.join(REPO, "tests", "scripts", "hf_trainer.py")
 
 

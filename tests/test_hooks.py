@@ -10,6 +10,8 @@ import pytest
 
 from _oracle import REPO, oracle, run
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 ARGS = ["--model", "mlp", "--zinit", "--dtype", "bf16", "--hidden", "1024", "--layers", "2", "--steps", "3"]
 
 

@@ -104,6 +104,7 @@ print(json.dumps([t0, time.time()]))
 """
 
 
+@pytest.mark.subprocess
 def test_two_processes_booking_the_same_path_add_up(tmp_path):
     node, cache = str(tmp_path / "aidaptiv_ds" / "host"), str(tmp_path)
     sync = tmp_path / "sync"

@@ -12,6 +12,8 @@ import pytest
 from _oracle import STORIES, assert_identical, oracle, proc_written_per_param_per_step, run, \
     written_per_param_per_step
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 # (id, model arguments, aidaptiv budget)
 CASES = [
     ("llama-tied-fp32-budget0", ["--model", "llama", "--dtype", "fp32", "--steps", "5"], "0"),

@@ -10,6 +10,8 @@ from _oracle import STORIES, run, written_per_param_per_step
 
 from aidaptiv_ds.cli.main import main as cli
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 
 def plan(budget: str, capsys) -> dict:
     cfg = os.path.join(STORIES, "config.json")

@@ -173,6 +173,7 @@ print("RESULT " + json.dumps({{"ok": ok, "keys": keys, "pid": os.getpid()}}))
 """
 
 
+@pytest.mark.subprocess
 def test_reopen_in_a_fresh_process(tmp_path, engine):
     dirs = make_dirs(tmp_path, 3)
     st = open_store(dirs, engine, run="restart", weights=[3, 2, 1], checksum=True, keep=True)
@@ -249,6 +250,7 @@ def test_close_completes_writes_in_flight(tmp_path, keep):
         eng.close()
 
 
+@pytest.mark.subprocess
 def test_second_owner_is_refused_and_a_dead_owner_leaves_no_lock(tmp_path, engine):
     dirs = make_dirs(tmp_path, 2)
     st = open_store(dirs, engine, run="own")

@@ -112,6 +112,7 @@ def small_fs(request, tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.mark.subprocess
 def test_small_filesystem_too_small_for_the_plan(small_fs, engine):
     st = _store([small_fs], engine)
     try:
@@ -128,6 +129,7 @@ def test_small_filesystem_too_small_for_the_plan(small_fs, engine):
         st.close()
 
 
+@pytest.mark.subprocess
 def test_small_filesystem_filled_by_someone_else(small_fs, engine):
     """The space the store saw at open is taken by another writer: the slab growth (fallocate)
     fails with ENOSPC and the store raises StorageFullError before writing; the slab is untouched."""
@@ -340,6 +342,7 @@ def test_corrupted_extent_raises_checksum_error_naming_path_and_offset(tmp_path,
         st.close()
 
 
+@pytest.mark.subprocess
 def test_corruption_is_detected_after_a_restart(tmp_path, engine):
     dirs = make_dirs(tmp_path, 2)
     st = _store(dirs, engine, caps=[256 * MiB] * 2, run="crc", checksum=True, keep=True)
@@ -432,6 +435,7 @@ def test_fault_rules_from_the_environment():
     assert type(default_sysio()) is SysIO or os.environ.get("AIDAPTIV_FAULTS")
 
 
+@pytest.mark.subprocess
 def test_faults_injected_into_a_child_process(tmp_path):
     dirs = make_dirs(tmp_path, 1)
     res = run_child(f"""

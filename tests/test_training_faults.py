@@ -254,6 +254,7 @@ def fill(mnt: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ drive full
+@pytest.mark.subprocess
 def test_drive_too_small_is_refused_before_step_1(tmp_path, launch, ref):
     """A tmpfs with room for the parameters' extents but not for the optimizer state (the gradients stay
     in DeepSpeed's host buffer on CPU ranks and need no space)."""
@@ -288,6 +289,7 @@ def test_drive_too_small_is_refused_before_step_1(tmp_path, launch, ref):
         assert extents == {f"params/float32/{k}": [sum(chunks[:k]), size] for k, size in enumerate(chunks)}, extents
 
 
+@pytest.mark.subprocess
 def test_drive_filled_by_another_writer_mid_run_does_not_stop_training(tmp_path, launch, ref):
     with mounted(tmp_path, "tmpfs", 320) as mnt:
         cache = os.path.join(mnt, "cache")
@@ -307,6 +309,7 @@ def test_drive_filled_by_another_writer_mid_run_does_not_stop_training(tmp_path,
         os.unlink(filler)
 
 
+@pytest.mark.subprocess
 def test_filesystem_without_fallocate_filled_mid_run_stops_and_the_checkpoint_resumes(tmp_path, launch, ref):
     """ext2 has no ``fallocate``: the slab is extended sparsely (free space checked, not reserved), so
     another writer filling the drive after start makes the first write into a new block fail with a
@@ -330,6 +333,7 @@ def test_filesystem_without_fallocate_filled_mid_run_stops_and_the_checkpoint_re
     assert resumed.finish().result()["losses"] == ref["losses"]
 
 
+@pytest.mark.subprocess
 def test_enospc_mid_run_stops_and_the_earlier_checkpoint_resumes(tmp_path, launch, ref):
     cache, ck = str(tmp_path / "cache"), str(tmp_path / "ckpt")
     c = launch("enospc", ARGS + ["--cache", cache, "--ckpt_dir", ck, "--save_at", "2", "--faults_after", "3",
@@ -406,6 +410,7 @@ def test_a_failed_write_waited_for_several_times_keeps_one_traceback(tmp_path):
         eng.close()
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_eio_fails_after_the_retries_naming_slab_offset_and_drive(tmp_path, launch, op):
     cache = str(tmp_path / "cache")
@@ -425,6 +430,7 @@ def test_eio_fails_after_the_retries_naming_slab_offset_and_drive(tmp_path, laun
     assert any(a <= off < a + size for a, size in info["extents"].values()) and n > 0  # an offset of our data
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_transient_eio_within_the_retry_budget_recovers(tmp_path, launch, ref, op):
     c = launch(f"transient_{op}", ARGS + ["--cache", str(tmp_path / "cache")],
@@ -435,6 +441,7 @@ def test_transient_eio_within_the_retry_budget_recovers(tmp_path, launch, ref, o
 
 
 # ------------------------------------------------------------------------------------------ corruption
+@pytest.mark.subprocess
 def test_flipped_byte_in_a_slab_is_a_checksum_error_naming_path_and_offset(tmp_path, launch):
     c = launch("crc", ARGS + ["--cache", str(tmp_path / "cache"), "--pause_at", "2",
                               "--extra", json.dumps({"checksum": True})])
@@ -459,6 +466,7 @@ def test_flipped_byte_in_a_slab_is_a_checksum_error_naming_path_and_offset(tmp_p
 
 
 # ------------------------------------------------------------------------------------------ the path goes away
+@pytest.mark.subprocess
 def test_store_directory_removed_mid_run(tmp_path, launch):
     cache = str(tmp_path / "cache")
     c = launch("removed", ARGS + ["--cache", cache, "--pause_at", "2"])
@@ -503,6 +511,7 @@ def test_a_store_removed_and_re_created_by_another_owner_is_not_deleted_at_close
         eng.close()
 
 
+@pytest.mark.subprocess
 def test_filesystem_turning_read_only_mid_run(tmp_path, launch):
     with mounted(tmp_path, "ext4", 400) as mnt:
         cache = os.path.join(mnt, "cache")
@@ -519,6 +528,7 @@ def test_filesystem_turning_read_only_mid_run(tmp_path, launch):
         assert "remount it read-write" in msg
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", ["missing", "read-only"])
 def test_bad_cache_path_at_startup_is_the_config_error(tmp_path, launch, case):
     cache = str(tmp_path / "cache")
@@ -544,6 +554,7 @@ def test_bad_cache_path_at_startup_is_the_config_error(tmp_path, launch, case):
 
 
 # ------------------------------------------------------------------------------------------ no O_DIRECT
+@pytest.mark.subprocess
 def test_filesystem_without_o_direct_falls_back_with_one_warning(tmp_path, launch, ref):
     c = launch("no_direct", ARGS + ["--cache", str(tmp_path / "cache")],
                env={"AIDAPTIV_FAULTS": "op=open_direct,err=EINVAL"}).finish()

@@ -12,6 +12,8 @@ from safetensors.torch import save_file
 
 from _oracle import REPO, STORIES, run
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 MiB = 1 << 20
 
 

@@ -1,0 +1,46 @@
+"""The tier guard of tests/conftest.py: a test without a tier marker is a unit test, and starting a child
+process or building a DeepSpeed engine from one fails it with the marker to add."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import PROBES, TierViolation
+
+
+def test_this_test_is_classified_unit(request):
+    assert request.node.get_closest_marker("unit") is not None
+
+
+def test_a_child_process_from_a_unit_test_fails_with_the_marker_to_add(tmp_path):
+    flag = tmp_path / "ran"
+    with pytest.raises(TierViolation, match=r"is a unit test .* starts a child process \(python\)\. "
+                                            r"Mark it @pytest.mark.subprocess"):
+        subprocess.run([sys.executable, "-c", f"open({str(flag)!r}, 'w')"], check=True)
+    with pytest.raises(TierViolation, match="forks"):
+        os.fork()
+    assert not flag.exists()  # refused before the child started
+
+
+def test_a_library_probe_is_allowed():
+    assert "ldconfig" in PROBES
+    out = subprocess.run(["uname", "-s"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip()
+
+
+def test_a_deepspeed_engine_from_a_unit_test_fails_with_the_marker_to_add():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    with pytest.raises(TierViolation, match="builds a DeepSpeed engine. Mark it @pytest.mark.engine"):
+        DeepSpeedEngine(args=None, model=None)
+    with pytest.raises(TierViolation, match="enters deepspeed.zero.Init. Mark it @pytest.mark.engine"):
+        Init(config_dict_or_path={"train_batch_size": 1})
+
+
+@pytest.mark.subprocess
+def test_a_marked_test_may_start_a_child_process():
+    out = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "42"
