@@ -97,18 +97,30 @@ def test_deepspeed_aio_is_not_built_without_permission(monkeypatch):
 
     monkeypatch.setattr(OpBuilder, "jit_load", no_build)
     monkeypatch.delitem(OpBuilder._loaded_ops, "async_io", raising=False)
-    module, status = bench.load_deepspeed_aio("auto")
     from deepspeed.git_version_info import installed_ops
-    if installed_ops.get("async_io"):
-        assert module is not None and status == "loaded" or status == "built"
-    else:
-        assert module is None and status.startswith("not built: ") and "--with-deepspeed-aio" in status
-    assert bench.load_deepspeed_aio("off") == (None, "not built: not requested (--no-deepspeed-aio)")
-    # our own registered handle is never measured as "DeepSpeed's"
-    from aidaptiv_ds.integration.aio_handle import make_op_module
-    monkeypatch.setitem(OpBuilder._loaded_ops, "async_io", make_op_module())
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    monkeypatch.setitem(installed_ops, "async_io", False)
     module, status = bench.load_deepspeed_aio("auto")
-    assert module is None or not bench._is_ours(module)
+    assert module is None and status.startswith("not built: ") and "--with-deepspeed-aio" in status
+    assert bench.load_deepspeed_aio("off") == (None, "not built: not requested (--no-deepspeed-aio)")
+    # our own registered handle is never measured as "DeepSpeed's": it is stepped aside while DeepSpeed's
+    # op loads, and put back afterwards
+    from aidaptiv_ds.integration.aio_handle import make_op_module
+    ours = make_op_module()
+    monkeypatch.setitem(OpBuilder._loaded_ops, "async_io", ours)
+    module, status = bench.load_deepspeed_aio("auto")
+    assert (module, status[:11]) == (None, "not built: ") and OpBuilder._loaded_ops["async_io"] is ours
+    compiled = object()  # stands for DeepSpeed's compiled op
+    seen = []
+    monkeypatch.setitem(installed_ops, "async_io", True)
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
+    monkeypatch.setattr(AsyncIOBuilder, "load", lambda self, verbose=False: seen.append(
+        OpBuilder._loaded_ops.get("async_io")) or compiled)
+    assert bench.load_deepspeed_aio("auto") == (compiled, "built")
+    assert seen == [None] and OpBuilder._loaded_ops["async_io"] is ours  # aside while loading, then back
+    monkeypatch.setitem(OpBuilder._loaded_ops, "async_io", compiled)
+    assert bench.load_deepspeed_aio("auto") == (compiled, "loaded")
 
 
 def test_parse_fio_json():

@@ -70,6 +70,21 @@ def _pass(eng, fh, write, block, bufs, size):
             f.wait()
 
 
+def _check_blocks(path, write, block, bufs, size):
+    """The bytes the last pass moved, read back through the page cache on a separate descriptor: after a
+    write every block of the file holds the buffer it was written from; after a read each buffer holds
+    the file block it read last."""
+    n = size // block
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        last = range(max(n - len(bufs), 0), n)
+        for i in (list(range(min(n, len(bufs)))) if write else []) + list(last):
+            disk = os.pread(fd, block, i * block)
+            assert disk == bufs[i % len(bufs)][:block].numpy().tobytes(), f"block {i} of {n} ({block} bytes)"
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("block", [MiB, 8 * MiB], ids=["1MiB", "8MiB"])
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_engine_sequential(benchmark, engine_file, SIZE, op, block):
@@ -77,6 +92,7 @@ def test_engine_sequential(benchmark, engine_file, SIZE, op, block):
     benchmark.group = f"engine {op}"
     benchmark.extra_info.update(bytes=SIZE, block=block, threads=THREADS, in_flight=DEPTH)
     benchmark.pedantic(_pass, args=(eng, fh, op == "write", block, bufs, SIZE), rounds=3, iterations=1, warmup_rounds=0)
+    _check_blocks(fh.path, op == "write", block, bufs, SIZE)
     if benchmark.stats is not None:
         benchmark.extra_info["gbps"] = SIZE / benchmark.stats.stats.median / 1e9
 
