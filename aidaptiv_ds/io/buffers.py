@@ -136,7 +136,7 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def memview(t: torch.Tensor) -> memoryview:
     """A writable ``memoryview`` over the bytes of a contiguous CPU tensor (no copy)."""
-    return memoryview(byte_view(t).numpy())
+    return byte_view(t).numpy().data
 
 
 def address_aligned(t: torch.Tensor, alignment: int) -> bool:

@@ -61,17 +61,17 @@ class DriveStats:
     write_busy_s: float = 0.0
     retries: int = 0
 
-    def snapshot(self) -> "DriveStats":
+    def snapshot(self) -> DriveStats:
         return dataclasses.replace(self)
 
 
 class FileHandle:
     """An open file on one drive: an ``O_DIRECT`` descriptor (when allowed) and a buffered one."""
 
-    def __init__(self, engine: "IOEngine", path: str, drive: str, alignment: int, create: bool) -> None:
+    def __init__(self, engine: IOEngine, path: str, drive: str, alignment: int, create: bool) -> None:
         self.path, self.drive, self.alignment = path, drive, alignment
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
-        self.fd_buffered = engine.sysio.open(path, flags)
+        self.fd_buffered: int | None = engine.sysio.open(path, flags)
         self.fd_direct: int | None = None
         self._retired: list[int] = []
         if engine.direct and _O_DIRECT:
@@ -101,6 +101,16 @@ class FileHandle:
         if self.fd_buffered is not None:
             os.close(self.fd_buffered)
             self.fd_buffered = None
+
+    def fileno(self) -> int:
+        """The buffered descriptor (for ``fstat``, ``fallocate``, reflinks).
+
+        Raises:
+            ValueError: the handle was closed.
+        """
+        if self.fd_buffered is None:
+            raise ValueError(f"aidaptiv_ds: {self.path} is closed")
+        return self.fd_buffered
 
     def sync(self) -> None:
         """``fdatasync`` the file so buffered writes reach the drive."""
@@ -147,7 +157,7 @@ def _advance(segs: list[tuple[int, memoryview]], k: int) -> list[tuple[int, memo
 
 
 class _Drive:
-    def __init__(self, engine: "IOEngine", name: str, threads: int) -> None:
+    def __init__(self, engine: IOEngine, name: str, threads: int) -> None:
         self.name = name
         self.queue: queue.PriorityQueue = queue.PriorityQueue()
         self.stats = DriveStats()
@@ -173,7 +183,8 @@ class IOEngine:
     def __init__(self, block_size: int = 8 << 20, threads_per_drive: int = 4, max_retries: int = 3,
                  retry_delay_s: float = 0.02, direct: bool = True, sysio: SysIO | None = None) -> None:
         if block_size < PAGE_BYTES or block_size % PAGE_BYTES:
-            raise AidaptivConfigError(f"aidaptiv.io.block_size: {block_size} must be a positive multiple of {PAGE_BYTES} bytes")
+            raise AidaptivConfigError(f"aidaptiv.io.block_size: {block_size} must be a positive multiple of "
+                                      f"{PAGE_BYTES} bytes")
         if threads_per_drive < 1:
             raise AidaptivConfigError(f"aidaptiv.io.threads_per_drive: {threads_per_drive} must be >= 1")
         self.block_size = int(block_size)
@@ -248,7 +259,7 @@ class IOEngine:
                 raise ValueError(f"aidaptiv_ds I/O buffers must be CPU tensors, got {b.device}")
             raw = byte_view(b)
             if raw.numel():
-                segs.append((raw.data_ptr(), memoryview(raw.numpy())))
+                segs.append((raw.data_ptr(), raw.numpy().data))
         nbytes = sum(len(mv) for _, mv in segs)
         chunks = _split(segs, self.block_size)
         fut = IOFuture(nbytes, len(chunks), keepalive=bufs)

@@ -50,7 +50,8 @@ class StorageFullError(StorageError):
         from ..units import format_bytes
         self.path, self.needed, self.free = path, needed, free
         super().__init__(
-            f"aidaptiv_ds: cache path {path} needs {format_bytes(needed)} ({needed} bytes){' for ' + what if what else ''}"
+            f"aidaptiv_ds: cache path {path} needs {format_bytes(needed)} ({needed} bytes)"
+            f"{' for ' + what if what else ''}"
             f" but has {format_bytes(free)} ({free} bytes) free. Fix: free space there, add another path to "
             f"aidaptiv.cache_paths, or raise aidaptiv.dram_budget so less state goes to the drive.")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import TracebackType
 
 
 class IOFuture:
@@ -22,7 +23,8 @@ class IOFuture:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._error: BaseException | None = None
-        self._error_tb = None  # the error's traceback where it happened (re-raising would grow it)
+        # the error's traceback where it happened (re-raising would grow it)
+        self._error_tb: TracebackType | None = None
         self._callbacks: list = []
         self.submitted_at = time.perf_counter()
         self.finished_at: float | None = None
@@ -107,15 +109,16 @@ def combine(futures: list[IOFuture], nbytes: int, finalizer=None, keepalive=None
         _finish(out, None, finalizer)
         return out
     lock = threading.Lock()
-    state = [len(futures), None]
+    remaining = [len(futures)]
+    first_error: list[BaseException | None] = [None]
 
     def on_done(f: IOFuture) -> None:
         with lock:
-            state[0] -= 1
-            state[1] = state[1] or f.exception()
-            last = state[0] == 0
+            remaining[0] -= 1
+            first_error[0] = first_error[0] or f.exception()
+            last = remaining[0] == 0
         if last:
-            _finish(out, state[1], finalizer)
+            _finish(out, first_error[0], finalizer)
 
     for f in futures:
         f.add_done_callback(on_done)

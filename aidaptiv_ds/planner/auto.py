@@ -118,7 +118,8 @@ def resolve_dram_budget(value: str | int | float, working_set_bytes: int = 0, *,
     ``per_rank_bytes`` of it.
 
     Raises:
-        AidaptivConfigError: (a ``ValueError``) naming ``field`` and the value, when it is neither ``"auto"`` nor a size, or when
+        AidaptivConfigError: (a ``ValueError``) naming ``field`` and the value, when it is neither
+            ``"auto"`` nor a size, or when
             ``"auto"`` finds no ``/proc/meminfo``.
     """
     if isinstance(value, str) and value.strip().lower() == "auto":

@@ -210,7 +210,8 @@ def shape_from_config(cfg: dict, name: str = "config") -> ModelShape:
     """The :class:`ModelShape` of an HF config (the parsed ``config.json``).
 
     Raises:
-        AidaptivConfigError: (a ``ValueError``) naming ``name``, the unsupported ``model_type`` and the supported ones, or a
+        AidaptivConfigError: (a ``ValueError``) naming ``name``, the unsupported ``model_type`` and the
+            supported ones, or a
             missing field.
     """
     mt = cfg.get("model_type")
@@ -225,7 +226,8 @@ def shape_from_config(cfg: dict, name: str = "config") -> ModelShape:
         V = int(_get(cfg, "vocabulary", "vocab_size", source=name))
         P = int(_get(cfg, "positions", "n_positions", "max_position_embeddings", default=1024, source=name))
         tie = bool(cfg.get("tie_word_embeddings", True))
-        emb = (TensorShape("transformer.wte.weight", (V, h)), TensorShape("transformer.wpe.weight", (P, h)))
+        emb: tuple[TensorShape, ...] = (TensorShape("transformer.wte.weight", (V, h)),
+                                        TensorShape("transformer.wpe.weight", (P, h)))
         blocks = tuple(_gpt2_block(i, h, f) for i in range(L))
         final = [TensorShape("transformer.ln_f.weight", (h,)), TensorShape("transformer.ln_f.bias", (h,))]
         if not tie:
@@ -308,13 +310,14 @@ def load_model_shape(spec: str) -> ModelShape:
     """The shape of a model given as a ``config.json`` path, a model directory or a preset name.
 
     Raises:
-        AidaptivConfigError: (a ``ValueError``) the path has no ``config.json``, the JSON does not parse, or the name is unknown.
+        AidaptivConfigError: (a ``ValueError``) the path has no ``config.json``, the JSON does not
+            parse, or the name is unknown.
     """
     if os.path.isdir(spec):
         path = os.path.join(spec, "config.json")
         if not os.path.isfile(path):
-            raise AidaptivConfigError(f"--model: directory {spec!r} has no config.json. Fix: give the HF model directory "
-                             f"(the one holding config.json) or the config file itself.")
+            raise AidaptivConfigError(f"--model: directory {spec!r} has no config.json. Fix: give the HF model "
+                                      f"directory (the one holding config.json) or the config file itself.")
     elif os.path.isfile(spec):
         path = spec
     else:

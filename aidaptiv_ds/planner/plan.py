@@ -72,8 +72,17 @@ from ..jsonsafe import finite
 from ..store.ledger import SECONDS_PER_DAY, EnduranceRating, projection
 from ..store.striping import StripeLayout
 from ..units import GiB
-from .auto import (FREE_FRACTION, GRAD_BYTES_PER_PARAM, MASTER_BYTES_PER_PARAM, MIN_FREE_BYTES, RANK_OVERHEAD_BYTES,
-                   DramBudget, explain_dram_budget, host_working_set, prefetch_bytes_from_budget)
+from .auto import (
+    FREE_FRACTION,
+    GRAD_BYTES_PER_PARAM,
+    MASTER_BYTES_PER_PARAM,
+    MIN_FREE_BYTES,
+    RANK_OVERHEAD_BYTES,
+    DramBudget,
+    explain_dram_budget,
+    host_working_set,
+    prefetch_bytes_from_budget,
+)
 from .model_size import ModelShape
 from .residency import ResidencyPlan, StateSizes, plan_residency
 
@@ -184,7 +193,8 @@ class PlanInput:
         return self.gpus * self.nodes
 
     def validate(self) -> None:
-        """Raises AidaptivConfigError (a ``ValueError``) naming the flag, the value and the fix for inputs that make no plan."""
+        """Raises AidaptivConfigError (a ``ValueError``) naming the flag, the value and the fix for inputs
+        that make no plan."""
         checks = [("--gpus", self.gpus, self.gpus >= 1, "give at least 1 GPU"),
                   ("--nodes", self.nodes, self.nodes >= 1, "give at least 1 node"),
                   ("--vram", self.vram, self.vram > 0, "give the memory of one GPU, e.g. 96GB"),
@@ -441,7 +451,7 @@ def _smallest_change(inp: PlanInput, check: str) -> str | None:
     r = dataclasses.replace
     if check == "vram":
         # settings first, cumulatively (each step keeps the previous ones), then bigger GPUs
-        cur, done = inp, []
+        cur, done = inp, list[str]()
         if not cur.activation_checkpointing:
             cur, done = r(cur, activation_checkpointing=True), done + ["enable activation checkpointing"]
             if _passes(cur, check):
@@ -537,10 +547,10 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     if inp.gpu_flops:
         compute_s = training_flops_per_token(shape, N, inp.seq_len, inp.activation_checkpointing) * tokens_step \
             / (dp * inp.gpu_flops)
-    rt = [read_best * s / (d.read_gbps * 1e9) for d, s in zip(inp.drives, shares)]
-    wt = [write_step * s / (d.write_gbps * 1e9) for d, s in zip(inp.drives, shares)]
+    rt = [read_best * s / (d.read_gbps * 1e9) for d, s in zip(inp.drives, shares, strict=True)]
+    wt = [write_step * s / (d.write_gbps * 1e9) for d, s in zip(inp.drives, shares, strict=True)]
     bounds = {"compute": compute_s or 0.0, "cache reads": max(rt), "cache writes": max(wt)}
-    bound_by = max(bounds, key=bounds.get)
+    bound_by = max(bounds, key=lambda k: bounds[k])
     lower = bounds[bound_by]
     pace = inp.step_time_s if inp.step_time_s else lower
     steps_per_day = SECONDS_PER_DAY / pace if pace > 0 else 0.0
@@ -548,7 +558,7 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     steps_epoch = -(-int(inp.dataset_tokens) // tokens_step) if inp.dataset_tokens else None
     run_steps = math.ceil(steps_epoch * inp.epochs) if steps_epoch else None
     drives = []
-    for d, s, r_s, w_s in zip(inp.drives, shares, rt, wt):
+    for d, s, r_s, w_s in zip(inp.drives, shares, rt, wt, strict=True):
         w_b = int(write_step * s)
         rating = EnduranceRating(capacity=d.capacity, rated_dwpd=d.rated_dwpd, warranty_years=d.warranty_years)
         proj = projection(0, w_b * steps_per_day, d.capacity, rating)

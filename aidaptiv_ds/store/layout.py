@@ -192,7 +192,7 @@ def list_namespaces(cache_path: str) -> list[dict]:
     with ``aidaptiv-ds gc``.
     """
     root = os.path.join(os.path.abspath(cache_path), ROOT_NAME)
-    out = []
+    out: list[dict] = []
     if not os.path.isdir(root):
         return out
     for host in sorted(os.listdir(root)):

@@ -61,7 +61,7 @@ class Slab:
         self.path, self.cache_path, self.drive = path, cache_path, drive
         self.grow_step = grow_step
         self.fh: FileHandle = engine.open(path, drive=drive, create=True, alignment=alignment)
-        self.size = os.fstat(self.fh.fd_buffered).st_size
+        self.size = os.fstat(self.fh.fileno()).st_size
 
     def ensure(self, nbytes: int, what: str = "", limit: int | None = None) -> None:
         """Make the slab at least ``nbytes`` long (growing by at least ``grow_step``, but never past
@@ -78,7 +78,7 @@ class Slab:
         self._grow(target, nbytes, what)
 
     def _grow(self, target: int, needed_size: int, what: str) -> None:
-        fd = self.fh.fd_buffered
+        fd = self.fh.fileno()
         for size in (target, needed_size):  # fall back to the exact need before giving up
             grow = size - self.size
             if grow <= 0:
@@ -98,11 +98,12 @@ class Slab:
                 os.ftruncate(fd, size)
                 self.size = size
                 return
-        raise StorageFullError(self.cache_path, needed_size - self.size, free_bytes(self.cache_path), what or "slab growth")
+        raise StorageFullError(self.cache_path, needed_size - self.size, free_bytes(self.cache_path),
+                               what or "slab growth")
 
     def allocated_bytes(self) -> int:
         """Bytes the slab occupies on the drive (``st_blocks x 512``)."""
-        return os.fstat(self.fh.fd_buffered).st_blocks * 512
+        return os.fstat(self.fh.fileno()).st_blocks * 512
 
     def sync(self) -> None:
         self.fh.sync()

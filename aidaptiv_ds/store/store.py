@@ -110,8 +110,8 @@ class SlabStore:
         if policy not in ("striped", "affinity"):
             raise AidaptivConfigError(f"aidaptiv.placement: {policy!r} is not a policy; use 'striped' or 'affinity'")
         if stripe_unit % alignment or checksum_block % alignment:
-            raise AidaptivConfigError(f"aidaptiv.stripe_unit ({stripe_unit}) and checksum block ({checksum_block}) must be "
-                             f"multiples of the I/O alignment ({alignment} bytes)")
+            raise AidaptivConfigError(f"aidaptiv.stripe_unit ({stripe_unit}) and checksum block ({checksum_block}) "
+                                      f"must be multiples of the I/O alignment ({alignment} bytes)")
         self.ns = namespace
         self.paths = paths
         self.engine = engine or default_engine()
@@ -459,7 +459,7 @@ class SlabStore:
         n = raw.numel()
         full_lo, full_hi, lo, hi = self._blocks(logical, n)
         b = self.checksum_block
-        mv = memoryview(raw.numpy())
+        mv = raw.numpy().data
         with self._lock:
             self._grow_crc(hi)
             self._crc[lo:hi] = -1
@@ -472,7 +472,7 @@ class SlabStore:
         b = self.checksum_block
 
         def verify() -> None:
-            mv = memoryview(raw.numpy())
+            mv = raw.numpy().data
             for blk in range(full_lo, full_hi):
                 with self._lock:
                     want = int(self._crc[blk]) if blk < len(self._crc) else -1
@@ -490,7 +490,7 @@ class SlabStore:
         """Bytes read and written per cache path by this store since it opened."""
         with self._lock:
             return {p: {"bytes_read": r, "bytes_written": w}
-                    for p, r, w in zip(self.ns.cache_paths, self.bytes_read, self.bytes_written)}
+                    for p, r, w in zip(self.ns.cache_paths, self.bytes_read, self.bytes_written, strict=True)}
 
     def flush_ledger(self) -> None:
         """Book bytes written since the last call in each path's endurance ledger.
@@ -501,9 +501,9 @@ class SlabStore:
         memory until a later flush succeeds.
         """
         with self._lock:
-            deltas = [w - done for w, done in zip(self.bytes_written, self._ledgered)]
+            deltas = [w - done for w, done in zip(self.bytes_written, self._ledgered, strict=True)]
             self._ledgered = list(self.bytes_written)
-        for led, d in zip(self.ledgers, deltas):
+        for led, d in zip(self.ledgers, deltas, strict=True):
             led.add(d)
             try:
                 led.flush()
@@ -591,7 +591,7 @@ class SlabStore:
         for path, phys, parts in self._map(ext.offset + offset, nbytes):
             pos = phys
             for rel, n in parts:
-                out.append((self.slabs[path].fh.fd_buffered, pos, n, rel))
+                out.append((self.slabs[path].fh.fileno(), pos, n, rel))
                 pos += n
         return out
 

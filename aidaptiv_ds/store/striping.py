@@ -44,7 +44,7 @@ def choose_slots(weights: list[float], max_slots: int = 256, tolerance: float = 
     best_err, best_len = float("inf"), max(len(weights), 1)
     for slots in range(max(len(weights), 1), max_slots + 1):
         counts = apportion(weights, slots)
-        err = max((abs(c / slots - w / total) / (w / total) for c, w in zip(counts, weights) if w > 0),
+        err = max((abs(c / slots - w / total) / (w / total) for c, w in zip(counts, weights, strict=True) if w > 0),
                   default=0.0)
         if err <= tolerance:
             return slots
@@ -100,7 +100,7 @@ class StripeLayout:
             counts = [1]
         else:
             counts = apportion(list(weights), slots or choose_slots(list(weights)))
-        self.counts = dict(zip(self.paths, counts))
+        self.counts = dict(zip(self.paths, counts, strict=True))
         local = smooth_pattern(counts)
         self.pattern = [self.paths[i] for i in local]
         seen: dict[int, int] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Protocol, TypeVar
 
 
 class AccessOrder:
@@ -50,6 +51,18 @@ class AccessOrder:
         return best
 
 
+class Evictable(Protocol):
+    """What the policy reads of a candidate: the ids it holds and when it was last used."""
+    @property
+    def members(self) -> Sequence[Hashable]: ...
+
+    @property
+    def last_use(self) -> int: ...
+
+
+_S = TypeVar("_S", bound=Evictable)
+
+
 class EvictionPolicy:
     """Pick victims among candidate slices: Belady when the order is known, else least recently used.
 
@@ -59,7 +72,12 @@ class EvictionPolicy:
     def __init__(self, order: AccessOrder | None = None) -> None:
         self.order = order or AccessOrder()
 
-    def victim(self, candidates: list) -> object:
+    def victim(self, candidates: list[_S]) -> _S:
+        """The candidate to evict (one of ``candidates``).
+
+        Raises:
+            ValueError: ``candidates`` is empty.
+        """
         if not candidates:
             raise ValueError("no eviction candidates")
         if self.order.known:
