@@ -46,11 +46,19 @@ def parse_size(value: int | float | str, field: str = "size") -> int:
                      f"'512MiB', '8GiB', '2TB' (units: B, KB/MB/GB/TB = 1000^n, KiB/MiB/GiB/TiB = 1024^n)")
 
 
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'``; binary units, two decimals."""
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_DECIMAL = ("B", "KB", "MB", "GB", "TB", "PB")
+
+
+def format_bytes(n: float, decimal: bool = False) -> str:
+    """Bytes for people, two decimals: ``1536 -> '1.50 KiB'``; with ``decimal=True`` in powers of 1000,
+    as drive vendors state capacity: ``8e12 -> '8.00 TB'``. Whole bytes below the first unit
+    (``'512 B'``). :func:`parse_size` reads both forms back (to the precision printed)."""
     n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
+    step = 1000 if decimal else 1024
+    units = _DECIMAL if decimal else _BINARY
+    for unit in units:
+        if abs(n) < step or unit == units[-1]:
             return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} PiB"  # pragma: no cover
+        n /= step
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -6,23 +6,18 @@ oracle are cached per argument list within a pytest session.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import torch
+
+from aidaptiv_ds.ports import free_port  # noqa: F401 - the tests import it from here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "train_oracle.py")
 SHARED = os.path.join(REPO, "..", "shared")
 STORIES = os.path.join(SHARED, "data", "models", "stories260K", "hf")
 _CACHE: dict[tuple, dict] = {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(backend: str, args: list[str], workdir: str, env: dict | None = None, timeout: int = 600) -> dict:

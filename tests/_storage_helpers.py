@@ -8,12 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import torch
+
+from aidaptiv_ds.ports import free_port  # noqa: F401 - the tests import it from here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
@@ -22,7 +23,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 def rand_tensor(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """Random CPU tensor of ``numel`` elements; every byte pattern is likely (NaN bit patterns too)."""
     g = torch.Generator().manual_seed(seed)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     raw = torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=g)
     return raw.view(dtype)
 
@@ -73,9 +74,3 @@ def run_child(code: str, timeout: float = 180, **env) -> dict:
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"child failed (rc {p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -20,6 +20,8 @@ import textwrap
 
 import pytest
 
+from aidaptiv_ds.ports import free_port
+
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,26 +204,18 @@ def _deepspeed_cli() -> str:
 
 def test_deepspeed_launcher_single_rank_matches_the_single_process_run(demo_run, tmp_path):
     out = str(tmp_path / "out")
-    _run([_deepspeed_cli(), "--num_gpus", "1", "--master_port", str(_free_port()), os.path.join("launch", "finetune.py"),
+    _run([_deepspeed_cli(), "--num_gpus", "1", "--master_port", str(free_port()), os.path.join("launch", "finetune.py"),
           "--deepspeed", CPU_OFFLOAD, "--output_dir", out, "--max_steps", "2"])
     _, steps, _ = metrics(out)
     _, ref_steps, _ = metrics(demo_run)
     assert [s["loss"] for s in steps] == [s["loss"] for s in ref_steps[:2]]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_deepspeed_launcher_two_ranks_reload_matches(tmp_path):
     out = str(tmp_path / "out")
-    _run([_deepspeed_cli(), "--num_gpus", "2", "--master_port", str(_free_port()), os.path.join("launch", "finetune.py"),
+    _run([_deepspeed_cli(), "--num_gpus", "2", "--master_port", str(free_port()), os.path.join("launch", "finetune.py"),
           "--deepspeed", CPU_OFFLOAD, "--output_dir", out, "--max_steps", "3", "--gradient_accumulation_steps", "2"],
          timeout=400)
     evals, steps, summary = metrics(out)

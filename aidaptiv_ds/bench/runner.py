@@ -16,23 +16,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import aidaptiv_ds
 
+from ..ports import free_port  # noqa: F401 - re-exported (callers import it from here)
 from ..telemetry.sysinfo import host_memory
 from ..units import GiB
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(aidaptiv_ds.__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def allocator_env() -> dict:

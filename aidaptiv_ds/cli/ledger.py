@@ -16,7 +16,13 @@ from ..jsonsafe import finite
 from ..store.layout import ROOT_NAME
 from ..store.ledger import SECONDS_PER_DAY, EnduranceLedger, EnduranceRating, history_pace, projection, read_ledger
 from ..telemetry.sysinfo import drive_counters
-from ..planner.plan import fmt_dec as format_bytes
+from ..units import format_bytes
+
+
+def _dec(n: float) -> str:
+    """Bytes in decimal units, as drive vendors state capacity and TBW."""
+    return format_bytes(n, decimal=True)
+
 
 MIN_PACE_SPAN_S = 600.0
 
@@ -102,28 +108,28 @@ def format_reports(reports: list[dict]) -> str:
     for r in reports:
         lines.append(f"cache path {r['path']}: {r['status']}")
         for n in r["nodes"]:
-            lines.append(f"  host {n['host']}: {format_bytes(n['bytes_written_total'])} written by aidaptiv_ds")
+            lines.append(f"  host {n['host']}: {_dec(n['bytes_written_total'])} written by aidaptiv_ds")
             for s in n["runs"]:
-                pace = (f"{format_bytes(s['bytes_per_day'])}/day" if s["bytes_per_day"] is not None
+                pace = (f"{_dec(s['bytes_per_day'])}/day" if s["bytes_per_day"] is not None
                         else "too short for a pace")
                 dwpd = f", {s['dwpd']:.3f} DWPD" if s["dwpd"] is not None else ""
-                lines.append(f"    run {s['run']}: {format_bytes(s['bytes_written'])} by {s['ranks']} rank(s) in "
+                lines.append(f"    run {s['run']}: {_dec(s['bytes_written'])} by {s['ranks']} rank(s) in "
                              f"{s['duration_s'] / 3600:,.2f} h ({pace}{dwpd})")
             p = n["projection"]
             if p:
-                lines.append(f"    pace {format_bytes(p['bytes_per_day'])}/day = {p['dwpd']:.3f} DWPD vs "
+                lines.append(f"    pace {_dec(p['bytes_per_day'])}/day = {p['dwpd']:.3f} DWPD vs "
                              f"{p['rated_dwpd']:g} rated; {p['tbw_used_fraction']:.4%} of rated TBW "
-                             f"{format_bytes(p['rated_tbw_bytes'])} used; rated TBW reached in "
+                             f"{_dec(p['rated_tbw_bytes'])} used; rated TBW reached in "
                              f"{_days(p['days_to_rated_tbw'])}")
             else:
                 lines.append(f"    pace: {n['pace_status']}")
         dc = r["drive"]
         if dc is not None:
             sysfs, smart = dc["sysfs"], dc["nvme_smart"]
-            own = (f"{format_bytes(sysfs['bytes_written'])} since boot (sysfs {dc['device']})"
+            own = (f"{_dec(sysfs['bytes_written'])} since boot (sysfs {dc['device']})"
                    if sysfs.get("bytes_written") is not None else sysfs["status"])
             lines.append(f"  drive's own counters: {own}; NVMe SMART: "
-                         + (f"{format_bytes(smart['bytes_written'])} since manufacture"
+                         + (f"{_dec(smart['bytes_written'])} since manufacture"
                             if smart.get("bytes_written") is not None else smart["status"]))
     return "\n".join(lines)
 

@@ -17,12 +17,18 @@ import os
 
 from ..planner.model_size import load_model_shape, nearest_preset
 from ..planner.plan import (DEFAULT_READ_GBPS, DEFAULT_SUB_GROUP_SIZE, DEFAULT_WRITE_GBPS, MOMENT_BYTES, PARAM_BYTES,
-                            CacheDrive, CapacityPlan, PlanInput, fmt_dec, make_plan)
+                            CacheDrive, CapacityPlan, PlanInput, make_plan)
 from ..store.ledger import EnduranceRating, filesystem_capacity
 from ..store.slab import free_bytes
 from ..telemetry.nvml import nvml_status
 from ..telemetry.sysinfo import host_memory
-from ..units import parse_size
+from ..units import format_bytes, parse_size
+
+
+def _dec(n: float) -> str:
+    """Bytes in decimal units, as drive vendors and ``--vram 96GB`` state them."""
+    return format_bytes(n, decimal=True)
+
 
 _DRIVE_KEYS = {"read": "read_gbps", "write": "write_gbps", "dwpd": "rated_dwpd", "years": "warranty_years"}
 
@@ -190,38 +196,38 @@ def format_plan(p: CapacityPlan) -> str:
            f"run        {i['gpus']} GPU(s) x {i['nodes']} node(s) (dp={p.dp}), micro-batch {i['micro_batch']}, "
            f"seq {i['seq_len']}, grad-accum {i['grad_accum']}, {i['dtype']}, {i['optimizer']}, "
            f"checkpointing {'on' if i['activation_checkpointing'] else 'off'}",
-           f"state      {fmt_dec(p.total_state_bytes)} = {p.bytes_per_param:.2f} B/param "
+           f"state      {_dec(p.total_state_bytes)} = {p.bytes_per_param:.2f} B/param "
            f"({p.state_bytes_per_param} B/param of training state + activations); "
-           f"rule of thumb 20 B/param = {fmt_dec(p.rule_of_thumb_bytes)}",
+           f"rule of thumb 20 B/param = {_dec(p.rule_of_thumb_bytes)}",
            "", f"{'where (whole job)':<18}{'VRAM':>12}{'DRAM':>12}{'cache':>12}"]
     for k, t in p.tiers.items():
-        out.append(f"{k:<18}{fmt_dec(t['vram']):>12}{fmt_dec(t['dram']):>12}{fmt_dec(t['cache']):>12}")
+        out.append(f"{k:<18}{_dec(t['vram']):>12}{_dec(t['dram']):>12}{_dec(t['cache']):>12}")
     v, d, r = p.vram_per_gpu, p.dram, p.residency
-    out += ["", f"VRAM/GPU   {fmt_dec(v['total'])} of {fmt_dec(i['vram'])}: gathered slices "
-                f"{fmt_dec(v['gathered_params'])}, "
-                f"slice grads {fmt_dec(v['slice_gradients'])}, activations {fmt_dec(v['activations'])}, "
-                f"bucket+overhead {fmt_dec(v['reduce_bucket'] + v['overhead'])}",
-            f"DRAM/node  {fmt_dec(d['host_bytes'])}: margin {fmt_dec(d['margin_bytes'])}, working set "
-            f"{fmt_dec(d['working_set_bytes'])}, budget {fmt_dec(d['budget_bytes'])} "
-            f"({fmt_dec(d['per_rank_bytes'])}/rank)",
+    out += ["", f"VRAM/GPU   {_dec(v['total'])} of {_dec(i['vram'])}: gathered slices "
+                f"{_dec(v['gathered_params'])}, "
+                f"slice grads {_dec(v['slice_gradients'])}, activations {_dec(v['activations'])}, "
+                f"bucket+overhead {_dec(v['reduce_bucket'] + v['overhead'])}",
+            f"DRAM/node  {_dec(d['host_bytes'])}: margin {_dec(d['margin_bytes'])}, working set "
+            f"{_dec(d['working_set_bytes'])}, budget {_dec(d['budget_bytes'])} "
+            f"({_dec(d['per_rank_bytes'])}/rank)",
             f"resident   gradients {'yes' if r['grads_resident'] else 'no'}, parameters "
             f"{'yes' if r['params_resident'] else 'no'}, {len(r['resident_subgroups'])} optimizer sub-group(s); "
             f"prefetch depth {p.prefetch['depth']}",
-            f"per step   written {fmt_dec(p.per_step['write_bytes'])}, read {fmt_dec(p.per_step['read_bytes'])} "
+            f"per step   written {_dec(p.per_step['write_bytes'])}, read {_dec(p.per_step['read_bytes'])} "
             f"per node ({p.per_step['write_bytes_per_param']:.2f} B/param written); {p.per_step['tokens']:,} tokens",
             f"step time  >= {_secs(p.step_time['lower_bound_s'])} (bound by {p.step_time['bound_by']}; compute "
             f"{_secs(p.step_time['compute_s'])}, reads {_secs(p.step_time['io_read_s'])}, writes "
             f"{_secs(p.step_time['io_write_s'])})"]
     if p.epoch["steps_per_epoch"]:
-        out.append(f"epoch      {p.epoch['steps_per_epoch']:,} steps, {fmt_dec(p.epoch['write_bytes_per_epoch'])} "
+        out.append(f"epoch      {p.epoch['steps_per_epoch']:,} steps, {_dec(p.epoch['write_bytes_per_epoch'])} "
                    f"written per node; run of {p.epoch['epochs']} epoch(s) ~ {_days(p.epoch['run_days'])}")
     out.append("")
     for n, dr in enumerate(p.drives):
         e = dr.endurance
-        line = (f"drive {n}    {dr.path or '(size only)'} {fmt_dec(dr.capacity)}: holds {fmt_dec(dr.state_bytes)}, "
-                f"per step R {fmt_dec(dr.read_bytes_per_step)} W {fmt_dec(dr.write_bytes_per_step)}; "
+        line = (f"drive {n}    {dr.path or '(size only)'} {_dec(dr.capacity)}: holds {_dec(dr.state_bytes)}, "
+                f"per step R {_dec(dr.read_bytes_per_step)} W {_dec(dr.write_bytes_per_step)}; "
                 f"{e['dwpd']:.2f} DWPD at {p.step_time['pace_source']} pace vs {e['rated_dwpd']:g} rated; "
-                f"rated TBW {fmt_dec(e['rated_tbw_bytes'])} reached in {_days(e['days_to_rated_tbw'])}")
+                f"rated TBW {_dec(e['rated_tbw_bytes'])} reached in {_days(e['days_to_rated_tbw'])}")
         if dr.run_tbw_fraction is not None:
             line += f"; the run uses {dr.run_tbw_fraction:.2%} of it"
         out.append(line)

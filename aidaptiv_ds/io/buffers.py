@@ -103,7 +103,7 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
     Returns:
         A CPU tensor of ``ceil(nbytes / itemsize)`` elements (rounded as above).
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = round_up(max(int(nbytes), 1), max(alignment, itemsize))
     if pin is None:
         pin = cuda_pinning_available()

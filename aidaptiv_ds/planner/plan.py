@@ -71,7 +71,7 @@ from ..errors import AidaptivConfigError
 from ..jsonsafe import finite
 from ..store.ledger import SECONDS_PER_DAY, EnduranceRating, projection
 from ..store.striping import StripeLayout
-from ..units import GiB
+from ..units import GiB, format_bytes
 from .auto import (
     FREE_FRACTION,
     GRAD_BYTES_PER_PARAM,
@@ -383,13 +383,8 @@ class CapacityPlan:
         return finite(d)
 
 
-def fmt_dec(n: float) -> str:
-    """Bytes in decimal units as drive vendors state capacity: ``8e12 -> '8.00 TB'``."""
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} PB"  # pragma: no cover
+def _dec(n: float) -> str:
+    return format_bytes(n, decimal=True)
 
 
 def _layout(drives: list[CacheDrive]) -> StripeLayout:
@@ -487,15 +482,15 @@ def _smallest_change(inp: PlanInput, check: str) -> str | None:
         if inp.dram_budget is not None:
             fit = inp.dram - _core(r(inp, dram_budget=0))["dram_need"]
             if fit >= 0:
-                return f"lower the DRAM budget to {fmt_dec(fit)} or less (or use 'auto')"
+                return f"lower the DRAM budget to {_dec(fit)} or less (or use 'auto')"
         step = 64 * 10**9
         need = _core(inp)["dram_need"]
-        return f"use {fmt_dec(-(-need // step) * step)} of DRAM or more"
+        return f"use {_dec(-(-need // step) * step)} of DRAM or more"
     # cache
     d0 = inp.drives[-1]
     for k in range(1, 65):
         if _passes(r(inp, drives=inp.drives + [dataclasses.replace(d0, path=None, free=None)] * k), check):
-            return (f"add {k} cache drive{'s' if k > 1 else ''} of {fmt_dec(d0.capacity)} "
+            return (f"add {k} cache drive{'s' if k > 1 else ''} of {_dec(d0.capacity)} "
                     f"({len(inp.drives) + k} in all)")
     return None
 
@@ -575,24 +570,24 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     if not checks["vram"]:
         v = c["vram"]
         problems.append(
-            f"vram: one GPU needs {fmt_dec(v['total'])} (gathered slice {fmt_dec(v['gathered_params'])}, activations "
-            f"{fmt_dec(v['activations'])}, gradients/buckets/overhead "
-            f"{fmt_dec(v['slice_gradients'] + v['reduce_bucket'] + v['overhead'])}) but has {fmt_dec(inp.vram)}")
+            f"vram: one GPU needs {_dec(v['total'])} (gathered slice {_dec(v['gathered_params'])}, activations "
+            f"{_dec(v['activations'])}, gradients/buckets/overhead "
+            f"{_dec(v['slice_gradients'] + v['reduce_bucket'] + v['overhead'])}) but has {_dec(inp.vram)}")
         changes.append(_smallest_change(inp, "vram"))
     if not checks["dram"]:
         problems.append(
-            f"dram: the host needs {fmt_dec(c['dram_need'])} (safety margin {fmt_dec(dram.margin_bytes)} + working set "
-            f"{fmt_dec(dram.working_set_bytes)} of {ranks} rank(s)"
-            + (f" + budget {fmt_dec(dram.budget_bytes)}" if inp.dram_budget is not None else "")
-            + f") but has {fmt_dec(inp.dram)}")
+            f"dram: the host needs {_dec(c['dram_need'])} (safety margin {_dec(dram.margin_bytes)} + working set "
+            f"{_dec(dram.working_set_bytes)} of {ranks} rank(s)"
+            + (f" + budget {_dec(dram.budget_bytes)}" if inp.dram_budget is not None else "")
+            + f") but has {_dec(inp.dram)}")
         changes.append(_smallest_change(inp, "dram"))
     if not checks["cache"]:
         problems.append(
-            f"cache capacity: the state that does not fit the DRAM budget needs {fmt_dec(c['cache_need'])} per "
+            f"cache capacity: the state that does not fit the DRAM budget needs {_dec(c['cache_need'])} per "
             f"node but "
-            f"the {len(inp.drives)} cache drive(s) ({' + '.join(fmt_dec(d.capacity) for d in inp.drives)}) hold "
-            f"{fmt_dec(c['cache_usable'])} usable (free space less the store's reserve, striped); short by "
-            f"{fmt_dec(c['cache_need'] - c['cache_usable'])}")
+            f"the {len(inp.drives)} cache drive(s) ({' + '.join(_dec(d.capacity) for d in inp.drives)}) hold "
+            f"{_dec(c['cache_usable'])} usable (free space less the store's reserve, striped); short by "
+            f"{_dec(c['cache_need'] - c['cache_usable'])}")
         changes.append(_smallest_change(inp, "cache"))
     verdict = Verdict(all(checks.values()), checks, problems, changes)
 
@@ -621,5 +616,5 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
 
 __all__ = ["CacheDrive", "PlanInput", "CapacityPlan", "DrivePlan", "Verdict", "make_plan", "state_sizes_for_rank",
            "activation_bytes", "layer_activation_bytes", "training_flops_per_token", "usable_cache_bytes",
-           "store_reserve", "fmt_dec", "PARAM_BYTES", "MOMENT_BYTES", "RULE_OF_THUMB_BYTES_PER_PARAM",
+           "store_reserve", "PARAM_BYTES", "MOMENT_BYTES", "RULE_OF_THUMB_BYTES_PER_PARAM",
            "MIN_FREE_BYTES", "FREE_FRACTION"]

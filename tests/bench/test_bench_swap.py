@@ -110,7 +110,7 @@ def test_block_swap_in(benchmark, runtime, request, dtype, path):
     sw = AidaptivParamSwapper(runtime)
     blocks, truth = _make_blocks(sw, dtype, hidden, mlp)
     S = _status()
-    nbytes = sum(n for n in _block_shapes(hidden, mlp)) * torch.empty((), dtype=dtype).element_size()
+    nbytes = sum(n for n in _block_shapes(hidden, mlp)) * dtype.itemsize
     state = {"k": 0}
     seen: list[int] = []
 
