@@ -1,0 +1,126 @@
+"""The parameter swapper's bookkeeping against DeepSpeed's contract (docs/deepspeed-seams.md §1.3-1.5),
+in-process with fake ZeRO parameters: no engine, no ``zero.Init``, a real store on a temporary path.
+
+A fake parameter carries what DeepSpeed 0.19.8 puts on one (``ds_id``, ``ds_numel``, ``ds_tensor``
+with ``ds_numel`` and ``status``); the calls are made in the order DeepSpeed makes them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aidaptiv_ds.integration.config import parse_section
+from aidaptiv_ds.integration.param_swapper import AidaptivParamSwapper
+from aidaptiv_ds.integration.runtime import Runtime
+
+
+@pytest.fixture
+def status():
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+    return PartitionedParamStatus
+
+
+@pytest.fixture
+def swapper(tmp_path):
+    cfg = parse_section({"enabled": True, "cache_paths": [str(tmp_path)], "dram_budget": 0, "run_name": "unit",
+                         "io": {"direct": False}})
+    rt = Runtime(cfg)
+    sw = rt.param_swapper = AidaptivParamSwapper(rt)
+    yield sw
+    rt.close()
+
+
+def _written(sw) -> int:
+    return sum(sw.rt.store.bytes_written)
+
+
+def make_param(sw, status, ds_id: int, values: torch.Tensor):
+    """A first partition as ``partition_parameters.py:1820-1893`` makes it: ``get_buffer``, fill, ``AVAILABLE``,
+    ``swap_out_and_release``."""
+    p = torch.nn.Parameter(torch.empty(0, dtype=values.dtype), requires_grad=False)
+    p.ds_id, p.ds_numel = ds_id, values.numel()
+    buf = sw.get_buffer(p, values.numel())
+    assert buf.numel() == values.numel() and buf.dtype == values.dtype
+    buf.copy_(values)
+    p.ds_tensor = buf
+    p.ds_tensor.ds_numel = values.numel()
+    p.ds_tensor.status = status.AVAILABLE
+    sw.swap_out_and_release([p])
+    return p
+
+
+def test_first_partition_is_written_once_and_released_to_a_0_dim_placeholder(swapper, status):
+    before = _written(swapper)
+    p = make_param(swapper, status, 0, torch.arange(1000, dtype=torch.float32))
+    assert p.ds_tensor.status == status.NOT_AVAILABLE and p.ds_tensor.data.dim() == 0
+    assert _written(swapper) - before >= 4000
+
+
+def test_sync_swap_in_with_duplicates_makes_every_partition_available(swapper, status):
+    a = make_param(swapper, status, 0, torch.arange(1000, dtype=torch.float32))
+    b = make_param(swapper, status, 1, -torch.arange(513, dtype=torch.float32))
+    swapper.swap_in([a, b, b, a], async_op=False)  # the coordinator passes duplicates (§5)
+    assert a.ds_tensor.status == b.ds_tensor.status == status.AVAILABLE
+    assert torch.equal(a.ds_tensor.data, torch.arange(1000, dtype=torch.float32))
+    assert torch.equal(b.ds_tensor.data, -torch.arange(513, dtype=torch.float32))
+
+
+def test_async_swap_in_is_inflight_until_synchronize_reads(swapper, status):
+    a = make_param(swapper, status, 0, torch.full((300,), 7, dtype=torch.bfloat16))
+    swapper.swap_in([a], async_op=True)
+    assert a.ds_tensor.status == status.INFLIGHT
+    swapper.synchronize_reads()
+    assert a.ds_tensor.status == status.AVAILABLE and torch.all(a.ds_tensor.data == 7)
+
+
+def test_a_release_is_a_clean_drop(swapper, status):
+    a = make_param(swapper, status, 0, torch.arange(4096, dtype=torch.float32))
+    swapper.swap_in([a], async_op=False)
+    written = _written(swapper)
+    swapper.remove_partition_and_release_buffers([a])
+    swapper.remove_partition_and_release_buffers([a])  # twice, and for a partition holding no buffer
+    assert a.ds_tensor.status == status.NOT_AVAILABLE and a.ds_tensor.data.dim() == 0
+    assert _written(swapper) == written  # nothing written
+    swapper.swap_in([a], async_op=False)
+    assert torch.equal(a.ds_tensor.data, torch.arange(4096, dtype=torch.float32))
+
+
+def test_swap_out_partitioned_params_carries_new_content_cast_to_the_partition_dtype(swapper, status):
+    a = make_param(swapper, status, 0, torch.zeros(777, dtype=torch.bfloat16))
+    master = torch.linspace(-3, 3, 777, dtype=torch.float32)
+    written = _written(swapper)
+    swapper.swap_out_partitioned_params([a], [master])  # the per-step parameter write (stage3.py:1289)
+    swapper.synchronize_writes()
+    assert a.ds_tensor.status == status.NOT_AVAILABLE and _written(swapper) > written
+    swapper.swap_in([a], async_op=False)
+    assert torch.equal(a.ds_tensor.data, master.to(torch.bfloat16))
+
+
+def test_new_content_wins_over_a_read_in_flight(swapper, status):
+    """A read of the old bytes still in flight is never published after the step's write (§1.5)."""
+    a = make_param(swapper, status, 0, torch.zeros(2048, dtype=torch.float32))
+    swapper.swap_in([a], async_op=True)  # prefetch of the old bytes
+    swapper.swap_out_partitioned_params([a], [torch.ones(2048)])
+    swapper.synchronize_reads()
+    swapper.swap_in([a], async_op=False)
+    assert a.ds_tensor.status == status.AVAILABLE and torch.all(a.ds_tensor.data == 1)
+
+
+def test_reading_a_partition_never_written_is_refused(swapper, status):
+    p = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    p.ds_id, p.ds_numel = 99, 10
+    p.ds_tensor = torch.empty(0)
+    p.ds_tensor.ds_numel, p.ds_tensor.status = 10, status.NOT_AVAILABLE
+    with pytest.raises(RuntimeError, match="ds_id=99 was never swapped out"):
+        swapper.swap_in([p], async_op=False)
+
+
+def test_min_swap_bytes_keeps_small_partitions_out_of_the_store(tmp_path):
+    cfg = parse_section({"enabled": True, "cache_paths": [str(tmp_path)], "dram_budget": 0, "run_name": "small",
+                         "min_swap_bytes": 4096, "io": {"direct": False}})
+    rt = Runtime(cfg)
+    try:
+        sw = AidaptivParamSwapper(rt)
+        assert not sw.swappable_tensor(numel=1000) and sw.swappable_tensor(numel=1024)
+    finally:
+        rt.close()
