@@ -28,7 +28,6 @@ On a GPU machine (one rank per GPU; bf16 follows the config, ``"auto"`` means on
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -38,52 +37,11 @@ except ModuleNotFoundError:  # running from a source checkout that is not pip-in
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import aidaptiv_ds  # noqa: F401
 
-from aidaptiv_ds.finetune.job import FinetuneArgs, run
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CONFIG = os.path.join(REPO, "ds_configs", "aidaptiv_zero3.json")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model_name_or_path", help="local HF model directory, a .gguf file, or a hub id "
-                   "(default: the embedded demo model)")
-    p.add_argument("--data_path", help="Dolly-format JSONL (instruction, context, response[, category]) "
-                   "(default: the embedded demo data)")
-    p.add_argument("--category", help="train and evaluate only on records of this Dolly category")
-    p.add_argument("--output_dir", default="output/finetune", help="metrics.jsonl and the fine-tuned HF model go here")
-    p.add_argument("--deepspeed", default=DEFAULT_CONFIG, help="DeepSpeed JSON config")
-    p.add_argument("--num_train_epochs", type=float, default=3.0)
-    p.add_argument("--max_steps", type=int, default=-1, help="optimizer steps; > 0 overrides --num_train_epochs")
-    p.add_argument("--max_seq_length", type=int, default=512, help="tokens per example (prompt + response)")
-    p.add_argument("--per_device_train_batch_size", type=int, default=None,
-                   help="micro-batch per rank (default: the config's number, 8 for \"auto\")")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=None,
-                   help="micro-batches per optimizer step (default: the config's number, 1 for \"auto\")")
-    p.add_argument("--learning_rate", type=float, default=None,
-                   help="peak learning rate (default: the config's number, 5e-5 for \"auto\", 1e-3 for the demo)")
-    p.add_argument("--eval_fraction", type=float, default=0.1, help="share of the records held out for eval")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--demo", action="store_true", help="run the embedded offline demo (also the default "
-                   "when neither --model_name_or_path nor --data_path is given)")
-    p.add_argument("--cache_path", action="append", metavar="DIR",
-                   help="cache directory (repeatable): sets the config's nvme_path and aidaptiv.cache_paths")
-    p.add_argument("--dram_budget", metavar="SIZE",
-                   help="aidaptiv.dram_budget: host memory for resident and cached state (0, 8GiB, auto)")
-    p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto",
-                   help="override bf16.enabled; auto keeps the config (its \"auto\": on with GPU bf16, off on CPU)")
-    p.add_argument("--aio_handle", choices=["deepspeed", "aidaptiv"], default="deepspeed",
-                   help="aio op for DeepSpeed's own nvme offload: its compiled async_io, or aidaptiv_ds's "
-                   "pure-Python handle (no compiler, no libaio)")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    return p
+from aidaptiv_ds.finetune.job import parse_args, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    fields = {k: v for k, v in vars(ns).items() if k != "local_rank"}
-    run(FinetuneArgs(**fields))
+    run(parse_args(argv))
     return 0
 
 

@@ -122,14 +122,34 @@ def _cli():
 
 
 def test_cli_accepts_hf_flags_and_the_launchers_local_rank():
-    cli = _cli()
-    ns = cli.build_parser().parse_args(["--local_rank=0", "--model_name_or_path", "m", "--data_path", "d.jsonl",
-                                        "--max_steps", "3", "--cache_path", "/a", "--cache_path", "/b"])
-    assert ns.max_steps == 3 and ns.cache_path == ["/a", "/b"] and ns.local_rank == 0
-    assert ns.deepspeed.endswith(os.path.join("ds_configs", "aidaptiv_zero3.json"))
-    fields = {k: v for k, v in vars(ns).items() if k != "local_rank"}
-    from aidaptiv_ds.finetune.job import FinetuneArgs
-    assert FinetuneArgs(**fields).data_path == "d.jsonl"
+    from aidaptiv_ds.finetune.job import FinetuneArgs, parse_args
+
+    args = parse_args(["--local_rank=0", "--model_name_or_path", "m", "--data_path", "d.jsonl", "--max_steps", "3",
+                       "--cache_path", "/a", "--cache_path", "/b", "--save_steps", "3", "--save_total_limit", "2",
+                       "--resume_from_checkpoint", "latest"])
+    assert isinstance(args, FinetuneArgs)
+    assert args.max_steps == 3 and args.cache_path == ["/a", "/b"] and args.local_rank == 0
+    assert (args.save_steps, args.save_total_limit, args.resume_from_checkpoint) == (3, 2, "latest")
+    assert args.deepspeed.endswith(os.path.join("ds_configs", "aidaptiv_zero3.json")) and os.path.isfile(args.deepspeed)
+    assert parse_args(["--cache_path", "/a", "/b"]).cache_path == ["/a", "/b"]    # HfArgumentParser's list form too
+    with pytest.raises(SystemExit):
+        parse_args(["--bf16", "maybe"])
+
+
+def test_flags_are_defined_once_on_the_dataclass():
+    """launch/finetune.py has no argparse of its own: every flag and default comes from FinetuneArgs."""
+    import dataclasses
+
+    from aidaptiv_ds.finetune.job import FinetuneArgs, parse_args
+
+    with open(os.path.join(REPO, "launch", "finetune.py"), encoding="utf-8") as f:
+        src = f.read()
+    assert "add_argument" not in src and "argparse" not in src
+    assert _cli().main is not None
+    defaults = parse_args([])
+    for f in dataclasses.fields(FinetuneArgs):
+        assert getattr(defaults, f.name) == f.default, f.name     # HF's defaults: save_steps 500, 3 epochs, ...
+    assert (defaults.save_strategy, defaults.save_steps, defaults.num_train_epochs) == ("steps", 500, 3.0)
 
 
 def test_model_and_data_flags_go_together_or_not_at_all(tmp_path):

@@ -29,6 +29,7 @@ SUBCOMMAND_MODULES = [
     "aidaptiv_ds.cli.unpack",
     "aidaptiv_ds.cli.gc",
     "aidaptiv_ds.cli.compare",
+    "aidaptiv_ds.cli.report",
 ]
 
 

@@ -76,7 +76,8 @@ def bf16_available() -> bool:
 
 def resolve(cfg: dict, *, world_size: int, micro_batch: int | None = None, grad_accum: int | None = None,
             learning_rate: float | None = None, bf16: str = "auto", cache_paths: list[str] | None = None,
-            total_steps: int | None = None, dram_budget: str | None = None) -> dict:
+            total_steps: int | None = None, dram_budget: str | None = None,
+            created: list[tuple[str, str]] | None = None) -> dict:
     """A filled copy of ``cfg`` (see the module docstring for the rules); ``cfg`` is not modified.
 
     Args:
@@ -84,6 +85,8 @@ def resolve(cfg: dict, *, world_size: int, micro_batch: int | None = None, grad_
         bf16: ``"auto"``, ``"true"`` or ``"false"`` (the ``--bf16`` flag).
         total_steps: optimizer steps of the run, for a scheduler's ``"auto"`` total; None before it
             is known (a scheduler ``"auto"`` total is then left for a second call).
+        created: when given, ``(config key, directory)`` of every cache directory this call created is
+            appended (the caller says where they landed, see :func:`describe_created_dir`).
 
     Raises:
         ValueError: a value is not positive, ``--cache_path`` has no section to set, a cache path is
@@ -142,7 +145,7 @@ def resolve(cfg: dict, *, world_size: int, micro_batch: int | None = None, grad_
             raise ValueError(f"--dram_budget {dram_budget}: the DeepSpeed config has no 'aidaptiv' section; use "
                              f"ds_configs/aidaptiv_zero3.json or drop the flag")
         cfg["aidaptiv"]["dram_budget"] = int(dram_budget) if dram_budget.isdigit() else dram_budget
-    _check_cache_dirs(cfg)
+    _check_cache_dirs(cfg, created)
     if total_steps is not None:
         left = find_auto(cfg)
         if left:
@@ -183,14 +186,50 @@ def cache_dirs(cfg: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _check_cache_dirs(cfg: dict) -> None:
+def _check_cache_dirs(cfg: dict, created: list | None = None) -> None:
     """Create missing cache directories (``mkdir -p``); a path that cannot be one is an error."""
     for key, d in cache_dirs(cfg):
+        missing = not os.path.isdir(d)
         try:
             os.makedirs(d, exist_ok=True)
         except OSError as e:
             raise ValueError(f"{key} = {d!r} cannot be created ({e.strerror}); point it at a writable directory on "
                              f"the cache SSD or pass --cache_path DIR") from None
+        if missing and created is not None and (key, d) not in created:
+            created.append((key, d))
+
+
+def _existing_parent(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def describe_created_dir(d: str, output_dir: str | None = None) -> tuple[str, str | None]:
+    """``(where, warning)`` for a cache directory that was just created: where it landed (absolute
+    path, mount point, filesystem type, block device) and, when it shares a filesystem with ``/`` or
+    with ``output_dir``, a warning that the cache tier is then not on a cache drive of its own
+    (a mistyped ``--cache_path`` lands on the root filesystem)."""
+    from ..telemetry.sysinfo import block_device, mount_of
+
+    real = os.path.abspath(d)
+    m = mount_of(real)
+    dev = block_device(real)
+    where = (f"created the missing cache directory {real} on the filesystem mounted at {m['mount_point']} "
+             f"({m['fstype']}{', device ' + dev if dev else ''})")
+    same = []
+    st = os.stat(real).st_dev
+    if os.stat("/").st_dev == st:
+        same.append("the root filesystem /")
+    if output_dir is not None and os.stat(_existing_parent(output_dir)).st_dev == st:
+        same.append(f"the output directory {os.path.abspath(output_dir)}")
+    warning = None
+    if same:
+        warning = (f"the cache directory {real} is on the same filesystem as {' and '.join(same)}, not on a cache drive "
+                   f"of its own: the training state's writes go there. If that is a typo, stop and pass "
+                   f"--cache_path DIR on the cache SSD's mount point")
+    return where, warning
 
 
 def uses_nvme(cfg: dict) -> bool:

@@ -6,11 +6,14 @@ Files written to ``output_dir`` (rank 0):
 * ``eval_split.jsonl``: the held-out records (Dolly format), so the saved model can be re-scored;
 * ``metrics.jsonl``: eval, per-step and summary lines (:class:`aidaptiv_ds.telemetry.metrics.MetricsWriter`;
   TensorBoard event files too when tensorboard is installed), a new file per run;
-* the fine-tuned model as an HF directory: ``config.json``, ``model.safetensors``, tokenizer files;
+* the fine-tuned model as an HF directory: ``config.json``, ``model.safetensors``, tokenizer files
+  (streamed one parameter at a time, :func:`~.model_io.save_hf_model`);
+* ``checkpoint-N/`` every ``--save_steps`` steps and at the end (:mod:`.checkpoints`, HF's layout);
 * ``demo_inputs/`` for the embedded demo: the generated data set and initial model.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -18,15 +21,20 @@ import random
 import sys
 import time
 import warnings
+from typing import Literal
 
 import torch
 
 from . import distributed
 from .data import filter_category, read_dolly, split_train_eval, write_dolly
-from .ds_config import is_zero3, load_ds_config, model_dtype, resolve, uses_nvme
+from . import checkpoints
+from .cost import run_cost
+from .ds_config import describe_created_dir, is_zero3, load_ds_config, model_dtype, resolve, uses_nvme
 from .evaluate import EVAL_SPLIT_FILE, RUN_ARGS_FILE
-from .loop import LoopSettings, plan_steps, train
+from .loop import LoopSettings, ResumeState, plan_steps, train
+from ..telemetry import sysinfo
 from ..telemetry.metrics import MetricsWriter
+from ..units import format_bytes
 from .model_io import count_parameters, load_model, load_tokenizer, resolve_source, save_hf_model
 from .template import encode_records, pad_token_id
 
@@ -34,34 +42,82 @@ DEMO_DIR = "demo_inputs"
 DEMO_LEARNING_RATE = 1e-3
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_DEEPSPEED_CONFIG = os.path.join(_REPO, "ds_configs", "aidaptiv_zero3.json")
+
+
+def _flag(help: str, **kw) -> dict:
+    return {"metadata": {"help": help, **kw}}
+
+
 @dataclasses.dataclass
 class FinetuneArgs:
-    """The command-line flags (HF ``TrainingArguments`` names where one exists).
+    """The command-line flags, defined once: ``launch/finetune.py`` parses them with
+    ``transformers.HfArgumentParser`` (:func:`parse_args`); names are HF ``TrainingArguments``'
+    where one exists.
 
     ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and ``learning_rate`` are None
     when not given (the DeepSpeed config's number, or the HF default for ``"auto"``, is used; the demo
     uses a learning rate of 1e-3). ``cache_path``: directories for the cache tier (see
-    :mod:`.ds_config`). ``bf16``: ``auto``/``true``/``false``. ``aio_handle``: ``deepspeed`` (its
-    compiled ``async_io`` op) or ``aidaptiv`` (aidaptiv_ds's pure-Python handle) for nvme offload.
+    :mod:`.ds_config`). ``save_*`` / ``resume_from_checkpoint``: see :mod:`.checkpoints`.
     """
-    output_dir: str
-    deepspeed: str
-    model_name_or_path: str | None = None
-    data_path: str | None = None
-    category: str | None = None
-    num_train_epochs: float = 3.0
-    max_steps: int = -1
-    max_seq_length: int = 512
-    per_device_train_batch_size: int | None = None
-    gradient_accumulation_steps: int | None = None
-    learning_rate: float | None = None
-    eval_fraction: float = 0.1
-    seed: int = 42
-    demo: bool = False
-    cache_path: list[str] | None = None
-    bf16: str = "auto"
-    aio_handle: str = "deepspeed"
-    dram_budget: str | None = None
+    output_dir: str = dataclasses.field(default="output/finetune", **_flag(
+        "metrics.jsonl, the checkpoints and the fine-tuned HF model go here"))
+    deepspeed: str = dataclasses.field(default=DEFAULT_DEEPSPEED_CONFIG, **_flag("DeepSpeed JSON config"))
+    model_name_or_path: str | None = dataclasses.field(default=None, **_flag(
+        "local HF model directory, a .gguf file, or a hub id (default: the embedded demo model)"))
+    data_path: str | None = dataclasses.field(default=None, **_flag(
+        "Dolly-format JSONL (instruction, context, response[, category]) (default: the embedded demo data)"))
+    category: str | None = dataclasses.field(default=None, **_flag(
+        "train and evaluate only on records of this Dolly category"))
+    num_train_epochs: float = dataclasses.field(default=3.0, **_flag("epochs (HF's default 3)"))
+    max_steps: int = dataclasses.field(default=-1, **_flag("optimizer steps; > 0 overrides --num_train_epochs"))
+    max_seq_length: int = dataclasses.field(default=512, **_flag("tokens per example (prompt + response)"))
+    per_device_train_batch_size: int | None = dataclasses.field(default=None, **_flag(
+        "micro-batch per rank (default: the config's number, 8 for \"auto\")"))
+    gradient_accumulation_steps: int | None = dataclasses.field(default=None, **_flag(
+        "micro-batches per optimizer step (default: the config's number, 1 for \"auto\")"))
+    learning_rate: float | None = dataclasses.field(default=None, **_flag(
+        "peak learning rate (default: the config's number, 5e-5 for \"auto\", 1e-3 for the demo)"))
+    eval_fraction: float = dataclasses.field(default=0.1, **_flag("share of the records held out for eval"))
+    seed: int = dataclasses.field(default=42, **_flag("seed of the data split, the shuffling and torch"))
+    demo: bool = dataclasses.field(default=False, **_flag(
+        "run the embedded offline demo (also the default when neither --model_name_or_path nor --data_path is given)"))
+    cache_path: list[str] | None = dataclasses.field(default=None, **_flag(
+        "cache directory (repeatable): sets the config's nvme_path and aidaptiv.cache_paths; a missing one is "
+        "created (and said where)", action="extend", metavar="DIR"))
+    dram_budget: str | None = dataclasses.field(default=None, **_flag(
+        "aidaptiv.dram_budget: host memory for resident and cached state (0, 8GiB, auto)", metavar="SIZE"))
+    bf16: Literal["auto", "true", "false"] = dataclasses.field(default="auto", **_flag(
+        "override bf16.enabled; auto keeps the config (its \"auto\": on with GPU bf16, off on CPU)"))
+    aio_handle: Literal["deepspeed", "aidaptiv"] = dataclasses.field(default="deepspeed", **_flag(
+        "aio op for DeepSpeed's own nvme offload: its compiled async_io, or aidaptiv_ds's pure-Python handle "
+        "(no compiler, no libaio)"))
+    save_strategy: Literal["steps", "no"] = dataclasses.field(default="steps", **_flag(
+        "steps: save OUTPUT_DIR/checkpoint-N every --save_steps steps and after the last step (HF's default); "
+        "no: no checkpoints (the final HF model is saved either way)"))
+    save_steps: int = dataclasses.field(default=500, **_flag("optimizer steps between checkpoints (HF's default 500)"))
+    save_total_limit: int | None = dataclasses.field(default=None, **_flag(
+        "keep at most this many checkpoints; older ones are deleted once a newer one is complete (default: all)"))
+    resume_from_checkpoint: str | None = dataclasses.field(default=None, **_flag(
+        "OUTPUT_DIR/checkpoint-N, or 'latest' (the newest complete checkpoint in --output_dir): continue that run "
+        "bit for bit (weights, optimizer, LR schedule, data order, RNG)", metavar="PATH|latest"))
+    local_rank: int = dataclasses.field(default=-1, **_flag(argparse.SUPPRESS))  # passed by the deepspeed launcher
+
+
+def build_parser():
+    """The ``transformers.HfArgumentParser`` of :class:`FinetuneArgs` (help shows the defaults)."""
+    from transformers import HfArgumentParser
+
+    return HfArgumentParser(FinetuneArgs, description="Fine-tune a causal LM on Dolly-format instructions with "
+                            "DeepSpeed ZeRO-3 (aidaptiv_ds when the config says so).",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def parse_args(argv: list[str] | None = None) -> FinetuneArgs:
+    """Parse the command line (``argv``; default ``sys.argv[1:]``); unknown flags are an error."""
+    (args,) = build_parser().parse_args_into_dataclasses(args=argv)
+    return args
 
 
 def _say(msg: str) -> None:
@@ -110,28 +166,93 @@ def _setup_aio(cfg: dict, choice: str) -> None:
                            "pure-Python aio handle instead")
 
 
+def _check_save_flags(args: FinetuneArgs) -> None:
+    if args.save_strategy == "steps" and args.save_steps < 1:
+        raise ValueError(f"--save_steps {args.save_steps}: must be >= 1 with --save_strategy steps "
+                         f"(or pass --save_strategy no for no checkpoints)")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise ValueError(f"--save_total_limit {args.save_total_limit}: must be >= 1 (or leave it out to keep all)")
+
+
+def _report_created(created: list, output_dir: str) -> None:
+    """Say where created cache directories landed (rank 0, once per directory of any rank)."""
+    seen = set()
+    for per_rank in distributed.gather_objects(created):
+        for key, d in per_rank:
+            if distributed.rank() != 0 or os.path.abspath(d) in seen:
+                continue
+            seen.add(os.path.abspath(d))
+            where, warning = describe_created_dir(d, output_dir)
+            _say(f"--cache_path ({key}): {where}")
+            if warning:
+                _say(f"WARNING: {warning}")
+
+
+def _resume_state(engine, path: str) -> ResumeState:
+    st = checkpoints.load(engine, path)
+    return ResumeState(step=int(st["step"]), eval_loss_before=st["eval_loss_before"], last_eval=st["last_eval"],
+                       log_history=st["log_history"], restore_rng=lambda: checkpoints.restore_rng(path))
+
+
+def _restart_metrics(output_dir: str, resumed_step: int, path: str) -> MetricsWriter:
+    """Rank 0's metrics writer of a resumed run: the lines of earlier runs in ``metrics.jsonl`` up to
+    the checkpoint's step are kept (later ones are redone now, and summaries dropped), then a
+    ``resumed_from`` line."""
+    keep = []
+    file = os.path.join(output_dir, MetricsWriter.FILE)
+    if os.path.isfile(file):
+        with open(file, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by the kill
+                if not rec.get("summary") and int(rec.get("step", 0)) <= resumed_step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+    log = MetricsWriter(output_dir, fresh=True)
+    for line in keep:
+        log.write(json.loads(line))
+    log.write({"resumed_from": path, "step": resumed_step})
+    return log
+
+
+def _trainer_state(step: int, loop_state: dict, plan, args: FinetuneArgs, settings: LoopSettings, world: int) -> dict:
+    """HF ``TrainerState``'s fields (``trainer_state.json``) for a checkpoint at ``step``."""
+    return {"global_step": step, "epoch": round(step / plan.steps_per_epoch, 4), "max_steps": plan.total_steps,
+            "num_train_epochs": args.num_train_epochs, "save_steps": args.save_steps,
+            "train_batch_size": settings.micro_batch, "logging_steps": 1, "eval_steps": plan.steps_per_epoch,
+            "log_history": loop_state["log_history"], "is_world_process_zero": True, "world_size": world,
+            "best_metric": None, "best_model_checkpoint": None}
+
+
 def run(args: FinetuneArgs) -> dict:
     """Fine-tune and save; returns the summary line (on every rank; rank 0 writes the files).
 
     Raises:
-        ValueError / FileNotFoundError: a bad flag, config or data file (messages name the flag and fix).
+        ValueError / FileNotFoundError: a bad flag, config, data file or checkpoint (messages name the
+            flag and fix).
     """
     t0 = time.perf_counter()
     # DeepSpeed 0.19.8 calls collectives torch 2.13 deprecates; the warning would interleave every progress line
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    _check_save_flags(args)
     distributed.ensure_env()
     distributed.init()
     rank, world = distributed.rank(), distributed.world_size()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
+    resume_path = checkpoints.resolve_resume(args.resume_from_checkpoint, args.output_dir) \
+        if args.resume_from_checkpoint else None
     raw_cfg = load_ds_config(args.deepspeed)
     model_path, data_path, is_demo = _inputs(args)
     lr = args.learning_rate if args.learning_rate is not None or not is_demo else DEMO_LEARNING_RATE
     resolve_kw = dict(world_size=world, micro_batch=args.per_device_train_batch_size,
                       grad_accum=args.gradient_accumulation_steps, learning_rate=lr, bf16=args.bf16,
                       cache_paths=args.cache_path, dram_budget=args.dram_budget)
-    cfg = resolve(raw_cfg, **resolve_kw)
+    created: list = []
+    cfg = resolve(raw_cfg, **resolve_kw, created=created)
+    _report_created(created, args.output_dir)
     dtype = model_dtype(cfg)
     _setup_aio(cfg, args.aio_handle)
 
@@ -147,7 +268,8 @@ def run(args: FinetuneArgs) -> dict:
          f"{dropped} dropped (prompt alone >= --max_seq_length {args.max_seq_length}), {truncated} truncated")
     settings = LoopSettings(args.num_train_epochs, args.max_steps, cfg["train_micro_batch_size_per_gpu"],
                             cfg["gradient_accumulation_steps"], cfg["train_micro_batch_size_per_gpu"], args.seed,
-                            pad_token_id(tokenizer))
+                            pad_token_id(tokenizer), save_steps=args.save_steps if args.save_strategy == "steps" else 0,
+                            save_at_end=args.save_strategy == "steps")
     plan = plan_steps(len(train_split.examples), world, settings)
     cfg = resolve(raw_cfg, **resolve_kw, total_steps=plan.total_steps)
 
@@ -158,7 +280,6 @@ def run(args: FinetuneArgs) -> dict:
             json.dump({**dataclasses.asdict(args), "model_name_or_path": model_path, "data_path": data_path,
                        "demo": is_demo, "world_size": world, "eval_batch_size": settings.eval_batch_size,
                        "dtype": str(dtype).replace("torch.", ""), "ds_config_resolved": cfg}, f, indent=1)
-    log = MetricsWriter(args.output_dir, fresh=True) if rank == 0 else None
 
     import deepspeed
 
@@ -172,27 +293,79 @@ def run(args: FinetuneArgs) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=cfg)
     n_params = count_parameters(engine.module)
+    resume = _resume_state(engine, resume_path) if resume_path else None
+    if resume is not None:
+        _say(f"resumed from {resume_path} at step {resume.step}")
+    log = None
+    if rank == 0:
+        log = _restart_metrics(args.output_dir, resume.step, resume_path) if resume is not None \
+            else MetricsWriter(args.output_dir, fresh=True)
     _say(f"model: {src.kind} {model_path}, {n_params:,} parameters, {dtype}; {plan.total_steps} optimizer steps "
          f"({plan.steps_per_epoch}/epoch), world size {world}")
+
+    def on_save(step: int, loop_state: dict) -> str:
+        return checkpoints.save(engine, args.output_dir, step, _trainer_state(step, loop_state, plan, args, settings,
+                                                                             world),
+                                loop_state, args.save_total_limit)
+
     try:
-        stats = train(engine, train_split.examples, eval_split.examples, settings, log, n_params)
+        stats = train(engine, train_split.examples, eval_split.examples, settings, log, n_params, on_save=on_save,
+                      resume=resume)
+        cost = run_cost(stats)
         # DeepSpeed's coordinator may still have parameters in flight that it prefetched after the last eval
         # forward; gathering one of them for the save asserts ("Cannot partition a param in flight")
         engine.empty_partition_cache()
+        rss_before = sysinfo.process_rss()["rss_bytes"]
+        sysinfo.reset_peak_rss()
+        t_save = time.perf_counter()
         saved = save_hf_model(engine.module, tokenizer, args.output_dir, dtype, rank)
-        summary = {"summary": True, **stats, "total_params": n_params, "saved_model": saved or args.output_dir,
+        save_s = time.perf_counter() - t_save
+        save_rss = max(distributed.gather_objects(sysinfo.process_rss()["peak_rss_bytes"] or 0))
+        summary = {"summary": True, **stats, **cost, "total_params": n_params, "saved_model": saved or args.output_dir,
+                   "metrics_file": os.path.join(args.output_dir, MetricsWriter.FILE),
+                   "checkpoints": [p for _, p in checkpoints.list_checkpoints(args.output_dir)],
                    "dtype": str(dtype).replace("torch.", ""), "world_size": world,
                    "n_train_examples": len(train_split.examples), "n_eval_examples": len(eval_split.examples),
                    "dropped_examples": dropped, "truncated_examples": truncated,
-                   "deepspeed_config": args.deepspeed, "wall_time_s": round(time.perf_counter() - t0, 3)}
+                   "deepspeed_config": args.deepspeed, "resumed_from": resume_path,
+                   "save_time_s": round(save_s, 3), "save_rss_before_bytes": rss_before, "save_peak_rss_bytes": save_rss,
+                   "wall_time_s": round(time.perf_counter() - t0, 3)}
         if log is not None:
             log.write(summary)
     finally:
         if log is not None:
             log.close()
     distributed.barrier()
-    tps = summary["mean_tokens_per_s"]
-    _say(f"eval loss {summary['eval_loss_before']:.4f} -> {summary['final_eval_loss']:.4f}; {summary['steps']} steps, "
-         f"{'%.0f' % tps if tps is not None else 'n/a (one step)'} tokens/s after step 1; "
-         f"model saved to {summary['saved_model']}")
+    _say(format_summary(summary))
     return summary
+
+
+def format_summary(s: dict) -> str:
+    """The run's last line: eval loss before -> after, steps, tokens/s, bytes per parameter per step
+    (cache tier; ``/proc`` beside it), total written per drive and the DWPD it implies, peak RSS,
+    peak DRAM tier, and where the metrics and the model are."""
+    def b(n):
+        return "n/a" if n is None else format_bytes(n)
+
+    tps = s.get("mean_tokens_per_s")
+    parts = [f"eval loss {s['eval_loss_before']:.4f} -> {s['final_eval_loss']:.4f}",
+             f"{s['steps']} steps" + (f" (resumed at {s['resumed_from_step']})" if s.get("resumed_from") else ""),
+             f"{tps:.0f} tokens/s" if tps is not None else "tokens/s n/a (one step)"]
+    w, r = s.get("bytes_written_per_param_per_step"), s.get("bytes_read_per_param_per_step")
+    pw = s.get("proc_bytes_written_per_param_per_step")
+    if w is not None:
+        parts.append(f"cache {w:.2f} B/param/step written, {r:.2f} read (/proc: {pw:.2f} written)")
+    elif pw is not None:
+        parts.append(f"/proc {pw:.2f} B/param/step written")
+    for path, d in (s.get("drives") or {}).items():
+        dw = f", {d['dwpd']:.2f} DWPD at this pace" if d.get("dwpd") is not None else ""
+        rated = f" (rated {d['rated_dwpd']:g})" if d.get("rated_dwpd") is not None and dw else ""
+        parts.append(f"{path}: {b(d['bytes_written'])} written{dw}{rated}")
+    if s.get("ledger_bytes_written") is not None:
+        parts.append(f"ledger {b(s['ledger_bytes_written'])}")
+    parts.append(f"peak RSS {b(s.get('peak_rss_bytes'))}")
+    if s.get("cache_bytes_written_total") is not None:
+        parts.append(f"peak DRAM tier {b(s.get('dram_peak_bytes'))}")
+    parts.append(f"metrics {s['metrics_file']}")
+    parts.append(f"model {s['saved_model']}")
+    return "; ".join(parts)

@@ -8,16 +8,31 @@ every epoch and, when ``--max_steps`` stops the run inside an epoch, once more a
 
 Per optimizer step one metrics line is written (:class:`aidaptiv_ds.telemetry.metrics.MetricsWriter`:
 ``metrics.jsonl``, and TensorBoard when installed; fields of :func:`~aidaptiv_ds.telemetry.metrics.build_record`
-plus ``epoch``; counters summed over ranks); counters come from
-:func:`aidaptiv_ds.telemetry.counters.snapshot` taken at the start and end of the step (data loading,
-forward, backward and optimizer step included) and are summed over ranks.
+plus ``epoch``; counters summed over ranks, ``rss_bytes``/``peak_rss_bytes`` the largest rank's).
+
+Accounting: the run's I/O is cut into back-to-back *windows* (:class:`_Windows`): everything before
+the first step (initialisation, the first eval), each optimizer step, each eval and each checkpoint
+save. A window ends with a settled :func:`~aidaptiv_ds.telemetry.counters.snapshot` (write-back
+still in flight completes and is booked in the endurance ledger first), and the next one starts
+there, so every byte lands in exactly one window: a step's figures are its own bytes, the steps'
+bytes sum with the other windows to what the ledger booked, and per step they are the bytes
+``/proc/self/io`` saw (plus the few KB of the metrics and ledger files), on every rank and under
+every launcher.
+
+Checkpoints (:mod:`.checkpoints`): after a step (and after the eval that ends an epoch or the
+run), every ``save_steps`` steps and at the end, ``on_save`` saves; a resumed run starts from the
+saved step: it skips the micro-batches of the epoch already trained on and restores the RNG
+states where they were saved, so it continues bit for bit.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import os
+import signal
 import time
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -32,7 +47,11 @@ from .template import Example, collate
 
 @dataclasses.dataclass
 class LoopSettings:
-    """Loop parameters (flags of the same names; ``max_steps`` <= 0 means "use the epochs")."""
+    """Loop parameters (flags of the same names; ``max_steps`` <= 0 means "use the epochs").
+
+    ``save_steps``: checkpoint every this many optimizer steps (0: never); ``save_at_end``: also after
+    the last step (HF's ``save_strategy="steps"``).
+    """
     num_train_epochs: float
     max_steps: int
     micro_batch: int
@@ -40,6 +59,8 @@ class LoopSettings:
     eval_batch_size: int
     seed: int
     pad_id: int
+    save_steps: int = 0
+    save_at_end: bool = False
 
 
 @dataclasses.dataclass
@@ -72,9 +93,9 @@ def plan_steps(n_train: int, world: int, s: LoopSettings) -> StepPlan:
 
 
 def _combine(deltas: list[dict]) -> dict:
-    """Sum per-rank counter deltas (``io_wait_s``: the slowest rank)."""
+    """Sum per-rank counter deltas (``io_wait_s``: the slowest rank; RSS: the largest rank)."""
     out = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, "proc_read_bytes": 0, "proc_write_bytes": 0,
-           "dram_bytes": 0, "dram_peak_bytes": 0, "io_wait_s": 0.0}
+           "dram_bytes": 0, "dram_peak_bytes": 0, "io_wait_s": 0.0, "rss_bytes": 0, "peak_rss_bytes": 0}
     for d in deltas:
         for key in ("bytes_read", "bytes_written"):
             for tier, v in d[key].items():
@@ -86,11 +107,35 @@ def _combine(deltas: list[dict]) -> dict:
         for key in ("proc_read_bytes", "proc_write_bytes", "dram_bytes", "dram_peak_bytes"):
             out[key] += d[key]
         out["io_wait_s"] = max(out["io_wait_s"], d["io_wait_s"])
+        for key in ("rss_bytes", "peak_rss_bytes"):
+            out[key] = max(out[key], d.get(key) or 0)
     return out
 
 
+class _Windows:
+    """Back-to-back accounting windows (module docstring): :meth:`close` ends the current one and
+    returns its counters summed over ranks (collective: every rank calls it at the same point)."""
+
+    def __init__(self) -> None:
+        self.prev = counters.snapshot(settle_first=True)
+
+    def setup(self) -> dict:
+        """The counters before the first window (cumulative since the store opened: model loading,
+        ``deepspeed.initialize`` and the training state's first write), summed over ranks."""
+        d = {**self.prev, **sysinfo.process_rss()}
+        return _combine(distributed.gather_objects(d))
+
+    def close(self) -> dict:
+        now = counters.snapshot(settle_first=True)
+        d = counters.delta(now, self.prev)
+        d.update(sysinfo.process_rss())
+        self.prev = now
+        return _combine(distributed.gather_objects(d))
+
+
 class _Totals:
-    """Running sums over the timed steps (every step but the first, which also builds the ZeRO-3 trace)."""
+    """Running sums over the timed steps (every step of this process but its first, which also builds
+    the ZeRO-3 trace) and over every window of the run."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -98,9 +143,31 @@ class _Totals:
         self.time_s = 0.0
         self.written: dict[str, int] = {}
         self.read: dict[str, int] = {}
+        self.path_written: dict[str, int] = {}
+        self.path_read: dict[str, int] = {}
         self.proc_written = 0
         self.proc_read = 0
+        self.all_written: dict[str, int] = {}   # every window: init, steps, evals, saves
+        self.all_read: dict[str, int] = {}
+        self.all_path: dict[str, dict] = {}
+        self.windows: dict[str, dict] = {}      # kind -> {"bytes_written", "bytes_read"} on the cache tier
+        self.peak_rss = 0
         self.dram_peak = 0
+
+    def window(self, kind: str, c: dict) -> None:
+        for tier, v in c["bytes_written"].items():
+            self.all_written[tier] = self.all_written.get(tier, 0) + v
+        for tier, v in c["bytes_read"].items():
+            self.all_read[tier] = self.all_read.get(tier, 0) + v
+        for path, v in c["per_path"].items():
+            cur = self.all_path.setdefault(path, {"bytes_read": 0, "bytes_written": 0})
+            for k in cur:
+                cur[k] += v.get(k, 0)
+        w = self.windows.setdefault(kind, {"bytes_written": 0, "bytes_read": 0})
+        w["bytes_written"] += c["bytes_written"].get("cache", 0)
+        w["bytes_read"] += c["bytes_read"].get("cache", 0)
+        self.peak_rss = max(self.peak_rss, c.get("peak_rss_bytes") or 0)
+        self.dram_peak = max(self.dram_peak, c.get("dram_peak_bytes") or 0)
 
     def add(self, tokens: int, dt: float, c: dict) -> None:
         self.steps += 1
@@ -110,6 +177,9 @@ class _Totals:
             self.written[tier] = self.written.get(tier, 0) + v
         for tier, v in c["bytes_read"].items():
             self.read[tier] = self.read.get(tier, 0) + v
+        for path, v in c["per_path"].items():
+            self.path_written[path] = self.path_written.get(path, 0) + v.get("bytes_written", 0)
+            self.path_read[path] = self.path_read.get(path, 0) + v.get("bytes_read", 0)
         self.proc_written += c["proc_write_bytes"]
         self.proc_read += c["proc_read_bytes"]
 
@@ -124,7 +194,16 @@ class _Totals:
             "proc_bytes_written_per_param_per_step": f(self.proc_written),
             "proc_bytes_read_per_param_per_step": f(self.proc_read),
             "timed_steps": self.steps,
+            "timed_time_s": round(self.time_s, 4),
             "mean_tokens_per_s": self.tokens / self.time_s if self.time_s > 0 else None,
+            "mean_step_time_s": self.time_s / self.steps if self.steps else None,
+            "timed_bytes_written_per_path": dict(self.path_written),
+            "timed_bytes_read_per_path": dict(self.path_read),
+            "cache_bytes_written_total": self.all_written.get("cache"),
+            "cache_bytes_read_total": self.all_read.get("cache"),
+            "bytes_per_path_total": {p: dict(v) for p, v in self.all_path.items()},
+            "cache_bytes_by_window": {k: dict(v) for k, v in self.windows.items()},
+            "peak_rss_bytes": self.peak_rss or None,
         }
 
 
@@ -143,11 +222,35 @@ def run_eval(engine, examples: list[Example], s: LoopSettings) -> dict:
         engine.train()
 
 
+@dataclasses.dataclass
+class ResumeState:
+    """Where a resumed run starts: the saved loop state (:func:`loop_state`) and a callable that
+    restores the RNG states saved with it."""
+    step: int
+    eval_loss_before: float
+    last_eval: dict
+    log_history: list
+    restore_rng: Callable[[], object]
+
+
+_KILL_ENV = "AIDAPTIV_TEST_KILL_AFTER_STEP"
+
+
+def _kill_after(step: int) -> None:
+    """Test hook: ``AIDAPTIV_TEST_KILL_AFTER_STEP=N`` sends SIGKILL to this process after step N (and its save)."""
+    if os.environ.get(_KILL_ENV) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train(engine, train_examples: list[Example], eval_examples: list[Example], s: LoopSettings,
-          log: MetricsWriter | None, n_params: int) -> dict:
-    """Run the whole training; returns the summary fields of the loop (see :class:`_Totals`) plus
-    ``steps``, ``epochs``, ``eval_loss_before``, ``final_eval_loss``, ``train_time_s`` and
-    ``dram_peak_bytes``.
+          log: MetricsWriter | None, n_params: int, *, on_save: Callable[[int, dict], None] | None = None,
+          resume: ResumeState | None = None) -> dict:
+    """Run the whole training (or the rest of it, from ``resume``); returns the summary fields of the
+    loop (see :class:`_Totals`) plus ``steps``, ``epochs``, ``eval_loss_before``, ``final_eval_loss``,
+    ``train_time_s``, ``dram_peak_bytes`` and ``resumed_from_step``.
+
+    ``on_save(step, loop_state)`` is called (on every rank) at each checkpoint point of
+    :class:`LoopSettings`; ``loop_state`` is what :class:`ResumeState` needs to continue.
 
     Collective: every rank calls it with the same splits and settings.
     """
@@ -162,23 +265,49 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
         if log is not None:
             log.write(record)
 
-    ev = run_eval(engine, eval_examples, s)
-    eval_before = ev["eval_loss"]
-    write({**ev, "step": 0, "epoch": 0.0})
-    last_eval = ev
-
     totals = _Totals()
-    dram_peak = 0
-    step, epoch = 0, 0
+    windows = _Windows()
+    totals.window("setup", windows.setup())
+    if resume is None:
+        ev = run_eval(engine, eval_examples, s)
+        step, eval_before, history = 0, ev["eval_loss"], []
+        c = windows.close()
+        totals.window("eval", c)
+        rec = {**ev, "step": 0, "epoch": 0.0, **_io_fields(c)}
+        write(rec)
+        history.append({"step": 0, "epoch": 0.0, "eval_loss": ev["eval_loss"]})
+        last_eval = ev
+    else:
+        step, eval_before, last_eval = resume.step, resume.eval_loss_before, resume.last_eval
+        history = list(resume.log_history)
+    start_step = step
+    epoch, done_in_epoch = divmod(step, plan.steps_per_epoch)
+    skip = done_in_epoch * s.grad_accum  # micro-batches of this epoch the checkpoint already trained on
+    rng_pending = resume is not None
+
+    def state() -> dict:
+        return {"step": step, "eval_loss_before": eval_before, "last_eval": last_eval, "log_history": history}
+
     t_start = time.perf_counter()
     bar = _progress(plan.total_steps, rank == 0)
+    bar.update(step)
     engine.train()
     while step < plan.total_steps:
         sampler.set_epoch(epoch)
-        snap, t_mark = counters.snapshot(), time.perf_counter()
+        if rng_pending and skip == 0:  # the saved run drew the loader's seed after this point
+            resume.restore_rng()
+            rng_pending = False
+        it = iter(loader)
+        for _ in range(skip):
+            next(it)
+        if rng_pending:  # the saved run had drawn the loader's seed before this point
+            resume.restore_rng()
+            rng_pending = False
+        first_i, skip = skip, 0
+        t_mark = time.perf_counter()
         losses: list[float] = []
         tokens = 0
-        for i, batch in enumerate(loader):
+        for i, batch in enumerate(it, start=first_i):
             win_start = (i // s.grad_accum) * s.grad_accum
             win_len = min(s.grad_accum, plan.micro_batches_per_epoch - win_start)
             boundary = i - win_start == win_len - 1
@@ -195,34 +324,53 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
                 continue
             step += 1
             dt = time.perf_counter() - t_mark
-            after = counters.snapshot()
-            c = _combine(distributed.gather_objects(counters.delta(after, snap)))
+            c = windows.close()
+            totals.window("steps", c)
             loss_sum, n_loss, tok_all = distributed.sum_floats([sum(losses), len(losses), tokens])
             dt_max = max(distributed.gather_objects(dt))
-            dram_peak = max(dram_peak, c["dram_peak_bytes"])
-            if step > 1:
+            if step > start_step + 1:
                 totals.add(int(tok_all), dt_max, c)
+            ep = round(epoch + (i + 1) / plan.micro_batches_per_epoch, 4)
             rec = build_record(step, c, step_time_s=round(dt_max, 4), loss=loss_sum / n_loss, tokens=int(tok_all),
                                lr=lr, vram=nvml.nvml_status() if rank == 0 else None,
-                               rss=sysinfo.process_rss(), host_mem=sysinfo.host_memory(),
-                               extra={"epoch": round(epoch + (i + 1) / plan.micro_batches_per_epoch, 4)})
+                               rss={"rss_bytes": c["rss_bytes"], "peak_rss_bytes": c["peak_rss_bytes"]},
+                               host_mem=sysinfo.host_memory(), extra={"epoch": ep})
             write(rec)
+            history.append({"step": step, "epoch": ep, "loss": rec["loss"], "learning_rate": lr})
             bar.set_postfix_str(format_step_summary(rec), refresh=False)
             bar.update(1)
             losses, tokens = [], 0
-            snap, t_mark = counters.snapshot(), time.perf_counter()
-            if step >= plan.total_steps:
+            end_of_epoch = i == plan.micro_batches_per_epoch - 1
+            stop = step >= plan.total_steps
+            if end_of_epoch or stop:
+                last_eval = run_eval(engine, eval_examples, s)
+                ev_epoch = float(epoch + 1) if end_of_epoch else round(step / plan.steps_per_epoch, 4)
+                ce = windows.close()
+                totals.window("eval", ce)
+                write({**last_eval, "step": step, "epoch": ev_epoch, **_io_fields(ce)})
+                history.append({"step": step, "epoch": ev_epoch, "eval_loss": last_eval["eval_loss"]})
+            if on_save is not None and ((s.save_steps > 0 and step % s.save_steps == 0) or (stop and s.save_at_end)):
+                t_save = time.perf_counter()
+                path = on_save(step, state())
+                cs = windows.close()
+                totals.window("save", cs)
+                write({"checkpoint": path, "step": step, "save_time_s": round(time.perf_counter() - t_save, 3),
+                       **_io_fields(cs)})
+            _kill_after(step)
+            t_mark = time.perf_counter()
+            if stop:
                 break
         else:
             epoch += 1
-            last_eval = run_eval(engine, eval_examples, s)
-            write({**last_eval, "step": step, "epoch": float(epoch)})
-            continue
-        # --max_steps stopped the run inside an epoch: score the final weights once more.
-        last_eval = run_eval(engine, eval_examples, s)
-        write({**last_eval, "step": step, "epoch": round(step / plan.steps_per_epoch, 4)})
     bar.close()
     return {"steps": step, "epochs": round(step / plan.steps_per_epoch, 4), "eval_loss_before": eval_before,
             "final_eval_loss": last_eval["eval_loss"], "eval_tokens": last_eval["eval_tokens"],
-            "train_time_s": round(time.perf_counter() - t_start, 3), "dram_peak_bytes": dram_peak,
-            "steps_per_epoch": plan.steps_per_epoch, **totals.per_param_step(n_params)}
+            "train_time_s": round(time.perf_counter() - t_start, 3), "dram_peak_bytes": totals.dram_peak,
+            "steps_per_epoch": plan.steps_per_epoch, "resumed_from_step": start_step if resume is not None else None,
+            **totals.per_param_step(n_params)}
+
+
+def _io_fields(c: dict) -> dict:
+    """The cache-tier and ``/proc`` bytes of a window that is not a step (an eval, a save), for its line."""
+    return {"cache_read_bytes": c["bytes_read"].get("cache", 0), "cache_write_bytes": c["bytes_written"].get("cache", 0),
+            "proc_read_bytes": c["proc_read_bytes"], "proc_write_bytes": c["proc_write_bytes"]}

@@ -140,54 +140,106 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
 
 
-def gather_state_dict(model: torch.nn.Module, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
-    """Full state dict of a (possibly ZeRO-3 partitioned) model, on rank 0; None on other ranks.
-
-    Every rank must call this (each parameter is gathered with the collective
-    ``deepspeed.zero.GatheredParameters``, one at a time, so peak memory is one full parameter).
-    Tensors are CPU copies in ``dtype`` (the run's parameter dtype); tied parameters appear under
-    each of their names, as in ``model.state_dict()``; persistent buffers are included.
-    """
-    import deepspeed
-
-    state_keys = set(model.state_dict().keys())
-    out: dict[str, torch.Tensor] = {}
-    seen: dict[int, torch.Tensor] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            if rank == 0:
-                out[name] = seen[id(p)]
-            continue
-        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-            if rank == 0:
-                t = p.data.detach().to(device="cpu", dtype=dtype).clone()
-                out[name] = seen[id(p)] = t
-            else:
-                seen[id(p)] = None
-    if rank != 0:
-        return None
-    for name, b in model.named_buffers():
-        if name in state_keys:
-            out[name] = b.detach().to("cpu").clone()
-    return out
+def _tensors_to_save(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, is_param)`` of what ``save_pretrained`` would write, in ``state_dict`` order:
+    each parameter once under its first name (a tied parameter's later names are dropped, as HF does
+    for ``_tied_weights_keys``; ``from_pretrained`` ties them again) and the persistent buffers."""
+    keys = list(model.state_dict().keys())
+    params = dict(model.named_parameters())  # remove_duplicate=True: a tied parameter under its first name
+    buffers = dict(model.named_buffers())
+    return [(k, params[k], True) if k in params else (k, buffers[k], False) for k in keys if k in params or k in buffers]
 
 
-def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str, dtype: torch.dtype, rank: int) -> str | None:
-    """Write ``output_dir`` as an HF model directory: ``config.json``, ``model.safetensors``, tokenizer files.
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(getattr(t, "ds_shape", None) or t.shape)
 
-    Collective: every rank calls it; rank 0 writes. The weights are gathered from the ZeRO-3
-    partitions in ``dtype`` (bf16 or fp32 as the DeepSpeed config says) and the config records that
-    dtype. ``AutoModelForCausalLM.from_pretrained(output_dir)`` reloads the result.
+
+def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str, dtype: torch.dtype, rank: int,
+                  shard_bytes: int = 5 << 30) -> str | None:
+    """Write ``output_dir`` as an HF model directory: ``config.json``, ``model.safetensors`` (or
+    ``model-0000k-of-0000n.safetensors`` shards of at most ``shard_bytes`` with an index), tokenizer files.
+
+    Collective: every rank calls it; rank 0 writes. Streams one parameter at a time: each is gathered
+    from its ZeRO-3 partitions (``deepspeed.zero.GatheredParameters``), cast to ``dtype`` (the run's
+    parameter dtype) and written at its offset of the safetensors file whose header was written
+    first (:func:`aidaptiv_ds.checkpoint.format.safetensors_header`, the layout ``aidaptiv-ds
+    export`` writes), so rank 0 holds one full parameter at a time, never the whole model. Files are
+    written under a temporary name, fsynced and renamed. The config records ``dtype``;
+    ``AutoModelForCausalLM.from_pretrained(output_dir)`` reloads the result.
 
     Returns:
         ``output_dir`` on rank 0, None elsewhere.
     """
-    state = gather_state_dict(model, dtype, rank)
+    import json
+
+    import deepspeed
+
+    from ..checkpoint.format import atomic_write, safetensors_header
+
+    items = _tensors_to_save(model)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    dname = str(dtype).replace("torch.", "")
+
+    def nbytes(t: torch.Tensor, is_param: bool) -> int:
+        n = int(getattr(t, "ds_numel", t.numel()))
+        return n * (elsize if is_param or t.is_floating_point() else t.element_size())
+
+    shards, cur, size = [], [], 0
+    for it in items:
+        n = nbytes(it[1], it[2])
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(it)
+        size += n
+    if cur:
+        shards.append(cur)
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        spec = [(name, dname if is_p or t.is_floating_point() else str(t.dtype).replace("torch.", ""), _shape(t),
+                 nbytes(t, is_p)) for name, t, is_p in shard]
+        header, offsets = safetensors_header(spec, {"format": "pt"}, align=8)
+        path = os.path.join(output_dir, fname)
+        f = open(path + ".tmp", "wb") if rank == 0 else None
+        try:
+            if f is not None:
+                f.write(header)
+            for (name, t, is_p), off, sp in zip(shard, offsets, spec):
+                if is_p:
+                    with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                        if f is not None:
+                            _write_at(f, off, t.data.detach().to(device="cpu", dtype=dtype))
+                elif f is not None:
+                    b = t.detach().to("cpu")
+                    _write_at(f, off, b.to(dtype) if b.is_floating_point() else b)
+                weight_map[name] = fname
+                total += sp[3]
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if f is not None:
+                f.close()
+        if rank == 0:
+            os.replace(path + ".tmp", path)
     if rank != 0:
         return None
-    os.makedirs(output_dir, exist_ok=True)
+    if len(shards) > 1:
+        atomic_write(os.path.join(output_dir, "model.safetensors.index.json"),
+                     json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode())
     model.config.dtype = dtype
     model.config.use_cache = True
-    model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+    model.config.save_pretrained(output_dir)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(model, "can_generate", lambda: False)():
+        gen.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return output_dir
+
+
+def _write_at(f, offset: int, t: torch.Tensor) -> None:
+    f.seek(offset)
+    f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))

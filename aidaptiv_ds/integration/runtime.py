@@ -129,7 +129,7 @@ class Runtime:
         self.checkpoint_bytes_written = 0  # bytes our checkpoint saves wrote (not on the cache tier)
         self.checkpoint_bytes_cloned = 0  # bytes they shared with the slab by copy-on-write clones
         self.closed = False
-        counters.register_provider("aidaptiv_ds", self.counters)
+        counters.register_provider("aidaptiv_ds", self.counters, settle=self.flush)
         if self.rank == 0:
             log.info("aidaptiv_ds: run %s, %d cache path(s) %s (%s), DRAM budget %s", run, len(paths), paths,
                      cfg.placement, format_bytes(self.budget))

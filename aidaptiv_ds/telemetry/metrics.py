@@ -162,7 +162,7 @@ class MetricsWriter:
             if self._tb is None and tensorboard:
                 raise ImportError("MetricsWriter(tensorboard=True): tensorboard is not installed; "
                                   "pip install tensorboard, or pass tensorboard=None to skip it")
-        self._prev = counters.snapshot()
+        self._prev = counters.snapshot(settle_first=True)
 
     @property
     def tensorboard_enabled(self) -> bool:
@@ -170,8 +170,9 @@ class MetricsWriter:
 
     def step(self, step: int, *, loss: float | None = None, tokens: int | None = None,
              step_time_s: float | None = None, lr: float | None = None, extra: dict | None = None) -> dict:
-        """Record one optimizer step: counters since the previous call, gauges now; returns the record."""
-        snap = counters.snapshot()
+        """Record one optimizer step: counters since the previous call (settled: the step's write-back
+        in flight completes and is booked first, see :mod:`.counters`), gauges now; returns the record."""
+        snap = counters.snapshot(settle_first=True)
         d = counters.delta(snap, self._prev)
         self._prev = snap
         vram = nvml.nvml_status(self._nvml) if self._query_vram else None

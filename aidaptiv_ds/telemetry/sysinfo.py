@@ -66,6 +66,18 @@ def process_rss(proc_root: str = "/proc") -> dict:
     return {"rss_bytes": f.get("VmRSS"), "peak_rss_bytes": peak}
 
 
+def reset_peak_rss(proc_root: str = "/proc") -> bool:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS by writing ``5`` to
+    ``/proc/self/clear_refs`` (Linux >= 4.0, ``Documentation/admin-guide/mm/soft-dirty.rst``), so a
+    later :func:`process_rss` gives the peak of what ran in between; False where that is not possible."""
+    try:
+        with open(os.path.join(proc_root, "self", "clear_refs"), "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 

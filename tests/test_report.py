@@ -1,0 +1,65 @@
+"""``aidaptiv-ds report``: PNGs and a one-page Markdown report from a run's metrics.jsonl (no training)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from aidaptiv_ds.cli.main import main  # noqa: E402
+from aidaptiv_ds.telemetry.report import PLOTS, read_metrics, write_report  # noqa: E402
+
+
+def _step(i, paths=("/mnt/c0", "/mnt/c1")):
+    return {"step": i, "loss": 3.0 - 0.1 * i, "lr": 1e-4, "tokens": 100, "step_time_s": 2.0, "io_wait_fraction": 0.25,
+            "io_wait_s": 0.5, "per_path": {p: {"read_bytes": 8_000_000 + k, "write_bytes": 6_000_000}
+                                           for k, p in enumerate(paths)},
+            "rss_bytes": (2 << 30) + i, "peak_rss_bytes": 3 << 30, "dram_bytes": 1 << 30, "cache_write_bytes": 12_000_000}
+
+
+def _run_dir(tmp_path, lines):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 9, "lo')
+    return str(tmp_path)
+
+
+SUMMARY = {"summary": True, "eval_loss_before": 3.1, "final_eval_loss": 2.5, "steps": 4, "mean_tokens_per_s": 50.0,
+           "bytes_written_per_param_per_step": 12.0, "bytes_read_per_param_per_step": 18.4,
+           "proc_bytes_written_per_param_per_step": 12.01, "peak_rss_bytes": 3 << 30, "dram_peak_bytes": 1 << 30,
+           "drives": {"/mnt/c0": {"bytes_written": 24_000_000, "bytes_read": 32_000_000, "dwpd": 3.5, "rated_dwpd": 100}},
+           "ledger_bytes_written": 48_000_000, "total_params": 1000, "dtype": "float32", "world_size": 2,
+           "metrics_file": "m", "saved_model": "out", "checkpoints": ["out/checkpoint-2"]}
+
+
+def test_report_writes_four_pngs_and_a_page_that_embeds_them(tmp_path):
+    lines = [{"step": 0, "eval_loss": 3.1, "eval_tokens": 10}, *[_step(i) for i in range(1, 5)],
+             {"checkpoint": "out/checkpoint-2", "step": 2}, {"step": 4, "eval_loss": 2.5, "eval_tokens": 10}, SUMMARY]
+    out = write_report(_run_dir(tmp_path, lines))
+    assert [os.path.basename(p) for p in out["plots"]] == list(PLOTS)
+    for p in out["plots"]:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert os.path.getsize(p) > 5000
+    md = open(out["report"], encoding="utf-8").read()
+    for name in PLOTS:
+        assert f"]({name})" in md
+    assert "3.1000 → 2.5000" in md and "3.50 DWPD" in md and "12.00 B" in md and "checkpoint-2" in md
+
+
+def test_read_metrics_keeps_the_last_line_of_a_repeated_step_and_skips_a_cut_line(tmp_path):
+    a, b = _step(1), dict(_step(1), loss=9.0)
+    m = read_metrics(_run_dir(tmp_path, [a, {"resumed_from": "x/checkpoint-0", "step": 0}, b]))
+    assert [s["loss"] for s in m["steps"]] == [9.0] and m["summary"] is None and len(m["resumes"]) == 1
+
+
+def test_report_of_a_run_without_cache_tier_or_summary_still_renders(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path, [_step(1, paths=()), _step(2, paths=())])
+    assert main(["report", run_dir, "--output", str(tmp_path / "r")]) == 0
+    md = open(tmp_path / "r" / "report.md", encoding="utf-8").read()
+    assert "no summary line" in md and "wrote" in capsys.readouterr().out
+
+
+def test_report_names_a_missing_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
