@@ -5,6 +5,7 @@ Examples::
     aidaptiv-ds plan --model llama-3.1-405b --gpus 2 --vram 96GB --dram 512GB --cache 8TB
     aidaptiv-ds plan --params 70e9 --gpus 4 --vram 48GB --dram 512GB --cache /mnt/c0:2TB --cache /mnt/c1:2TB --json
     aidaptiv-ds plan --model ./my-model --gpus 1 --vram 24GB --dram 128GB --cache /mnt/c0:2TB:read=7:write=6:dwpd=30
+    aidaptiv-ds plan --params 7e9 --cache /tmp --cpu-ranks            # training on this machine's CPU, one rank
 
 ``--cache`` takes ``[PATH:]SIZE[:read=GBPS][:write=GBPS][:dwpd=N][:years=N]`` or a bare existing
 ``PATH`` (capacity = its filesystem size). Formulas: :mod:`aidaptiv_ds.planner.plan`.
@@ -108,9 +109,10 @@ def register(subparsers) -> None:
     p.add_argument("--dataset-tokens", type=float, help="tokens in one epoch (for writes per epoch and run)")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the run (default 1)")
     p.add_argument("--step-time", type=float, help="measured seconds per step (endurance pace; default: lower bound)")
-    p.add_argument("--cpu-ranks", action="store_true",
-                   help="the ranks train on the CPU (DeepSpeed's CPU accelerator; --gpus counts ranks): gradients "
-                        "stay in DeepSpeed's host buffer and are never written")
+    p.add_argument("--cpu-ranks", nargs="?", type=int, const=0, default=None, metavar="N",
+                   help="the ranks train on the CPU (DeepSpeed's CPU accelerator), N per node (default: --gpus if "
+                        "given, else 1); no GPU flags needed: gradients stay in DeepSpeed's host buffer and are never "
+                        "written, activations and gathered slices are host memory, and there is no VRAM check")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -131,12 +133,24 @@ def plan_input_from_args(args) -> PlanInput:
             raise ValueError(f"--params: {args.params!r} is not a number; give e.g. 405e9") from None
         shape = nearest_preset(n_params)
         source = f"layer shapes of preset {shape.name} (nearest to --params)"
+    cpu_ranks = args.cpu_ranks is not None
     gpus, vram = args.gpus, parse_size(args.vram, "--vram") if args.vram else None
-    if gpus is None or vram is None:
+    if cpu_ranks:
+        if args.cpu_ranks < 0:
+            raise ValueError(f"--cpu-ranks {args.cpu_ranks}: give the number of CPU ranks per node, 1 or more")
+        if args.cpu_ranks and gpus is not None and gpus != args.cpu_ranks:
+            raise ValueError(f"--cpu-ranks {args.cpu_ranks} and --gpus {gpus} disagree on the ranks per node; "
+                             f"give one of them")
+        if args.cpu_ranks == 0 and gpus is None:
+            assumed.append("1 CPU rank per node (--cpu-ranks without a count)")
+        gpus = args.cpu_ranks or gpus or 1
+        vram = 0
+    elif gpus is None or vram is None:
         st = nvml_status()
         if not st["gpus"]:
             raise ValueError(f"--gpus/--vram: not given and no GPU found on this host ({st['status']}); "
-                             f"fix: give --gpus N --vram SIZE, e.g. --gpus 2 --vram 96GB")
+                             f"fix: give --gpus N --vram SIZE (e.g. --gpus 2 --vram 96GB) for a GPU machine, or "
+                             f"--cpu-ranks [N] to plan training on this host's CPU")
         if gpus is None:
             gpus = len(st["gpus"])
             assumed.append("gpus (NVML on this host)")
@@ -173,7 +187,7 @@ def plan_input_from_args(args) -> PlanInput:
         dropout=args.dropout, sub_group_size=int(args.sub_group_size),
         gpu_flops=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
-        step_time_s=args.step_time, cpu_ranks=args.cpu_ranks, assumed=assumed)
+        step_time_s=args.step_time, cpu_ranks=cpu_ranks, assumed=assumed)
 
 
 def _days(x: float | None) -> str:
@@ -191,25 +205,40 @@ def _secs(x: float | None) -> str:
 def format_plan(p: CapacityPlan) -> str:
     """The plan as text for people (the JSON carries the same numbers)."""
     m, i = p.model, p.inputs
+    cpu = bool(i.get("cpu_ranks"))
     out = [f"model      {m['name']} ({m['model_type']}): {p.n_params:,} parameters"
            + ("" if m["shape_source"] == "exact" else f"; {m['shape_source']}"),
-           f"run        {i['gpus']} GPU(s) x {i['nodes']} node(s) (dp={p.dp}), micro-batch {i['micro_batch']}, "
+           f"run        {i['gpus']} {'CPU rank' if cpu else 'GPU'}(s) x {i['nodes']} node(s) (dp={p.dp}), "
+           f"micro-batch {i['micro_batch']}, "
            f"seq {i['seq_len']}, grad-accum {i['grad_accum']}, {i['dtype']}, {i['optimizer']}, "
            f"checkpointing {'on' if i['activation_checkpointing'] else 'off'}",
            f"state      {_dec(p.total_state_bytes)} = {p.bytes_per_param:.2f} B/param "
            f"({p.state_bytes_per_param} B/param of training state + activations); "
            f"rule of thumb 20 B/param = {_dec(p.rule_of_thumb_bytes)}",
-           "", f"{'where (whole job)':<18}{'VRAM':>12}{'DRAM':>12}{'cache':>12}"]
-    for k, t in p.tiers.items():
-        out.append(f"{k:<18}{_dec(t['vram']):>12}{_dec(t['dram']):>12}{_dec(t['cache']):>12}")
+           ""]
+    if cpu:
+        out.append(f"{'where (whole job)':<18}{'DRAM':>12}{'cache':>12}")
+        for k, t in p.tiers.items():
+            out.append(f"{k:<18}{_dec(t['dram']):>12}{_dec(t['cache']):>12}")
+    else:
+        out.append(f"{'where (whole job)':<18}{'VRAM':>12}{'DRAM':>12}{'cache':>12}")
+        for k, t in p.tiers.items():
+            out.append(f"{k:<18}{_dec(t['vram']):>12}{_dec(t['dram']):>12}{_dec(t['cache']):>12}")
     v, d, r = p.vram_per_gpu, p.dram, p.residency
-    out += ["", f"VRAM/GPU   {_dec(v['total'])} of {_dec(i['vram'])}: gathered slices "
-                f"{_dec(v['gathered_params'])}, "
-                f"slice grads {_dec(v['slice_gradients'])}, activations {_dec(v['activations'])}, "
-                f"bucket+overhead {_dec(v['reduce_bucket'] + v['overhead'])}",
-            f"DRAM/node  {_dec(d['host_bytes'])}: margin {_dec(d['margin_bytes'])}, working set "
-            f"{_dec(d['working_set_bytes'])}, budget {_dec(d['budget_bytes'])} "
-            f"({_dec(d['per_rank_bytes'])}/rank)",
+    out.append("")
+    if not cpu:
+        out.append(f"VRAM/GPU   {_dec(v['total'])} of {_dec(i['vram'])}: gathered slices "
+                   f"{_dec(v['gathered_params'])}, "
+                   f"slice grads {_dec(v['slice_gradients'])}, activations {_dec(v['activations'])}, "
+                   f"bucket+overhead {_dec(v['reduce_bucket'] + v['overhead'])}")
+    host = f"DRAM/node  {_dec(d['host_bytes'])}: margin {_dec(d['margin_bytes'])}, working set " \
+           f"{_dec(d['working_set_bytes'])}"
+    if cpu:
+        c = p.cpu_rank_host
+        host += (f" (incl. DeepSpeed's flat gradient buffer {_dec(c['grad_buffer'] * p.local_ranks)}, gathered "
+                 f"slices and activations {_dec(c['compute'] * p.local_ranks)})")
+    host += f", budget {_dec(d['budget_bytes'])} ({_dec(d['per_rank_bytes'])}/rank)"
+    out += [host,
             f"resident   gradients {'yes' if r['grads_resident'] else 'no'}, parameters "
             f"{'yes' if r['params_resident'] else 'no'}, {len(r['resident_subgroups'])} optimizer sub-group(s); "
             f"prefetch depth {p.prefetch['depth']}",
@@ -239,6 +268,10 @@ def format_plan(p: CapacityPlan) -> str:
         for prob, ch in zip(p.verdict.problems, p.verdict.changes):
             out.append(f"  - {prob}")
             out.append(f"    smallest change: {ch or 'none found among the single changes tried'}")
+        after = p.verdict.fits_after_changes
+        if after is not None:
+            out.append("  re-planned with " + ("that change" if len(p.verdict.changes) == 1 else "these changes")
+                       + (": FITS" if after else ": still does not fit"))
     if i["assumed"]:
         out.append("assumed    " + "; ".join(i["assumed"]))
     return "\n".join(out)

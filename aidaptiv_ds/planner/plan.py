@@ -140,8 +140,9 @@ class PlanInput:
     Attributes:
         shape: the model's tensors (per-layer shapes drive activations and the VRAM working set).
         n_params: parameter count; None: ``shape.n_params`` (exact).
-        gpus: GPUs per node; nodes: nodes (data-parallel size ``dp = gpus x nodes``).
-        vram: bytes per GPU; dram: bytes of host memory per node.
+        gpus: GPUs per node (with ``cpu_ranks``: ranks per node); nodes: nodes (data-parallel size
+            ``dp = gpus x nodes``).
+        vram: bytes per GPU (unused with ``cpu_ranks``); dram: bytes of host memory per node.
         drives: the cache drives of each node.
         dram_budget: explicit DRAM budget per node (None: automatic, see :mod:`.auto`).
         micro_batch / seq_len / grad_accum: per-GPU micro-batch (sequences), tokens per sequence,
@@ -154,7 +155,9 @@ class PlanInput:
         step_time_s: a measured step time for the endurance pace (None: the lower bound).
         rank_overhead / vram_overhead: allowances (bytes) per rank in DRAM and per GPU.
         cpu_ranks: the ranks compute on the CPU (DeepSpeed's CPU accelerator; ``gpus`` then counts
-            ranks): gradients stay in DeepSpeed's host buffer and are never written.
+            ranks): gradients stay in DeepSpeed's host buffer and are never written, and what a GPU
+            would hold (gathered slices, their gradients, activations, the reduce bucket) is host
+            memory too; there is no VRAM check (see :func:`cpu_rank_host_bytes`).
         assumed: names of inputs that were defaulted rather than given (reported).
     """
     shape: ModelShape
@@ -197,7 +200,7 @@ class PlanInput:
         that make no plan."""
         checks = [("--gpus", self.gpus, self.gpus >= 1, "give at least 1 GPU"),
                   ("--nodes", self.nodes, self.nodes >= 1, "give at least 1 node"),
-                  ("--vram", self.vram, self.vram > 0, "give the memory of one GPU, e.g. 96GB"),
+                  ("--vram", self.vram, self.cpu_ranks or self.vram > 0, "give the memory of one GPU, e.g. 96GB"),
                   ("--dram", self.dram, self.dram > 0, "give the host memory of one node, e.g. 512GB"),
                   ("--cache", len(self.drives), len(self.drives) >= 1, "give at least one cache drive, e.g. 8TB"),
                   ("--micro-batch", self.micro_batch, self.micro_batch >= 1, "give 1 or more"),
@@ -316,11 +319,14 @@ class Verdict:
         problems: one sentence per failing check, with the numbers.
         changes: one fix per failing check (the smallest single change that passes that check;
             ``None`` when no single change tried does).
+        fits_after_changes: the plan re-made with all ``changes`` applied fits (True), still does not
+            (False), or some check has no change (None); see :func:`_fixes`.
     """
     fits: bool
     checks: dict
     problems: list[str]
     changes: list[str | None]
+    fits_after_changes: bool | None = None
 
     @property
     def smallest_change(self) -> str | None:
@@ -347,6 +353,7 @@ class CapacityPlan:
         prefetch: depth and bytes of parameter read-ahead per rank.
         per_step: per node: bytes written, read, read (best case), tokens per step.
         step_time: ``{"compute_s", "io_read_s", "io_write_s", "lower_bound_s", "bound_by", "pace_s"}``.
+        cpu_rank_host: with ``cpu_ranks``, one rank's :func:`cpu_rank_host_bytes` (else None).
         drives: one :class:`DrivePlan` per drive of a node.
         epoch: steps per epoch, epochs, run days (None without ``dataset_tokens``).
         verdict: :class:`Verdict`.
@@ -370,6 +377,7 @@ class CapacityPlan:
     drives: list[DrivePlan]
     epoch: dict
     verdict: Verdict
+    cpu_rank_host: dict | None = None
 
     @property
     def fits(self) -> bool:
@@ -408,26 +416,49 @@ def _core(inp: PlanInput) -> dict:
     slice_part = -(-slice_numel // dp) * pb
     largest_sg = min(inp.sub_group_size, -(-N // dp))
     ws = host_working_set(slice_part, largest_sg, mb, ranks, inp.rank_overhead)
-    auto = explain_dram_budget(inp.dram, ws, total_host_bytes=inp.dram, local_ranks=ranks)
-    if inp.dram_budget is not None:
-        dram = DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
-    else:
-        dram = auto
-    res = plan_residency(sizes, dram.per_rank_bytes)
     act = activation_bytes(shape, inp.seq_len, inp.micro_batch, inp.activation_checkpointing, inp.flash_attention,
                            inp.dropout)
     vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
             "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
             "overhead": inp.vram_overhead}
     vram["total"] = sum(vram.values())
+    # CPU ranks: DeepSpeed's flat gradient buffer and the "GPU" working set are host memory outside the budget
+    cpu = cpu_rank_host_bytes(inp, sizes, vram) if inp.cpu_ranks else None
+    ws += cpu["total"] * ranks if cpu else 0
+    auto = explain_dram_budget(inp.dram, ws, total_host_bytes=inp.dram, local_ranks=ranks)
+    if inp.dram_budget is not None:
+        dram = DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
+    else:
+        dram = auto
+    res = plan_residency(sizes, dram.per_rank_bytes)
     nonres_rank = sizes.total - res.resident_bytes
     return {"sizes": sizes, "slice_numel": slice_numel, "slice_part": slice_part, "dram": dram, "res": res,
             "act": act, "vram": vram, "cache_need": nonres_rank * ranks, "cache_usable": usable_cache_bytes(inp.drives),
+            "cpu_rank": cpu,
             "dram_need": dram.margin_bytes + ws + (dram.budget_bytes if inp.dram_budget is not None else 0)}
 
 
+def grad_accum_bytes(dtype: str) -> int:
+    """Bytes per element of DeepSpeed 0.19.8's gradient accumulation (its flat host gradient buffer):
+    the parameter dtype's for bf16/fp16, 4 for fp32 (``data_types.grad_accum_dtype`` unset)."""
+    return PARAM_BYTES[dtype]
+
+
+def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, vram: dict) -> dict:
+    """Host bytes one CPU rank needs beyond :func:`~aidaptiv_ds.planner.auto.host_working_set`
+    (``--cpu-ranks``): DeepSpeed's flat host gradient buffer (the rank's partition x
+    :func:`grad_accum_bytes`; ``stage3.py:786-800``, allocated whenever the optimizer is offloaded, and
+    where the gradients live on CPU ranks) and what a GPU would hold (gathered slices, their gradients,
+    the reduce bucket, activations; item 3 of the module docstring, without the CUDA allowance).
+    Keys: ``grad_buffer``, ``compute``, ``total``."""
+    numel = sizes.param_bytes // PARAM_BYTES[inp.dtype]
+    grad_buffer = numel * grad_accum_bytes(inp.dtype)
+    compute = vram["total"] - vram["overhead"]
+    return {"grad_buffer": grad_buffer, "compute": compute, "total": grad_buffer + compute}
+
+
 def _checks(inp: PlanInput, c: dict) -> dict:
-    return {"vram": c["vram"]["total"] <= inp.vram, "dram": c["dram_need"] <= inp.dram,
+    return {"vram": inp.cpu_ranks or c["vram"]["total"] <= inp.vram, "dram": c["dram_need"] <= inp.dram,
             "cache": c["cache_need"] <= c["cache_usable"]}
 
 
@@ -435,64 +466,124 @@ def _passes(inp: PlanInput, check: str) -> bool:
     return _checks(inp, _core(inp))[check]
 
 
-def _smallest_change(inp: PlanInput, check: str) -> str | None:
-    """The smallest change, settings before hardware, that makes ``check`` pass (or None).
+def _smallest_change(inp: PlanInput, check: str) -> tuple[str, PlanInput] | None:
+    """The smallest change, settings before hardware, that makes ``check`` pass: its description and
+    the changed input (or None).
 
     vram: activation checkpointing, flash attention, then halving the micro-batch (cumulative, the
     gradient accumulation grows to keep the batch), then the next GPU size, then shorter sequences;
-    dram: smaller optimizer sub-groups, a lower explicit budget, then more DRAM (64 GB steps);
+    dram: smaller optimizer sub-groups, a lower explicit budget; on CPU ranks (activations and gathered
+    slices are host memory there) the activation settings of vram; then more DRAM (64 GB steps);
     cache: more (empty) drives like the last one.
     """
     r = dataclasses.replace
-    if check == "vram":
-        # settings first, cumulatively (each step keeps the previous ones), then bigger GPUs
+
+    def activation_settings(inp: PlanInput, check: str):
         cur, done = inp, list[str]()
         if not cur.activation_checkpointing:
             cur, done = r(cur, activation_checkpointing=True), done + ["enable activation checkpointing"]
             if _passes(cur, check):
-                return " and ".join(done)
+                return " and ".join(done), cur
         if not cur.flash_attention:
             cur, done = r(cur, flash_attention=True), done + ["use flash attention (attn_implementation='sdpa')"]
             if _passes(cur, check):
-                return " and ".join(done)
+                return " and ".join(done), cur
         mb = cur.micro_batch // 2
         while mb >= 1:
             ga = cur.grad_accum * max(cur.micro_batch // mb, 1)
-            if _passes(r(cur, micro_batch=mb, grad_accum=ga), check):
+            nxt = r(cur, micro_batch=mb, grad_accum=ga)
+            if _passes(nxt, check):
                 return " and ".join(done + [f"reduce micro-batch to {mb} (gradient accumulation {ga} keeps the "
-                                            f"batch)"])
+                                            f"batch)"]), nxt
             mb //= 2
-        for gb in GPU_SIZES_GB:
-            if gb * 10**9 > inp.vram and _passes(r(inp, vram=gb * 10**9), check):
-                return f"use GPUs with {gb} GB or more"
-        cur = r(cur, micro_batch=1, grad_accum=cur.grad_accum * cur.micro_batch)
+        return None, r(cur, micro_batch=1, grad_accum=cur.grad_accum * cur.micro_batch), done
+
+    def shorter_sequences(cur: PlanInput, done: list, check: str):
         sl = cur.seq_len // 2
         while sl >= 256:
             if _passes(r(cur, seq_len=sl), check):
                 return " and ".join(done + ([] if inp.micro_batch == 1 else ["reduce micro-batch to 1"])
-                                    + [f"shorten sequences to {sl} tokens"])
+                                    + [f"shorten sequences to {sl} tokens"]), r(cur, seq_len=sl)
             sl //= 2
         return None
+
+    if check == "vram":
+        found = activation_settings(inp, check)
+        if len(found) == 2:
+            return found
+        _, cur, done = found
+        for gb in GPU_SIZES_GB:
+            if gb * 10**9 > inp.vram and _passes(r(inp, vram=gb * 10**9), check):
+                return f"use GPUs with {gb} GB or more", r(inp, vram=gb * 10**9)
+        return shorter_sequences(cur, done, check)
     if check == "dram":
         sg = inp.sub_group_size // 2
         while sg >= 10**7:
             if inp.dram_budget is None and _passes(r(inp, sub_group_size=sg), check):
-                return f"reduce sub_group_size to {sg:.0e} elements"
+                return f"reduce sub_group_size to {sg:.0e} elements", r(inp, sub_group_size=sg)
             sg //= 2
         if inp.dram_budget is not None:
             fit = inp.dram - _core(r(inp, dram_budget=0))["dram_need"]
             if fit >= 0:
-                return f"lower the DRAM budget to {_dec(fit)} or less (or use 'auto')"
+                return f"lower the DRAM budget to {_dec(fit)} or less (or use 'auto')", r(inp, dram_budget=fit)
+        if inp.cpu_ranks:  # activations are host memory: the activation settings, on top of the smallest sub-groups
+            base, pre = inp, []
+            if inp.dram_budget is None and inp.sub_group_size > 10**7:
+                base, pre = r(inp, sub_group_size=10**7), ["reduce sub_group_size to 1e+07 elements"]
+            found = activation_settings(base, check)
+            if len(found) == 2:
+                return " and ".join(pre + [found[0]]), found[1]
+            seq = shorter_sequences(found[1], found[2], check)
+            if seq:
+                return " and ".join(pre + [seq[0]]), seq[1]
         step = 64 * 10**9
         need = _core(inp)["dram_need"]
-        return f"use {_dec(-(-need // step) * step)} of DRAM or more"
+        more = -(-need // step) * step
+        return f"use {_dec(more)} of DRAM or more", r(inp, dram=more)
     # cache
     d0 = inp.drives[-1]
     for k in range(1, 65):
-        if _passes(r(inp, drives=inp.drives + [dataclasses.replace(d0, path=None, free=None)] * k), check):
+        more = r(inp, drives=inp.drives + [dataclasses.replace(d0, path=None, free=None)] * k)
+        if _passes(more, check):
             return (f"add {k} cache drive{'s' if k > 1 else ''} of {_dec(d0.capacity)} "
-                    f"({len(inp.drives) + k} in all)")
+                    f"({len(inp.drives) + k} in all)"), more
     return None
+
+
+def _fixes(inp: PlanInput, checks: dict) -> tuple[list[str | None], bool | None]:
+    """One change per failing check (in the order vram, dram, cache), and whether the plan re-made
+    with all of them applied together fits (None when some check has no change).
+
+    [Note: re-planning.] Each change is searched for its own check, but they interact (a smaller
+    micro-batch lowers the DRAM need on CPU ranks; more DRAM raises the auto budget and so what stays
+    off the drives), so the plan is made again with every change applied; a check that fails then
+    gets a further change on top, at most three rounds, and only a combination that was re-planned
+    and fits is reported as fitting.
+    """
+    changes: list[str | None] = []
+    cur = inp
+    for name in ("vram", "dram", "cache"):
+        if checks[name]:
+            continue
+        found = _smallest_change(cur, name)
+        changes.append(found[0] if found else None)
+        if found:
+            cur = found[1]
+    if any(c is None for c in changes):
+        return changes, None
+    for _ in range(3):
+        after = _checks(cur, _core(cur))
+        if all(after.values()):
+            return changes, True
+        for name in ("vram", "dram", "cache"):
+            if after[name]:
+                continue
+            found = _smallest_change(cur, name)
+            if not found:
+                return changes, False
+            changes[-1] = f"{changes[-1]}, then {found[0]}" if changes else found[0]
+            cur = found[1]
+    return changes, all(_checks(cur, _core(cur)).values())
 
 
 def make_plan(inp: PlanInput) -> CapacityPlan:
@@ -523,6 +614,9 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
         "moments": split(res_sg_numel * mb, numel * mb),
         "activations": {"vram": c["act"]["total"] * dp, "dram": 0, "cache": 0},
     }
+    if inp.cpu_ranks:  # no GPU: activations are host memory, gradients DeepSpeed's flat buffer in its dtype
+        tiers["activations"] = {"vram": 0, "dram": c["act"]["total"] * dp, "cache": 0}
+        tiers["gradients"] = {"vram": 0, "dram": c["cpu_rank"]["grad_buffer"] * dp, "cache": 0}
     state_total = sizes.total * dp
     total = state_total + c["act"]["total"] * dp
     prefetch = prefetch_bytes_from_budget(res, c["slice_part"], len(shape.slice_params()))
@@ -566,21 +660,22 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
             run_tbw_fraction=per_run / proj["rated_tbw_bytes"] if per_run is not None else None, endurance=proj))
 
     checks = _checks(inp, c)
-    problems, changes = [], []
+    problems = []
     if not checks["vram"]:
         v = c["vram"]
         problems.append(
             f"vram: one GPU needs {_dec(v['total'])} (gathered slice {_dec(v['gathered_params'])}, activations "
             f"{_dec(v['activations'])}, gradients/buckets/overhead "
             f"{_dec(v['slice_gradients'] + v['reduce_bucket'] + v['overhead'])}) but has {_dec(inp.vram)}")
-        changes.append(_smallest_change(inp, "vram"))
     if not checks["dram"]:
+        cpu = c["cpu_rank"]
         problems.append(
             f"dram: the host needs {_dec(c['dram_need'])} (safety margin {_dec(dram.margin_bytes)} + working set "
             f"{_dec(dram.working_set_bytes)} of {ranks} rank(s)"
+            + (f", of which DeepSpeed's flat gradient buffer {_dec(cpu['grad_buffer'] * ranks)} and gathered "
+               f"slices and activations {_dec(cpu['compute'] * ranks)} on the CPU ranks" if cpu else "")
             + (f" + budget {_dec(dram.budget_bytes)}" if inp.dram_budget is not None else "")
             + f") but has {_dec(inp.dram)}")
-        changes.append(_smallest_change(inp, "dram"))
     if not checks["cache"]:
         problems.append(
             f"cache capacity: the state that does not fit the DRAM budget needs {_dec(c['cache_need'])} per "
@@ -588,8 +683,8 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
             f"the {len(inp.drives)} cache drive(s) ({' + '.join(_dec(d.capacity) for d in inp.drives)}) hold "
             f"{_dec(c['cache_usable'])} usable (free space less the store's reserve, striped); short by "
             f"{_dec(c['cache_need'] - c['cache_usable'])}")
-        changes.append(_smallest_change(inp, "cache"))
-    verdict = Verdict(all(checks.values()), checks, problems, changes)
+    changes, fits_after = _fixes(inp, checks) if problems else ([], None)
+    verdict = Verdict(all(checks.values()), checks, problems, changes, fits_after)
 
     inputs = dataclasses.asdict(inp)
     inputs.pop("shape")
@@ -611,7 +706,7 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
         epoch={"steps_per_epoch": steps_epoch, "epochs": inp.epochs, "run_steps": run_steps,
                "run_days": run_steps * pace / SECONDS_PER_DAY if run_steps else None,
                "write_bytes_per_epoch": write_step * steps_epoch if steps_epoch else None},
-        verdict=verdict)
+        verdict=verdict, cpu_rank_host=c["cpu_rank"])
 
 
 __all__ = ["CacheDrive", "PlanInput", "CapacityPlan", "DrivePlan", "Verdict", "make_plan", "state_sizes_for_rank",

@@ -1,0 +1,80 @@
+"""``aidaptiv-ds plan --cpu-ranks``: training on the CPU needs no GPU flags, shows no VRAM, and its fixes are true.
+
+On CPU ranks DeepSpeed's flat host gradient buffer (2 B/param bf16, 4 fp32) and what a GPU would hold
+(gathered slices, activations) are host memory, outside the DRAM budget; the verdict's changes are
+re-planned together and must fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from aidaptiv_ds.cli.main import main
+from aidaptiv_ds.planner.model_size import nearest_preset, preset_shape
+from aidaptiv_ds.planner.plan import CacheDrive, PlanInput, make_plan
+from aidaptiv_ds.telemetry.nvml import nvml_status
+
+GB, TB = 10**9, 10**12
+HOST = 25_280_000_000  # this machine's MemTotal, about
+
+
+def _dram_is_true(p) -> bool:
+    """Margin + working set (which holds the flat gradient buffer and the compute memory on CPU ranks)
+    + what the residency plan keeps in DRAM fits the host."""
+    resident = sum(t["dram"] for k, t in p.tiers.items() if k not in ("gradients", "activations"))
+    return p.dram["margin_bytes"] + p.dram["working_set_bytes"] + resident <= p.inputs["dram"]
+
+
+def test_7b_on_a_25_gb_host_gets_a_fix_that_really_fits():
+    inp = PlanInput(shape=nearest_preset(int(7e9)), n_params=int(7e9), gpus=1, vram=0, dram=HOST,
+                    drives=[CacheDrive(270 * GB)], cpu_ranks=True)
+    p = make_plan(inp)
+    assert not p.fits and not p.verdict.checks["dram"] and p.verdict.checks["vram"]
+    dram_fix = p.verdict.changes[0]
+    # the old advice ("reduce sub_group_size to 2e8") left DeepSpeed's 14 GB gradient buffer out of the count
+    assert dram_fix == "reduce sub_group_size to 1e+07 elements and shorten sequences to 1024 tokens"
+    assert "flat gradient buffer 14.00 GB" in p.verdict.problems[0]
+    assert p.verdict.fits_after_changes is True
+    fixed = make_plan(dataclasses.replace(inp, sub_group_size=10**7, seq_len=1024,
+                                          drives=[CacheDrive(270 * GB)] * 2))
+    assert fixed.fits and _dram_is_true(fixed)
+
+
+@pytest.mark.parametrize("model, dram, drives", [("llama-3.1-70b", 512 * GB, [CacheDrive(8 * TB)]),
+                                                 ("llama-2-7b", 64 * GB, [CacheDrive(2 * TB)]),
+                                                 ("llama-3.1-8b", 24 * GB, [CacheDrive(2 * TB)])])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_cpu_rank_plans_that_fit_are_true(model, dram, drives, dtype):
+    inp = PlanInput(shape=preset_shape(model), gpus=1, vram=0, dram=dram, drives=drives, cpu_ranks=True,
+                    dtype=dtype, seq_len=2048)
+    p = make_plan(inp)
+    assert p.tiers["gradients"]["dram"] == p.n_params * (2 if dtype == "bf16" else 4)   # the flat buffer's dtype
+    assert p.tiers["activations"]["vram"] == 0
+    if p.fits:
+        assert _dram_is_true(p)
+    else:
+        assert p.verdict.fits_after_changes in (True, None)
+        assert all(c for c in p.verdict.changes) == (p.verdict.fits_after_changes is True)
+
+
+def test_cli_cpu_ranks_needs_no_gpu_flags_and_prints_no_vram(capsys):
+    rc = main(["plan", "--params", "7e9", "--cache", "/tmp", "--cpu-ranks", "--dram", "25GB"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "VRAM" not in out and "vram" not in out
+    assert "1 CPU rank(s)" in out and "re-planned with these changes: FITS" in out
+    rc = main(["plan", "--params", "1e9", "--cache", "4TB", "--cpu-ranks", "2", "--dram", "512GB", "--json"])
+    assert rc == 0 and '"gpus": 2' in capsys.readouterr().out
+
+
+def test_cli_without_gpu_flags_on_a_cpu_host_names_cpu_ranks(capsys):
+    if nvml_status()["gpus"]:
+        pytest.skip("this host has a GPU: the flags default from NVML")
+    assert main(["plan", "--params", "7e9", "--cache", "/tmp"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpus N --vram SIZE" in err and "--cpu-ranks" in err
+
+
+def test_cli_cpu_ranks_and_gpus_must_agree(capsys):
+    assert main(["plan", "--params", "1e9", "--cache", "4TB", "--cpu-ranks", "2", "--gpus", "4", "--dram", "64GB"]) == 2
+    assert "disagree" in capsys.readouterr().err
