@@ -9,9 +9,11 @@ anything outside ``<cache_path>/aidaptiv_ds``. The endurance ledgers stay.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 
-from ..store.layout import hostname, list_namespaces
+from ..store.layout import ROOT_NAME, hostname, list_namespaces
 from ..units import format_bytes
 
 
@@ -26,9 +28,21 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    """List (and with ``--delete`` remove dead) stores; says so when a path has none.
+
+    Raises:
+        ValueError: a ``--cache`` path does not exist or is not a directory (nothing is deleted then).
+    """
+    for path in args.cache:
+        if not os.path.isdir(path):
+            what = "does not exist" if not os.path.exists(path) else "is not a directory"
+            raise ValueError(f"--cache {path!r} {what}; give the cache path the runs used (the directory that "
+                             f"holds {ROOT_NAME}/)")
     me = hostname()
     rows = []
+    empty = []
     for path in args.cache:
+        before = len(rows)
         for ns in list_namespaces(path):
             if args.run and ns["run"] != args.run:
                 continue
@@ -38,9 +52,16 @@ def run(args) -> int:
                 shutil.rmtree(ns["dir"])
                 ns["deleted"] = True
             rows.append(ns)
+        if len(rows) == before:
+            empty.append(path)
     if args.json:
         print(json.dumps(rows))
         return 0
+    for path in empty:
+        where = os.path.join(path, ROOT_NAME)
+        why = f"{where} does not exist" if not os.path.isdir(where) else f"no store directories under {where}"
+        print(f"no aidaptiv_ds store{' of run ' + args.run if args.run else ''} on {path} ({why})",
+              file=sys.stdout)
     for r in rows:
         state = "live" if r["live"] else ("deleted" if r["deleted"] else "dead")
         print(f"{state:8s} {format_bytes(r['bytes_on_disk']):>12s}  {r['dir']}")

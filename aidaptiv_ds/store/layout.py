@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 
 from ..io.errors import StorageError
 
@@ -70,7 +71,31 @@ def check_cache_path(path: str, field: str = "aidaptiv.cache_paths") -> str:
     if not os.access(ap, os.W_OK | os.X_OK):
         raise CachePathError(f"{field}: {path!r} is not writable by this user (uid {os.getuid()}). Fix: "
                              f"chown/chmod it, or choose a writable directory.")
+    # access() trusts the mode bits, and root passes them everywhere: pseudo-filesystems (/sys, /proc), a
+    # read-only bind or an LSM refuse the first mkdir instead. Make and remove one directory to know.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".aidaptiv_probe_", dir=ap))
+    except OSError as e:
+        fs = _fstype(ap)
+        raise CachePathError(f"{field}: {path!r} does not accept new files ({e.strerror}"
+                             f"{', filesystem ' + fs if fs else ''}) although its permissions allow it. Fix: choose a "
+                             f"directory on the cache drive's filesystem (not /sys, /proc or a read-only mount).") from None
     return ap
+
+
+def _fstype(path: str) -> str | None:
+    """The filesystem type of the mount holding ``path`` (from ``/proc/mounts``), or None."""
+    real, best = os.path.realpath(path), (None, "")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
+                        and len(parts[1]) >= len(best[1]):
+                    best = (parts[2], parts[1])
+    except OSError:
+        return None
+    return best[0]
 
 
 class Namespace:
