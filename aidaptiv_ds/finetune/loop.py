@@ -8,7 +8,8 @@ every epoch and, when ``--max_steps`` stops the run inside an epoch, once more a
 
 Per optimizer step one metrics line is written (:class:`aidaptiv_ds.telemetry.metrics.MetricsWriter`:
 ``metrics.jsonl``, and TensorBoard when installed; fields of :func:`~aidaptiv_ds.telemetry.metrics.build_record`
-plus ``epoch``; counters summed over ranks, ``rss_bytes``/``peak_rss_bytes`` the largest rank's).
+plus ``epoch`` and ``writeback_wait_s``, the seconds the step's end waited for its own write-back
+(the slowest rank); counters summed over ranks, ``rss_bytes``/``peak_rss_bytes`` the largest rank's).
 
 Accounting: the run's I/O is cut into back-to-back *windows* (:class:`_Windows`): everything before
 the first step (initialisation, the first eval), each optimizer step, each eval and each checkpoint
@@ -107,6 +108,7 @@ def _combine(deltas: list[dict]) -> dict:
         for key in ("proc_read_bytes", "proc_write_bytes", "dram_bytes", "dram_peak_bytes"):
             out[key] += d[key]
         out["io_wait_s"] = max(out["io_wait_s"], d["io_wait_s"])
+        out["settle_s"] = max(out.get("settle_s", 0.0), d.get("settle_s", 0.0))
         for key in ("rss_bytes", "peak_rss_bytes"):
             out[key] = max(out[key], d.get(key) or 0)
     return out
@@ -126,9 +128,11 @@ class _Windows:
         return _combine(distributed.gather_objects(d))
 
     def close(self) -> dict:
+        t0 = time.perf_counter()
         now = counters.snapshot(settle_first=True)
         d = counters.delta(now, self.prev)
         d.update(sysinfo.process_rss())
+        d["settle_s"] = time.perf_counter() - t0
         self.prev = now
         return _combine(distributed.gather_objects(d))
 
@@ -323,8 +327,8 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
             if not boundary:
                 continue
             step += 1
-            dt = time.perf_counter() - t_mark
             c = windows.close()
+            dt = time.perf_counter() - t_mark  # with the wait for the step's own write-back
             totals.window("steps", c)
             loss_sum, n_loss, tok_all = distributed.sum_floats([sum(losses), len(losses), tokens])
             dt_max = max(distributed.gather_objects(dt))
@@ -334,7 +338,8 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
             rec = build_record(step, c, step_time_s=round(dt_max, 4), loss=loss_sum / n_loss, tokens=int(tok_all),
                                lr=lr, vram=nvml.nvml_status() if rank == 0 else None,
                                rss={"rss_bytes": c["rss_bytes"], "peak_rss_bytes": c["peak_rss_bytes"]},
-                               host_mem=sysinfo.host_memory(), extra={"epoch": ep})
+                               host_mem=sysinfo.host_memory(),
+                               extra={"epoch": ep, "writeback_wait_s": round(c["settle_s"], 4)})
             write(rec)
             history.append({"step": step, "epoch": ep, "loss": rec["loss"], "learning_rate": lr})
             bar.set_postfix_str(format_step_summary(rec), refresh=False)
