@@ -1,8 +1,10 @@
 """Fine-tune a causal LM on Dolly-format instructions with DeepSpeed ZeRO-3 (aidaptiv_ds when the config says so).
 
-With no model/data flags it runs the embedded offline demo (a generated instruction set and a tiny
+The flags are :class:`aidaptiv_ds.finetune.job.FinetuneArgs` (HF ``TrainingArguments`` names, parsed by
+``transformers.HfArgumentParser``; ``--help`` lists them). With no model/data flags it runs the embedded offline demo (a generated instruction set and a tiny
 random-init Llama). Outputs in ``--output_dir``: ``metrics.jsonl`` (eval, per-step and summary
-lines), the fine-tuned model as an HF directory (safetensors), ``eval_split.jsonl`` and
+lines), the fine-tuned model as an HF directory (safetensors), ``checkpoint-N/`` directories
+(``--save_steps``; resume with ``--resume_from_checkpoint PATH|latest``), ``eval_split.jsonl`` and
 ``finetune_args.json``.
 
 Single process (no launcher; RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT get defaults)::
@@ -12,11 +14,12 @@ Single process (no launcher; RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT 
         --data_path ../shared/data/dolly/dolly_sample_151.jsonl --deepspeed ds_configs/cpu_offload.json \\
         --output_dir output/stories --num_train_epochs 1 --max_seq_length 256 --per_device_train_batch_size 8
 
-DeepSpeed launcher on this CPU-only machine (the CPU accelerator counts one device; the launcher
-passes ``--local_rank``, which is accepted and ignored). ``--bind_cores_to_rank`` needs ``numactl``,
-which is not installed here, so leave it out::
+DeepSpeed launcher on a CPU-only machine: ``--num_gpus N`` starts N ranks on DeepSpeed's CPU
+accelerator (without it the launcher starts one rank per NUMA node that numactl reports, 1 without numactl, as here); it passes
+``--local_rank``, which is accepted and ignored. ``--bind_cores_to_rank`` needs ``numactl``, which
+is not installed here, so leave it out::
 
-    deepspeed --num_gpus 1 launch/finetune.py --deepspeed ds_configs/cpu_offload.json --output_dir output/demo
+    deepspeed --num_gpus 2 launch/finetune.py --output_dir output/demo2 --max_steps 3
 
 On a GPU machine (one rank per GPU; bf16 follows the config, ``"auto"`` means on)::
 
