@@ -24,14 +24,14 @@ def env(**extra) -> dict:
     return e
 
 
-def run(cmd: list[str], timeout: float = 300, check: bool = True, **extra_env) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float = 600, check: bool = True, **extra_env) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, cwd=REPO, env=env(**extra_env), capture_output=True, text=True, timeout=timeout)
     if check:
         assert p.returncode == 0, f"{' '.join(cmd)} failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return p
 
 
-def finetune(*args: str, timeout: float = 300, check: bool = True, **extra_env) -> subprocess.CompletedProcess:
+def finetune(*args: str, timeout: float = 600, check: bool = True, **extra_env) -> subprocess.CompletedProcess:
     return run([sys.executable, os.path.join("launch", "finetune.py"), *args], timeout, check, **extra_env)
 
 
