@@ -16,12 +16,11 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 
 import pytest
 
-from _finetune_helpers import AIDAPTIV_CFG, REPO, finetune, lines, run, step_lines, summary
+from _finetune_helpers import AIDAPTIV_CFG, finetune, lines, run, step_lines, summary
 
 COMMON = ["--max_steps", "6", "--save_steps", "3", "--dram_budget", "0", "--gradient_accumulation_steps", "2",
           "--per_device_train_batch_size", "4"]

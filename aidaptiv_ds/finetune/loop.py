@@ -35,7 +35,6 @@ import signal
 import time
 from typing import Callable
 
-import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..telemetry import counters
