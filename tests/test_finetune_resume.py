@@ -22,6 +22,8 @@ import pytest
 
 from _finetune_helpers import AIDAPTIV_CFG, finetune, lines, run, step_lines, summary
 
+pytestmark = pytest.mark.subprocess
+
 COMMON = ["--max_steps", "6", "--save_steps", "3", "--dram_budget", "0", "--gradient_accumulation_steps", "2",
           "--per_device_train_batch_size", "4"]
 

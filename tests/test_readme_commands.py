@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
 
@@ -37,7 +39,7 @@ RULES = [
     (r"^aidaptiv-ds (export|report) output/demo6", "slow", None),
     (r"^aidaptiv-ds unpack path/to/model ", "skip", "a template: path/to/model stands for the user's model"),
     (r"^aidaptiv-ds plan ", "fast", None),
-    (r"^python -m pytest tests/", "skip", "runs part of this test suite"),
+    (r"^python -m pytest (tests/|-m )", "skip", "runs (part of) this test suite"),
     (r"^python launch/(compare|large_model)\.py ", "skip", "a benchmark (minutes to hours, DeepSpeed's aio built) "
      "whose figures the README quotes"),
 ]
