@@ -79,13 +79,15 @@ def check_cache_path(path: str, field: str = "aidaptiv.cache_paths") -> str:
         fs = _fstype(ap)
         raise CachePathError(f"{field}: {path!r} does not accept new files ({e.strerror}"
                              f"{', filesystem ' + fs if fs else ''}) although its permissions allow it. Fix: choose a "
-                             f"directory on the cache drive's filesystem (not /sys, /proc or a read-only mount).") from None
+                             f"directory on the cache drive's filesystem (not /sys, /proc or a read-only "
+                             f"mount).") from None
     return ap
 
 
 def _fstype(path: str) -> str | None:
     """The filesystem type of the mount holding ``path`` (from ``/proc/mounts``), or None."""
-    real, best = os.path.realpath(path), (None, "")
+    real = os.path.realpath(path)
+    best: tuple[str | None, str] = (None, "")
     try:
         with open("/proc/mounts") as f:
             for line in f:
