@@ -56,6 +56,10 @@ class TrainSettings:
         aio_block_size, aio_queue_depth, aio_intra_op: DeepSpeed's ``"aio"`` section (native only).
         pin_memory: ``pin_memory`` of both offload sections (only meaningful with a GPU).
         lr: AdamW learning rate; clip: ``gradient_clipping``.
+        reduce_bucket_size, prefetch_bucket_size, max_live_parameters: DeepSpeed's own working-set
+            knobs (``reduce_bucket_size``, ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
+            elements); None leaves DeepSpeed's defaults (5e8, 5e7, 1e9), which on CPU ranks let host
+            memory grow with the model up to those sizes.
     """
     dtype: str = "fp32"
     micro_batch: int = 1
@@ -71,6 +75,9 @@ class TrainSettings:
     pin_memory: bool = False
     lr: float = 1e-4
     clip: float = 1.0
+    reduce_bucket_size: int | None = None
+    prefetch_bucket_size: int | None = None
+    max_live_parameters: int | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -107,6 +114,11 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
         "offload_param": {"device": dev, "pin_memory": s.pin_memory},
         "offload_optimizer": {"device": dev, "pin_memory": s.pin_memory},
     }
+    for key, value in (("reduce_bucket_size", s.reduce_bucket_size),
+                       ("stage3_prefetch_bucket_size", s.prefetch_bucket_size),
+                       ("stage3_max_live_parameters", s.max_live_parameters)):
+        if value is not None:
+            zero[key] = int(value)
     if dev == "nvme":
         zero["offload_param"].update(nvme_path=cache_dir, max_in_cpu=0, buffer_count=int(s.param_buffer_count),
                                      buffer_size=_align(largest_tensor, 1 << 20))

@@ -6,7 +6,9 @@ Usage (the runner does this; by hand only for debugging)::
 
 ``SPEC.json`` keys: ``backend``, ``shape`` (:class:`~aidaptiv_ds.bench.models.LlamaShape` fields),
 ``settings`` (:class:`~aidaptiv_ds.bench.backends.TrainSettings` fields), ``steps``, ``seed``,
-``cache_dir``, ``aio`` (``"compiled"``/``"python"``, native only), ``native_dedup`` (native only,
+``cache_dir``, ``aio`` (``"compiled"``/``"python"``, native only), ``build_under_zero_init`` (build
+the model inside ``deepspeed.zero.Init``, for models whose whole fp32 weights would not fit in RAM;
+``zero.Init(dtype=...)`` is given the model dtype then), ``native_dedup`` (native only,
 default true: :func:`dedup_native_swap_in`), ``t_launch`` (``time.time()``
 when the runner started the process), optional ``profile`` (a path: cProfile of the steps after
 ``profile_after`` steps) and ``profile_after``.
@@ -147,13 +149,19 @@ def build_engine(spec: dict, out: ResultFile, clock) -> tuple:
     dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
     out.update(phase="build", import_s=time.time() - t_launch)
     torch.manual_seed(int(spec["seed"]))
-    model = LlamaForCausalLM(shape.hf_config())  # HF init runs here, before any partitioning
-    if dtype != torch.float32:
-        model = model.to(dtype)
-    out.update(phase="partition", n_params=sum(p.numel() for p in model.parameters()),
-               build_s=time.time() - t_launch)
-    with deepspeed.zero.Init(module=model, config_dict_or_path=cfg):
-        pass
+    if spec.get("build_under_zero_init"):  # each parameter is partitioned as it is created (no whole fp32 model)
+        with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=dtype):
+            model = LlamaForCausalLM(shape.hf_config())
+        out.update(phase="initialize", n_params=sum(p.ds_numel for p in model.parameters()),
+                   build_s=time.time() - t_launch, partition_s=time.time() - t_launch)
+    else:
+        model = LlamaForCausalLM(shape.hf_config())  # HF init runs here, before any partitioning
+        if dtype != torch.float32:
+            model = model.to(dtype)
+        out.update(phase="partition", n_params=sum(p.numel() for p in model.parameters()),
+                   build_s=time.time() - t_launch)
+        with deepspeed.zero.Init(module=model, config_dict_or_path=cfg):
+            pass
     out.update(phase="initialize", partition_s=time.time() - t_launch)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=cfg)
     return engine, settings, shape

@@ -60,9 +60,12 @@ class IOConfig(_Model):
     ``max_retries``: retries of EIO/EAGAIN before a request fails (default 3).
     ``reuse_host_memory``: keep freed large host buffers in the heap for reuse instead of unmapping
     them (glibc ``mallopt``, process-wide; see :func:`aidaptiv_ds.io.buffers.reuse_freed_host_memory`):
-    ``true``, ``false``, or ``"auto"`` (default): on once the plan shows the rank's whole training state
-    and working set fit in half the host memory available to it (faster steps where memory is plenty;
-    off for models larger than DRAM, where a heap that keeps freed buffers outgrows the budget).
+    ``true``, ``false``, or ``"auto"`` (default): on once the plan shows that the part of the DRAM
+    budget the residency plan leaves free can hold a heap of the working windows (read-ahead,
+    write-back, optimizer pipeline, gradient window), so the retained heap is inside the budget; off
+    otherwise (always at a budget of 0), and then large freed buffers are unmapped at once
+    (:func:`aidaptiv_ds.io.buffers.return_freed_host_memory`) and the heap trimmed after each backward
+    pass and optimizer step.
     """
     block_size: Union[int, str] = 8 << 20
     threads_per_drive: int = Field(4, ge=1, le=64)

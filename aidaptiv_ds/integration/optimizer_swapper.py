@@ -14,16 +14,11 @@ Per optimizer sub-group (``docs/deepspeed-seams.md`` §2):
 * **DRAM first.** The residency plan (:mod:`aidaptiv_ds.planner.residency`) keeps gradients,
   parameters and whole sub-groups in DRAM as the budget allows; resident sub-groups are never
   written per step, resident gradients never leave DRAM. Everything else is written and counted.
-* **Gradients** match DeepSpeed's CPU-offload semantics bit for bit: one persistent fp32 buffer per
-  sub-group, zero at start, fragments copied in at the accumulation boundary; a parameter that got
-  no gradient keeps its previous values.
-* **Gradients already in host memory are not copied.** DeepSpeed 0.19.8's Stage 3 accumulates every
-  gradient partition in one flat host buffer whenever the optimizer is offloaded
-  (``grad_partitions_flat_buffer``, ``stage3.py:786-800``: ``self.device`` is the CPU then), in the
-  gradient-accumulation dtype, and keeps it for the whole run. Where DeepSpeed hands us views of
-  that buffer (a CPU accelerator; the Stage-3 subclass passes them on unconverted and sets
-  :attr:`AidaptivOptimizerSwapper.host_grad_buffer`), the swapper keeps the views and builds the sub-group's fp32 ``.grad`` from them at swap-in: no write,
-  no read, no second copy in DRAM. Elsewhere (gradients arriving on a GPU) they are stored as above.
+* **Gradients** come from the engine's :class:`~aidaptiv_ds.integration.gradients.GradientStore`
+  (one accumulation slice per sub-group, in DRAM within the budget, on the drive beyond it): the
+  swap-in binds the sub-group's fp32 ``.grad`` to it (the slice itself in fp32 accumulation, an exact
+  ``Tensor.to`` widening otherwise, zeros for a sub-group that got no gradient) and prefetches the
+  next sub-group's with its state; the swap-out after the step drops it unwritten.
 """
 from __future__ import annotations
 
@@ -36,8 +31,8 @@ import torch
 from ..io.buffers import alloc_aligned, round_up
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..planner.residency import ResidencyPlan
-from ..store.packed import PackedRegion
 from ..tiers.host_tier import Slice
+from .gradients import GradientStore
 from .runtime import Runtime
 
 log = logging.getLogger("aidaptiv_ds")
@@ -52,32 +47,16 @@ def expected_state_slots(optimizer) -> int:
     return 2 if any(name == n or name.endswith(n) for n in _TWO_STATE) else 0
 
 
-def _adjacent_runs(frags: list) -> list[list]:
-    """Sort ``[(offset, tensor), ...]`` by offset and group fragments that touch end to start."""
-    runs: list[list] = []
-    for off, t in sorted(frags, key=lambda x: x[0]):
-        if runs and runs[-1][-1][0] + runs[-1][-1][1].numel() == off:
-            runs[-1].append((off, t))
-        else:
-            runs.append([(off, t)])
-    return runs
-
-
 @dataclasses.dataclass
 class _Group:
     key: str
     numel: int
     slot_bytes: int  # numel x element size: slot j starts at byte j x slot_bytes
     slots: int  # capacity of the extent in slots (master + states)
+    index: int  # the sub-group's index (DeepSpeed's sub_group_id: creation order)
     state_names: list = dataclasses.field(default_factory=list)
     resident: bool = False
-    grads_resident: bool = False
-    grad_host: torch.Tensor | None = None  # resident gradient buffer (fp32, numel)
-    grad_region: PackedRegion | None = None
-    grad_written: bool = False
     slice: Slice | None = None
-    grad_slice: Slice | None = None
-    grad_views: dict = dataclasses.field(default_factory=dict)  # offset -> view of DeepSpeed's host buffer
 
     @property
     def valid_slots(self) -> int:
@@ -105,8 +84,7 @@ class AidaptivOptimizerSwapper:
         self.plan: ResidencyPlan | None = None
         self.init_phase = False
         self.expected_states = expected_state_slots(optimizer)
-        self.grads_in_host_buffer = False  # the plan expects gradients as views of DeepSpeed's host buffer
-        self.host_grad_buffer: torch.Tensor | None = None  # DeepSpeed's flat host gradient buffer, when adopted
+        self.gradients: GradientStore | None = None  # set by the Stage-3 subclass before initialisation
         self.swap_folder = os.path.join(runtime.namespace.rank_dir(0), f"optimizer{engine_id}")
         os.makedirs(self.swap_folder, exist_ok=True)
 
@@ -158,17 +136,6 @@ class AidaptivOptimizerSwapper:
         self.rt.tier.add(s)
         return s
 
-    def _grad_slice(self, g: _Group, priority: int) -> Slice | None:
-        if g.grads_resident or not g.grad_written:
-            return None
-        if g.grad_slice is not None:
-            return g.grad_slice
-        fut, buf, _ = g.grad_region.read(0, g.numel * 4, priority=priority)
-        s = Slice(("grad", self.engine_id, g.key), buf, kind="grad", ready=fut, prefetched=True,
-                  on_drop=lambda sl, g=g: setattr(g, "grad_slice", None) if g.grad_slice is sl else None)
-        g.grad_slice = s
-        return self.rt.tier.add(s)
-
     # ------------------------------------------------------------------ DeepSpeed API
     def init_timers(self) -> None:
         """DeepSpeed resets its swap timers here; our per-step figures come from the counters."""
@@ -181,6 +148,7 @@ class AidaptivOptimizerSwapper:
             CachePathError: the store's directory was removed under the run.
         """
         self.rt.check()
+        self.rt.end_of_step()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("aidaptiv_ds optimizer swapper: %s", self.rt.counters())
 
@@ -192,7 +160,8 @@ class AidaptivOptimizerSwapper:
         if self.order:
             g = self.groups[self.order[0]]
             self._load(g, READ_PREFETCH)
-            self._grad_slice(g, READ_PREFETCH)
+            if self.gradients is not None:
+                self.gradients.prefetch(g.index)
 
     def is_swappable_tensor(self, tensor=None, numel=None) -> bool:
         """Every sub-group is ours (resident ones just never leave DRAM); honours ``tensor.swappable``."""
@@ -206,18 +175,12 @@ class AidaptivOptimizerSwapper:
         for param, src in zip(parameters, src_tensors):
             key = str(param.ds_id)
             numel = src.numel()
-            g = _Group(key, numel, numel * self.elsize, 1 + self.expected_states)
+            g = _Group(key, numel, numel * self.elsize, 1 + self.expected_states, index=len(self.order))
             if self.plan is not None:  # the residency plan indexes sub-groups in creation order
-                g.resident = len(self.order) in self.plan.resident_subgroups
-                g.grads_resident = self.plan.grads_resident
+                g.resident = g.index in self.plan.resident_subgroups
             self.groups[key] = g
             self.order.append(key)
             self.rt.store.allocate(self._extent_key(g), self._span(g, g.slots))
-            if not g.grads_resident:  # gradients kept in DRAM need no extent
-                one = round_up(numel * 4, self.rt.store.alignment)
-                g.grad_region = PackedRegion(self.rt.store, f"grad{self.engine_id}/{key}", chunk_bytes=one,
-                                             first_chunk=one)
-                g.grad_region.append(numel * 4)
             buf = alloc_aligned(self._span(g, g.slots))
             buf[: g.slot_bytes].view(self.dtype).copy_(src.reshape(-1))
             s = self._new_slice(g, buf)
@@ -252,33 +215,24 @@ class AidaptivOptimizerSwapper:
         """Bind ``parameter`` (fp32 master), its state tensors and ``.grad`` to host buffers; prefetch the next."""
         g = self._group(parameter)
         s = self._load(g, READ_DEMAND)
-        gs = self._grad_slice(g, READ_DEMAND)
         if async_parameter is not None:  # start the next sub-group's read before waiting for ours
             nxt = self.groups.get(str(async_parameter.ds_id))
             if nxt is not None:
                 self._load(nxt, READ_PREFETCH)
-                self._grad_slice(nxt, READ_PREFETCH)
+                if self.gradients is not None:
+                    self.gradients.prefetch(nxt.index)
         with self.rt.io_wait:
             s.wait_ready()
-            if gs is not None:
-                gs.wait_ready()
         self.rt.tier.acquire(s)
         parameter.data = self._slot(g, s, 0)
         state = self.optimizer.state.get(parameter, {})
         for j, name in enumerate(g.state_names, start=1):
             if name in state:
                 state[name].data = self._slot(g, s, j)
-        if g.grad_views:
-            parameter.grad = self._grad_from_views(g)
-        elif g.grads_resident and (g.grad_host is not None or not self.grads_in_host_buffer):
-            if g.grad_host is None:
-                g.grad_host = torch.zeros(g.numel, dtype=torch.float32)
-            parameter.grad = g.grad_host
-        elif gs is not None:
-            self.rt.tier.acquire(gs)
-            parameter.grad = gs.buf[: g.numel * 4].view(torch.float32)
-        else:  # never received a gradient: zeros, as DeepSpeed's CPU-offload buffer starts
-            parameter.grad = torch.zeros(g.numel, dtype=torch.float32)
+        if self.init_phase or self.gradients is None:  # DeepSpeed binds a zero buffer itself there
+            parameter.grad = None
+        else:
+            parameter.grad = self.gradients.fp32_grad(g.index)
 
     def _adopt_states(self, g: _Group, parameter, s: Slice) -> Slice:
         """Move per-element state tensors the optimizer created into slots of the extent (once)."""
@@ -320,10 +274,11 @@ class AidaptivOptimizerSwapper:
             self.rt.tier.mark_dirty(s)
         if not g.resident:  # issue the write while the slice is still referenced: releasing a dirty slice
             self.rt.tier.write_back(s)  # first would evict it, and a dirty eviction writes and waits
-        self._release(g, parameter)
+        self._release(g, parameter, consumed=not self.init_phase)
         self.rt.tier.enforce_budget()
 
-    def _release(self, g: _Group, parameter) -> None:
+    def _release(self, g: _Group, parameter, consumed: bool = False) -> None:
+        """Unbind the sub-group's views; ``consumed``: the optimizer stepped on its gradient (drop it)."""
         empty = torch.empty(0, dtype=self.dtype)
         parameter.data = empty
         state = self.optimizer.state.get(parameter, {})
@@ -332,13 +287,12 @@ class AidaptivOptimizerSwapper:
                 state[n].data = torch.empty(0, dtype=self.dtype)
         if g.slice is not None and g.slice.refs:
             self.rt.tier.release(g.slice)
-        if g.grad_slice is not None:
-            gs = g.grad_slice
-            if gs.refs:
-                self.rt.tier.release(gs)
-            self.rt.tier.drop(gs)  # gradients are consumed by the step; their stored copy stays
-        if parameter.grad is not None and parameter.grad is not g.grad_host:
-            parameter.grad = None
+        if self.gradients is not None:
+            if consumed:
+                self.gradients.consume(g.index)
+            else:
+                self.gradients.release(g.index)
+        parameter.grad = None
 
     def release_swap_buffers(self, parameter) -> None:
         """Drop the in-memory views without writing (read-only access is over)."""
@@ -348,85 +302,27 @@ class AidaptivOptimizerSwapper:
 
     def writeback_optimizer_state_and_gradients(self, parameter, write_opt_state: bool, write_gradients: bool
                                                 ) -> None:
-        """Persist the state and/or ``parameter.grad`` selectively, then release."""
+        """Persist the state and/or ``parameter.grad`` (DeepSpeed's ``safe_set`` APIs), then release."""
         g = self._group(parameter)
-        if write_gradients and parameter.grad is not None:
-            self._store_grad(g, [(0, parameter.grad.reshape(-1))], full=True)
+        if write_gradients and parameter.grad is not None and self.gradients is not None:
+            self.gradients.replace(g.index, parameter.grad)
         if write_opt_state and g.slice is not None:
             s = self._adopt_states(g, parameter, g.slice)
             self.rt.tier.mark_dirty(s)
             if not g.resident:
                 self.rt.tier.write_back(s)
-            self._release(g, parameter)
-        else:
-            self._release(g, parameter)
+        self._release(g, parameter)
         self.rt.tier.enforce_budget()
 
     def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors) -> None:
-        """Store gradient fragments (offsets in elements within the sub-group's flat buffer).
-
-        Fragments that are views of DeepSpeed's flat host gradient buffer (:attr:`host_grad_buffer`,
-        any float dtype) are kept as views; others (fp32) are stored in DRAM or on the cache tier.
-        """
+        """Set gradient fragments (offsets in elements within the sub-group) in the gradient store
+        (DeepSpeed's ``_swap_out_offload_fp32_gradients``; the Stage-3 subclass accumulates into the
+        store directly, so only DeepSpeed code paths outside it arrive here)."""
         g = self._group(parameter)
-        frags = list(zip(gradient_offsets, gradient_tensors))
-        if self._adoptable(frags):
-            for off, t in frags:
-                g.grad_views[int(off)] = t
-            return
-        if g.grad_views:  # the views held the earlier values: they become the stored copy first
-            full_grad = self._grad_from_views(g)
-            g.grad_views.clear()
-            self._store_grad(g, [(0, full_grad)], full=True)
-        self._store_grad(g, frags, full=False)
-
-    def _adoptable(self, frags: list) -> bool:
-        host = self.host_grad_buffer
-        if host is None or host.device.type != "cpu":
-            return False
-        ptr = host.untyped_storage().data_ptr()
-        return all(t.device.type == "cpu" and t.untyped_storage().data_ptr() == ptr for _, t in frags)
-
-    def _grad_from_views(self, g: _Group) -> torch.Tensor:
-        """The sub-group's fp32 gradient (``numel`` elements) built from the adopted views: zeros where
-        no parameter ever got a gradient, as DeepSpeed's CPU-offload buffer starts."""
-        covered = sum(t.numel() for t in g.grad_views.values())
-        out = torch.empty(g.numel, dtype=torch.float32) if covered == g.numel else torch.zeros(g.numel,
-                                                                                                dtype=torch.float32)
-        for off, t in g.grad_views.items():
-            out[off:off + t.numel()].copy_(t.reshape(-1))
-        return out
-
-    def _store_grad(self, g: _Group, frags: list, full: bool) -> None:
-        if full:  # a whole new gradient: the stored copy is authoritative from now on
-            g.grad_views.clear()
-        if g.grads_resident:
-            if g.grad_host is None:
-                g.grad_host = torch.zeros(g.numel, dtype=torch.float32)
-            for off, t in frags:
-                if t.data_ptr() != g.grad_host.data_ptr():
-                    g.grad_host[off:off + t.numel()].copy_(t.reshape(-1))
-            return
-        if not g.grad_written and not full:  # first write: the whole buffer, zeros where no fragment
-            flat = torch.zeros(g.numel, dtype=torch.float32)
-            for off, t in frags:
-                flat[off:off + t.numel()].copy_(t.reshape(-1))
-            frags, full = [(0, flat)], True
-        for run in _adjacent_runs(frags):  # neighbours (one reduce bucket) share one aligned write
-            off = run[0][0]
-            n = sum(t.numel() for _, t in run)
-
-            def fill(view, run=run, off=off):
-                out = view.view(torch.float32)
-                for o, t in run:
-                    out[o - off:o - off + t.numel()].copy_(t.reshape(-1))
-
-            self.rt.tier.reserve_write(n * 4)
-            fut, _, _ = g.grad_region.write(off * 4, n * 4, fill, priority=WRITE_BACK)
-            self.rt.tier.track_write(fut, n * 4)
-        g.grad_written = True
-        if g.grad_slice is not None and not g.grad_slice.refs:
-            self.rt.tier.drop(g.grad_slice)
+        rec = self.gradients.open(g.index)
+        for off, t in zip(gradient_offsets, gradient_tensors):
+            self.gradients.view(rec, int(off), t.numel()).copy_(t.reshape(-1))
+        self.gradients.close(g.index)
 
     def install_subgroup(self, g: _Group, parameter, buf: torch.Tensor, state_names: list, step) -> None:
         """Make ``buf`` (slots packed as in :meth:`_slot`, master first) the sub-group's bytes, with

@@ -267,17 +267,33 @@ class AidaptivParamSwapper:
         return self._window
 
     def prefetch(self, ds_ids: list[int], window: int) -> int:
-        """Start reads of the partitions of ``ds_ids`` that are not in DRAM, in the given order, while
-        the bytes read ahead and not used yet stay within ``window``. Returns bytes issued."""
-        room = window - self.rt.tier.prefetched_bytes()
-        take = []
+        """Keep the next ``window`` bytes of the coordinator's queue read ahead: walk ``ds_ids`` (the
+        partitions DeepSpeed fetches next, in order, without duplicates) counting the bytes already held
+        for them ahead of use (read and not published yet, or published ``INFLIGHT`` by
+        :meth:`promote_ready` before DeepSpeed fetched them), and start reads of the ones not in DRAM
+        until the next one would not fit. Partitions held by the DRAM budget (resident or cached)
+        cost the window nothing. Returns bytes issued.
+
+        [Note: why published partitions count] DeepSpeed's coordinator moves every published
+        partition to ``AVAILABLE`` at its next ``synchronize_reads``, long before it uses them; counting
+        only unpublished reads let the read-ahead refill behind them until the whole model was in DRAM.
+        """
+        used, take = 0, []
         for i in ds_ids:
-            if i in self._slice_of or i not in self._loc:
+            loc = self._loc.get(i)
+            if loc is None:
                 continue
-            need = self._loc[i].nbytes
-            if need > room:
+            s = self._slice_of.get(i)
+            if s is not None:
+                if s.resident or not (s.prefetched or i in self._published):
+                    continue  # in DRAM on the budget's account
+                used += loc.nbytes
+                if used >= window:
+                    break
+                continue
+            if used + loc.nbytes > window:
                 break
-            room -= need
+            used += loc.nbytes
             take.append(i)
         if take:
             self._read_slices(take, READ_PREFETCH)

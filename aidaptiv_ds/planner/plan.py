@@ -227,19 +227,21 @@ def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes:
                          sub_group_size: int, cpu_ranks: bool = False) -> StateSizes:
     """One rank's :class:`StateSizes`: its partition ``ceil(N / dp)`` in bytes per tensor kind.
 
-    ``param_bytes`` per element for parameters, 4 B for gradients, ``4 + moment_bytes`` per element
-    for each optimizer sub-group of at most ``sub_group_size`` elements (item 1 of the module docstring).
-    fp32 parameters (``param_bytes`` 4) are read from the fp32 master weights, not written on their own
-    (``StateSizes.alias_params``). ``cpu_ranks``: the ranks compute on the CPU, so the gradients stay
-    in DeepSpeed's host buffer (``StateSizes.grads_in_host_buffer``).
+    ``param_bytes`` per element for parameters and for gradients (DeepSpeed accumulates gradients in
+    the model dtype unless ``data_types.grad_accum_dtype`` says otherwise, ``engine.py:1799-1810``),
+    ``4 + moment_bytes`` per element for each optimizer sub-group of at most ``sub_group_size``
+    elements (item 1 of the module docstring); one gradient slice per sub-group. fp32 parameters
+    (``param_bytes`` 4) are read from the fp32 master weights, not written on their own
+    (``StateSizes.alias_params``). ``cpu_ranks`` changes nothing here (kept for the callers).
     """
     numel = -(-int(n_params) // int(dp))
     full, rest = divmod(numel, int(sub_group_size))
     groups = [sub_group_size] * full + ([rest] if rest else [])
     per = MASTER_BYTES_PER_PARAM + moment_bytes
-    return StateSizes(param_bytes=numel * param_bytes, grad_bytes=numel * GRAD_BYTES_PER_PARAM,
+    return StateSizes(param_bytes=numel * param_bytes, grad_bytes=numel * param_bytes,
                       subgroup_bytes=[g * per for g in groups], alias_params=param_bytes == MASTER_BYTES_PER_PARAM,
-                      subgroup_param_bytes=[g * param_bytes for g in groups], grads_in_host_buffer=cpu_ranks)
+                      subgroup_param_bytes=[g * param_bytes for g in groups],
+                      subgroup_grad_bytes=[g * param_bytes for g in groups])
 
 
 def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, flash_attention: bool = True,
@@ -693,7 +695,7 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     model.update(n_params=N, shape_source=inp.shape_source)
     return CapacityPlan(
         inputs=inputs, model=model, n_params=N, dp=dp, local_ranks=ranks,
-        bytes_per_param=total / N, state_bytes_per_param=pb + GRAD_BYTES_PER_PARAM + per_elem_opt,
+        bytes_per_param=total / N, state_bytes_per_param=2 * pb + per_elem_opt,  # gradients in the model dtype
         total_state_bytes=total, rule_of_thumb_bytes=RULE_OF_THUMB_BYTES_PER_PARAM * N,
         tiers=tiers, vram_per_gpu=c["vram"], dram=dram.as_dict(), residency=res.as_dict(),
         prefetch=dataclasses.asdict(prefetch),

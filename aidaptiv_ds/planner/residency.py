@@ -20,10 +20,12 @@ When the parameters are fp32 like the master weights (no mixed precision), a par
 parameters of sub-groups kept in DRAM still need their own copy on the drive; keeping parameters
 resident then saves reads only, so sub-groups come before parameters.
 
-When the ranks compute on the CPU (DeepSpeed's CPU accelerator), the gradients need no budget at
-all (``grads_in_host_buffer``): DeepSpeed 0.19.8 accumulates them in its own flat host buffer
-(``stage3.py:786-800``) for the whole run, and the optimizer swapper reads them from there. With
-GPUs the gradients reach the swapper on the GPU and are handled as above.
+Gradients are one accumulation slice per optimizer sub-group (``integration/gradients.py``):
+DeepSpeed 0.19.8's flat host gradient buffer is not allocated. They are taken in backward order
+(the last sub-group's gradients are complete first), whole slices while they fit; a slice that
+does not fit is written once and read back once per step (2 B/param in bf16 accumulation, 4 in
+fp32). When the optimizer steps each sub-group inside the backward pass (``grads_transient``), a
+gradient lives only until its sub-group is stepped: it needs no budget and is never written.
 """
 from __future__ import annotations
 
@@ -36,20 +38,34 @@ class StateSizes:
 
     Attributes:
         param_bytes: low-precision parameter partitions (numel x 2 for bf16/fp16, x 4 for fp32).
-        grad_bytes: fp32 gradient partitions (numel x 4).
+        grad_bytes: gradient partitions (numel x the gradient-accumulation dtype's size: 4 fp32, 2 bf16).
         subgroup_bytes: per optimizer sub-group, fp32 master + optimizer state (numel x 12 for Adam).
         alias_params: the parameters are read from the master weights and not written on their own
             (fp32 parameters and fp32 master weights).
         subgroup_param_bytes: per sub-group, the bytes of its parameter partitions (for ``alias_params``).
-        grads_in_host_buffer: the gradients are views of DeepSpeed's flat host gradient buffer (CPU
-            ranks): in DRAM outside the budget, never written or read back.
+        subgroup_grad_bytes: per sub-group, the bytes of its gradient slice (default: ``grad_bytes``
+            split like ``subgroup_bytes``).
+        grads_transient: each sub-group's gradient is consumed by its optimizer step inside the backward
+            pass: it needs no DRAM budget and is never written.
     """
     param_bytes: int
     grad_bytes: int
     subgroup_bytes: list[int]
     alias_params: bool = False
     subgroup_param_bytes: list[int] = dataclasses.field(default_factory=list)
-    grads_in_host_buffer: bool = False
+    subgroup_grad_bytes: list[int] = dataclasses.field(default_factory=list)
+    grads_transient: bool = False
+
+    def grad_slices(self) -> list[int]:
+        """Bytes of each sub-group's gradient slice (sums to ``grad_bytes``)."""
+        if self.subgroup_grad_bytes:
+            return list(self.subgroup_grad_bytes)
+        total = sum(self.subgroup_bytes)
+        if not total:
+            return [self.grad_bytes] if self.grad_bytes else []
+        out = [self.grad_bytes * b // total for b in self.subgroup_bytes]
+        out[-1] += self.grad_bytes - sum(out)
+        return out
 
     @property
     def optimizer_bytes(self) -> int:
@@ -66,7 +82,8 @@ class ResidencyPlan:
 
     Attributes:
         budget: the DRAM budget in bytes this plan was made for.
-        grads_resident: gradients of all sub-groups stay in DRAM.
+        grads_resident: gradients of all sub-groups stay in DRAM (or are transient).
+        resident_grad_subgroups: sub-groups whose gradient slice stays in DRAM.
         params_resident: all parameter partitions stay in DRAM (never read back or rewritten).
         resident_subgroups: indices of optimizer sub-groups kept in DRAM (never written per step).
         resident_bytes: bytes held by the above.
@@ -76,6 +93,7 @@ class ResidencyPlan:
     """
     budget: int
     grads_resident: bool
+    resident_grad_subgroups: list[int]
     params_resident: bool
     resident_subgroups: list[int]
     resident_bytes: int
@@ -91,16 +109,24 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     """Fill ``budget`` bytes of DRAM in the order gradients, parameters, optimizer sub-groups (with
     ``alias_params``: gradients, sub-groups, parameters).
 
-    Each item is taken whole or not at all (gradients and parameters as one block each, sub-groups
-    one by one in step order; a sub-group that does not fit is skipped and a later, smaller one may
-    still fit; with ``grads_in_host_buffer`` the gradients are resident at no cost). Bytes written per step = non-resident parameters (with ``alias_params``: only those
-    of resident sub-groups) + non-resident gradients + non-resident sub-groups; bytes read per step =
-    2 x non-resident parameters + non-resident gradients + non-resident sub-groups.
+    Gradient slices are taken one by one in backward order (last sub-group first) while they fit
+    (transient gradients take none); parameters as one block; sub-groups one by one in step order (a
+    sub-group that does not fit is skipped and a later, smaller one may still fit). Bytes written per
+    step = non-resident parameters (with ``alias_params``: only those of resident sub-groups) +
+    non-resident gradient slices + non-resident sub-groups; bytes read per step = 2 x non-resident
+    parameters + non-resident gradient slices + non-resident sub-groups.
     """
     left = max(int(budget), 0)
-    grads = sizes.grads_in_host_buffer or sizes.grad_bytes <= left
-    if grads and not sizes.grads_in_host_buffer:
-        left -= sizes.grad_bytes
+    slices = sizes.grad_slices()
+    if sizes.grads_transient:
+        grad_res = list(range(len(slices)))
+    else:
+        grad_res = []
+        for i in reversed(range(len(slices))):
+            if slices[i] <= left:
+                grad_res.append(i)
+                left -= slices[i]
+        grad_res.sort()
     params = False
     if not sizes.alias_params:
         params = sizes.param_bytes <= left
@@ -122,9 +148,10 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
         p_w = sum(sizes.subgroup_param_bytes[i] for i in resident)
     else:
         p_w = sizes.param_bytes
-    g_w = 0 if grads else sizes.grad_bytes
+    g_w = sum(b for i, b in enumerate(slices) if i not in grad_res)
     return ResidencyPlan(
-        budget=int(budget), grads_resident=grads, params_resident=params, resident_subgroups=resident,
+        budget=int(budget), grads_resident=len(grad_res) == len(slices), resident_grad_subgroups=grad_res,
+        params_resident=params, resident_subgroups=resident,
         resident_bytes=max(int(budget), 0) - left, cache_bytes=left,
         write_bytes_per_step=p_w + g_w + opt_written,
         read_bytes_per_step=2 * p_w + g_w + opt_written,

@@ -1,0 +1,124 @@
+"""Host memory against model size: peak RSS of a few training steps over a sweep of Llama sizes, per backend.
+
+The question it answers is whether host memory grows with the model (issue 16): each (size,
+backend) pair trains ``steps`` optimizer steps in its own worker process (:mod:`.worker`), and the
+peak resident set of the training steps (``VmHWM`` reset after the engine is built, so model
+construction is not counted) is fitted against the parameter count by least squares::
+
+    peak_rss(n_params) ~= fixed_bytes + slope x n_params
+
+``slope`` (bytes per parameter) is the figure that must stay near 0 for a backend whose host memory
+is bounded by its windows and budget; ``fixed_bytes`` is the interpreter, torch, DeepSpeed, the
+windows and activations of a sequence. The process peak (``ru_maxrss``, model construction included)
+is reported beside it. Each backend runs with its own allocator policy (DeepSpeed's as shipped:
+glibc's defaults; aidaptiv_ds's from ``io.reuse_host_memory``). Every backend of one size runs on the same machine one after another; the
+cache directory is emptied after each run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from ..units import GiB
+from .aio import aio_env, preflight
+from .backends import LABELS, TrainSettings
+from .compare import code_version, machine_info
+from .models import LlamaShape, describe
+from .runner import run_worker, worker_env
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``; returns ``(a, b)``.
+
+    Raises:
+        ValueError: fewer than two distinct ``xs``.
+    """
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2:
+        raise ValueError("a fit needs at least two different sizes")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - b * mx, b
+
+
+def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[str], steps: int = 3,
+          work_dir: str = "/tmp/aidaptiv_memory", seed: int = 0, aio: str = "python", build_aio: bool = False,
+          extensions_dir: str | None = None, timeout_s: float = 3600, build_under_zero_init: bool = False,
+          command: str = "", say=None) -> dict:
+    """Train every shape with every backend; return ``{"config", "points", "fits", "table", ...}``.
+
+    Args:
+        shapes: the model sizes (at least two; four or more for a fit worth reporting).
+        settings: what every run shares (dtype, sequence, DeepSpeed's working-set knobs).
+        backends: names from :data:`.backends.BACKENDS` / ``OPTIONAL_BACKENDS``.
+        steps: optimizer steps per run; aio: the native backend's handle (``"python"`` needs no build).
+        build_under_zero_init: construct the model inside ``deepspeed.zero.Init`` (each parameter is
+            partitioned as it is created) instead of building it whole first, for models whose fp32
+            weights alone would not fit in RAM.
+    """
+    say = say or (lambda _m: None)
+    env = aio_env(extensions_dir=extensions_dir)
+    pre = preflight(env, build=build_aio) if "native" in backends and aio == "compiled" else \
+        {"aio": "python", "status": "aidaptiv_ds pure-Python handle"}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    points = []
+    for i, shape in enumerate(shapes):
+        for b in backends:
+            run_dir = os.path.join(work_dir, f"{stamp}-mem", f"{i:02d}-{b}")
+            spec = {"backend": b, "shape": dataclasses.asdict(shape), "settings": settings.as_dict(), "steps": steps,
+                    "seed": seed, "aio": pre["aio"], "native_dedup": True,
+                    "build_under_zero_init": build_under_zero_init}
+            say(f"{describe(shape)}: {b}")
+            res = run_worker(spec, run_dir, worker_env(b, env, same_allocator=False), timeout_s=timeout_s, say=say)
+            points.append({"backend": b, "n_params": shape.n_params(), "shape": shape.as_dict(), "ok": bool(res.get("ok")),
+                           "peak_rss_steps_bytes": res.get("peak_rss_steps_bytes"),
+                           "peak_rss_process_bytes": res.get("peak_rss_process_bytes"),
+                           "dram_tier_peak_bytes": max((s.get("dram_tier_bytes") or 0 for s in res.get("steps", [])),
+                                                       default=None),
+                           "median_step_s": _median([s["wall_s"] for s in res.get("steps", [])[1:]]),
+                           "error": None if res.get("ok") else res.get("error")})
+    fits = {}
+    for b in backends:
+        pts = [p for p in points if p["backend"] == b and p["ok"] and p["peak_rss_steps_bytes"]]
+        if len({p["n_params"] for p in pts}) >= 2:
+            a, slope = fit_line([p["n_params"] for p in pts], [p["peak_rss_steps_bytes"] for p in pts])
+            fits[b] = {"fixed_bytes": a, "bytes_per_param": slope, "points": len(pts)}
+    result = {"config": {**settings.as_dict(), "steps": steps, "backends": backends, "seed": seed,
+                         "build_under_zero_init": build_under_zero_init,
+                         "models": [describe(s) for s in shapes]},
+              "command": command, "machine": machine_info(work_dir), "code": code_version(), "aio": pre,
+              "points": points, "fits": fits}
+    result["table"] = format_table(result)
+    return result
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def format_table(result: dict) -> str:
+    """Markdown: peak RSS of the steps per size and backend, then the fitted slope and fixed part."""
+    backends = result["config"]["backends"]
+    sizes = sorted({p["n_params"] for p in result["points"]})
+    head = "| parameters | " + " | ".join(LABELS.get(b, b) for b in backends) + " |"
+    lines = [head, "|---|" + "---|" * len(backends)]
+    for n in sizes:
+        cells = []
+        for b in backends:
+            p = next((q for q in result["points"] if q["n_params"] == n and q["backend"] == b), None)
+            if p is None:
+                cells.append("")
+            elif not p["ok"]:
+                cells.append(f"failed: {(p['error'] or '')[:60]}")
+            else:
+                cells.append(f"{p['peak_rss_steps_bytes'] / GiB:.2f} GiB")
+        lines.append(f"| {n / 1e6:.1f}M | " + " | ".join(cells) + " |")
+    fits = result["fits"]
+    lines.append("| **slope, B/param** | " + " | ".join(
+        f"**{fits[b]['bytes_per_param']:.2f}**" if b in fits else "n/a" for b in backends) + " |")
+    lines.append("| fixed part | " + " | ".join(
+        f"{fits[b]['fixed_bytes'] / GiB:.2f} GiB" if b in fits else "n/a" for b in backends) + " |")
+    return "\n".join(lines)
