@@ -97,8 +97,13 @@ class AidaptivConfig(_Model):
         primary_path: for ``"affinity"``: the index of a rank's primary path, or ``"local_rank"``
             (``local_rank % len(cache_paths)``, the default).
         stripe_unit: RAID-0 stripe unit in bytes (default 1 MiB).
-        prefetch_bytes: most bytes read ahead of compute ("auto": from the budget, at least 2 slices).
+        prefetch_bytes: most bytes read ahead of compute, outside the budget ("auto": 2 x the largest
+            partition, at least 256 MiB).
         writeback_bytes: most bytes of write-back in flight ("auto": 512 MiB).
+        step_in_backward: run each optimizer sub-group's step inside the backward pass as soon as its
+            gradient is final, speculatively (``integration/backward_step.py``): ``"auto"`` (default:
+            where exact and the drives have room for a second copy of the optimizer state), ``true``
+            (refuse to start without that room) or ``false`` (every sub-group steps after backward).
         min_swap_bytes: partitions smaller than this stay in CPU memory like DeepSpeed's 1 MiB
             threshold (default 0: every partition goes through the store).
         checksum: CRC32 of every written block, verified on read (default false).
@@ -118,6 +123,7 @@ class AidaptivConfig(_Model):
     stripe_unit: Union[int, str] = 1 << 20
     prefetch_bytes: Union[int, str] = "auto"
     writeback_bytes: Union[int, str] = "auto"
+    step_in_backward: Union[bool, Literal["auto"]] = "auto"
     min_swap_bytes: Union[int, str] = 0
     checksum: bool = False
     keep_files: bool = False

@@ -89,6 +89,7 @@ class SubGroupGrads:
     extent: str | None = None
     pinned: bool = False
     resident: bool = False
+    nonfinite: bool = False  # an inf or NaN was accumulated in this window (tracked for fp16 only)
 
     @property
     def complete_now(self) -> bool:
@@ -247,6 +248,17 @@ class GradientStore:
         g.arrived_now.add(ds_id)
         return first
 
+    def check_finite(self, g: SubGroupGrads, accumulated: torch.Tensor) -> None:
+        """Record an inf/NaN in a partition's just-accumulated values (``accumulated``: its view, or the
+        device copy with the same values). Only when accumulating in fp16, where DeepSpeed's overflow
+        check scans its flat buffer; an inf or NaN, once accumulated, stays until the window ends."""
+        if self.dtype == torch.float16 and not g.nonfinite:
+            g.nonfinite = not bool(torch.isfinite(accumulated).all())
+
+    def any_nonfinite(self) -> bool:
+        """Some gradient of this window holds an inf or NaN (fp16 accumulation)."""
+        return any(g.nonfinite for g in self.groups if g.state is GradState.HELD)
+
     def close(self, index: int) -> None:
         """Unpin an open slice (its sub-group is done for this micro-step, or the window is full)."""
         g = self._open.pop(index, None)
@@ -290,17 +302,19 @@ class GradientStore:
 
     def consume(self, index: int) -> None:
         """The optimizer step took sub-group ``index`` 's gradient: drop it without writing (``EMPTY``)."""
-        g = self.groups[index]
-        self._open.pop(index, None)
-        self._unpin(g)
-        if g.slice is not None:
-            self.rt.tier.drop(g.slice)
+        g = self._open.pop(index, None) or self.groups[index]
+        s = g.slice
+        if s is not None:  # out of the tier first: releasing our reference must not evict it as dirty (a write)
+            s.dirty = False
+            self.rt.tier.drop(s)
+        g.pinned = False  # the reference went with the slice
         g.slice = None
         g.resident = False
         g.state = GradState.EMPTY
         g.on_drive = False
         g.arrived.clear()
         g.arrived_now.clear()
+        g.nonfinite = False
 
     def discard_all(self) -> None:
         """Throw the window's gradients away (the step was skipped, or every sub-group was stepped)."""

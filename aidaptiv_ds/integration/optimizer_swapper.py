@@ -57,6 +57,8 @@ class _Group:
     state_names: list = dataclasses.field(default_factory=list)
     resident: bool = False
     slice: Slice | None = None
+    speculating: bool = False  # a speculative step's new state goes to the shadow extent
+    keep_gradient: bool = False  # its gradient outlives the speculative step (a redo may need it)
 
     @property
     def valid_slots(self) -> int:
@@ -85,6 +87,7 @@ class AidaptivOptimizerSwapper:
         self.init_phase = False
         self.expected_states = expected_state_slots(optimizer)
         self.gradients: GradientStore | None = None  # set by the Stage-3 subclass before initialisation
+        self.wanted = None  # fn(index) -> bool: the sub-group is still to be stepped (worth reading ahead)
         self.swap_folder = os.path.join(runtime.namespace.rank_dir(0), f"optimizer{engine_id}")
         os.makedirs(self.swap_folder, exist_ok=True)
 
@@ -98,6 +101,9 @@ class AidaptivOptimizerSwapper:
     def _extent_key(self, g: _Group) -> str:
         return f"opt{self.engine_id}/{g.key}"
 
+    def _shadow_key(self, g: _Group) -> str:
+        return f"opt{self.engine_id}/{g.key}~"
+
     def _span(self, g: _Group, slots: int) -> int:
         """Bytes of the first ``slots`` slots, rounded up to the I/O alignment (slots are packed
         end to end, so only the extent's tail is padding)."""
@@ -108,7 +114,8 @@ class AidaptivOptimizerSwapper:
 
     def _writeback(self, g: _Group):
         def write(s: Slice):
-            return self.rt.store.write(self._extent_key(g), s.buf[: self._span(g, g.valid_slots)], 0, WRITE_BACK)
+            key = self._shadow_key(g) if g.speculating else self._extent_key(g)
+            return self.rt.store.write(key, s.buf[: self._span(g, g.valid_slots)], 0, WRITE_BACK)
         return write
 
     def _new_slice(self, g: _Group, buf: torch.Tensor) -> Slice:
@@ -157,11 +164,19 @@ class AidaptivOptimizerSwapper:
 
     def post_backward(self) -> None:
         """Backward finished: the first sub-group is needed next, so start reading it."""
-        if self.order:
-            g = self.groups[self.order[0]]
+        g = self._next_wanted(0)
+        if g is not None:
             self._load(g, READ_PREFETCH)
             if self.gradients is not None:
                 self.gradients.prefetch(g.index)
+
+    def _next_wanted(self, index: int) -> _Group | None:
+        """The first sub-group from ``index`` on (step order) that is still to be stepped."""
+        for key in self.order[index:]:
+            g = self.groups[key]
+            if self.wanted is None or self.wanted(g.index):
+                return g
+        return None
 
     def is_swappable_tensor(self, tensor=None, numel=None) -> bool:
         """Every sub-group is ours (resident ones just never leave DRAM); honours ``tensor.swappable``."""
@@ -217,6 +232,8 @@ class AidaptivOptimizerSwapper:
         s = self._load(g, READ_DEMAND)
         if async_parameter is not None:  # start the next sub-group's read before waiting for ours
             nxt = self.groups.get(str(async_parameter.ds_id))
+            if nxt is not None:
+                nxt = self._next_wanted(nxt.index)  # skipping sub-groups stepped inside backward
             if nxt is not None:
                 self._load(nxt, READ_PREFETCH)
                 if self.gradients is not None:
@@ -274,8 +291,63 @@ class AidaptivOptimizerSwapper:
             self.rt.tier.mark_dirty(s)
         if not g.resident:  # issue the write while the slice is still referenced: releasing a dirty slice
             self.rt.tier.write_back(s)  # first would evict it, and a dirty eviction writes and waits
-        self._release(g, parameter, consumed=not self.init_phase)
+        self._release(g, parameter, consumed=not self.init_phase and not g.keep_gradient)
         self.rt.tier.enforce_budget()
+
+    def prefetch(self, g: _Group) -> None:
+        """Start reading ``g`` 's master weights and state if they are not in DRAM."""
+        self._load(g, READ_PREFETCH)
+
+    # ------------------------------------------------------------------ speculative steps
+    def can_speculate(self, g: _Group) -> bool:
+        """A sub-group's step can run speculatively: not resident (a DRAM sub-group is stepped in place)
+        and its per-element state layout is known in advance (Adam-type: no extent growth mid-step)."""
+        return not g.resident and self.expected_states > 0 and g.slots == 1 + self.expected_states
+
+    def shadow_bytes(self) -> int:
+        """Drive bytes the shadow extents of the non-resident sub-groups take (2x their state)."""
+        return sum(self._span(g, g.slots) for g in self.groups.values() if not g.resident)
+
+    def begin_speculation(self, g: _Group, parameter, keep_gradient: bool) -> dict:
+        """Write ``g`` 's next state beside its current one until :meth:`commit` or :meth:`discard`;
+        returns the optimizer's per-parameter scalars (Adam's ``step``) and state names to restore on
+        a discard. The shadow extent is allocated once and kept (a sub-group's two extents alternate)."""
+        self.rt.store.allocate(self._shadow_key(g), self._span(g, g.slots))
+        g.speculating = True
+        g.keep_gradient = keep_gradient
+        state = self.optimizer.state.get(parameter)
+        scalars = None if state is None else {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()
+                                               if k not in g.state_names}
+        return {"state": scalars, "names": list(g.state_names)}
+
+    def commit(self, g: _Group) -> None:
+        """Accept the speculative step: its shadow becomes the current extent (no I/O)."""
+        if g.speculating:
+            g.speculating = False
+            self.rt.store.swap_extents(self._extent_key(g), self._shadow_key(g))
+        g.keep_gradient = False
+
+    def discard(self, g: _Group, parameter, snapshot: dict) -> None:
+        """Reject the speculative step: the current extent still holds the state before it; host copies
+        of the new state are dropped and the optimizer's scalars and state names restored."""
+        g.speculating = False
+        g.keep_gradient = False
+        if g.slice is not None:
+            while g.slice is not None and g.slice.refs:
+                self.rt.tier.release(g.slice)
+            if g.slice is not None:
+                g.slice.dirty = False  # its bytes are the rejected state: never written below
+                self.rt.tier.drop(g.slice)
+        g.state_names = list(snapshot["names"])
+        if snapshot["state"] is None:
+            self.optimizer.state.pop(parameter, None)
+        else:
+            state = self.optimizer.state.setdefault(parameter, {})
+            for k in [k for k in state if k not in g.state_names]:
+                del state[k]
+            state.update(snapshot["state"])
+            for n in g.state_names:
+                state.setdefault(n, torch.empty(0, dtype=self.dtype))
 
     def _release(self, g: _Group, parameter, consumed: bool = False) -> None:
         """Unbind the sub-group's views; ``consumed``: the optimizer stepped on its gradient (drop it)."""

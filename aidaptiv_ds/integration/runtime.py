@@ -128,6 +128,7 @@ class Runtime:
         self.io_wait = Timer()
         self.param_swapper = None  # the process's AidaptivParamSwapper, created by the first zero.Init
         self.optimizer_swappers: list = []
+        self.steppers: list = []  # every engine's BackwardStepper (in-backward step counters)
         self.checkpoint_bytes_written = 0  # bytes our checkpoint saves wrote (not on the cache tier)
         self.checkpoint_bytes_cloned = 0  # bytes they shared with the slab by copy-on-write clones
         self.closed = False
@@ -191,6 +192,10 @@ class Runtime:
             "dram_bytes": self.tier.held_bytes,
             "dram_peak_bytes": self.tier.peak_bytes,
             "io_wait_s": self.io_wait.seconds,
+            "optimizer_steps": {k: sum(getattr(st.counters, k) for st in self.steppers)
+                                for k in ("in_backward", "committed", "redone", "rolled_back", "after_backward")},
+            "grad_spilled_bytes": sum(sw.gradients.spilled_bytes for sw in self.optimizer_swappers
+                                      if sw.gradients is not None),
         }
 
     def check(self) -> None:

@@ -27,51 +27,15 @@ from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
 from .config import AidaptivConfigError, section_enabled, validate
+from ..io.errors import StorageFullError
+from .backward_step import BackwardStepMixin, BackwardStepper
+from .grad_path import GradientPathMixin
 from .gradients import GradientStore
 from .optimizer_swapper import AidaptivOptimizerSwapper
 from .runtime import auto_dram_budget, get_runtime
 
 log = logging.getLogger("aidaptiv_ds")
 _ENGINE_IDS = itertools.count()
-
-
-class NoFlatGradientBuffer(dict):
-    """Stands in for DeepSpeed's ``__param_id_to_grad_partition`` (views of its flat host gradient
-    buffer, which an engine on aidaptiv_ds does not allocate): every access names the problem."""
-
-    def __getitem__(self, ds_id):
-        raise AidaptivConfigError(
-            f"aidaptiv_ds: a DeepSpeed code path asked for the flat host gradient buffer of parameter ds_id={ds_id}; "
-            f"an engine on aidaptiv_ds keeps gradients in its gradient store instead, so that feature (ZenFlow, "
-            f"DeepCompile, SuperOffload, Muon on offloaded state) is not supported with the \"aidaptiv\" section. "
-            f"Fix: disable it, or run DeepSpeed's own offload (\"aidaptiv\": {{\"enabled\": false}}).")
-
-    def __contains__(self, ds_id) -> bool:
-        return False
-
-
-def accumulate_gradient(buf: torch.Tensor, grad_partition: torch.Tensor, first: bool, accum: torch.dtype
-                        ) -> torch.Tensor:
-    """Copy or add one gradient partition into its accumulation view ``buf`` (host memory), with
-    DeepSpeed's operations (``partition_grads``, ``stage3.py:2024-2039``); returns the tensor DeepSpeed
-    takes the partition's norm of (``buf``, or its device copy when the gradient is on a GPU).
-
-    Args:
-        buf: the partition's view in its sub-group's gradient slice (``accum`` dtype, ``grad_partition.numel()``).
-        grad_partition: the reduced gradient partition (any float dtype; CPU or an accelerator).
-        first: the partition's first gradient of the accumulation window (copy instead of add).
-        accum: the gradient-accumulation dtype.
-    """
-    if first:
-        buf.copy_(grad_partition, non_blocking=True)
-        return buf if get_accelerator().on_accelerator(buf) else grad_partition.to(accum)
-    if get_accelerator().on_accelerator(buf):
-        buf.add_(grad_partition.to(accum).view(buf.shape))
-        return buf
-    dev = buf.to(grad_partition.device, non_blocking=True)  # adding on the host is slow (DeepSpeed's comment)
-    dev.add_(grad_partition.to(accum).view(dev.shape))
-    buf.copy_(dev, non_blocking=True)
-    return dev
 
 
 #: Optimizer sub-groups in flight at once (read i+1, update i, write back i-1), bytes per element each
@@ -104,7 +68,7 @@ def auto_sub_group_size(ds_config: dict, module, runtime) -> int | None:
 def make_stage3_class(base: type) -> type:
     """Subclass DeepSpeed's Stage-3 optimizer class ``base`` (kept as ``AidaptivStage3.__base__``)."""
 
-    class AidaptivZeroOptimizer_Stage3(base):
+    class AidaptivZeroOptimizer_Stage3(BackwardStepMixin, GradientPathMixin, base):
         """DeepSpeed ZeRO-3 optimizer whose NVMe offload runs on aidaptiv_ds (see module docstring)."""
 
         def __new__(cls, *args, **kwargs):
@@ -154,106 +118,6 @@ def make_stage3_class(base: type) -> type:
                                                   p.ds_id not in psw._loc for p in params):
                     continue
                 psw.alias_to_master(params, ExtentView(self._aidaptiv_rt.store, sw._extent_key(g), g.slot_bytes))
-
-        # ---------------------------------------------------------------- gradients (gradients.py)
-        def _setup_for_real_optimizer(self):
-            """DeepSpeed's ``_setup_for_real_optimizer`` (``stage3.py:761-805``) without its flat host
-            gradient buffer: the gradient partitions accumulate in :class:`GradientStore` instead."""
-            import deepspeed.comm as dist
-            self._create_fp32_partitions()
-            dist.barrier()
-            self._create_next_swappable_fp32_groups()
-            self.initialize_optimizer_states()
-            dist.barrier()
-            if self.contiguous_gradients:
-                for dtype, bucket in self.ipg_buckets.items():
-                    bucket.buffer = torch.empty(self.reduce_bucket_size, dtype=dtype,
-                                                device=get_accelerator().current_device_name())
-            self.grad_partitions_flat_buffer = None
-            setattr(self, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", NoFlatGradientBuffer())
-
-        def _aidaptiv_grad_layout(self) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
-            """Per sub-group: elements and partitions that receive gradients; per ``ds_id``: (sub-group,
-            offset). The layout of DeepSpeed's ``grad_position`` (``set_grad_positions``, stage3.py:1948)."""
-            numels, expected, where = [], [], {}
-            for i, group in enumerate(self.fp16_groups):
-                off, n_exp = 0, 0
-                for p in group:
-                    where[p.ds_id] = (i, off)
-                    real = p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
-                    n_exp += int(p.requires_grad and real)
-                    off += p.partition_numel()
-                numels.append(off)
-                expected.append(n_exp)
-            return numels, expected, where
-
-        def partition_grads(self, params_to_release, grad_partitions):
-            """DeepSpeed's ``partition_grads`` (``stage3.py:2006-2052``) on the gradient store: the same
-            copy/add arithmetic into per-sub-group slices, the same per-parameter norms at the boundary;
-            nothing is handed to the swapper here (the optimizer swap-in takes the gradient from the store)."""
-            grads = self._aidaptiv_grads
-            boundary = self.is_gradient_accumulation_boundary()
-            accum = self.gradient_accumulation_dtype
-            completed, buffers = [], []
-            for param, grad_partition in zip(params_to_release, grad_partitions):
-                if not param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
-                    param.grad = None  # this rank's partition of the parameter is padding only
-                    continue
-                self._offload_boundary_param_ids.add(param.ds_id)
-                i, off = self._aidaptiv_grad_where[param.ds_id]
-                g = grads.open(i)
-                view = grads.view(g, off, grad_partition.numel())
-                first = grads.arrive(g, param.ds_id)
-                norm_source = accumulate_gradient(view, grad_partition, first, accum)
-                buffers.append(view)
-                if boundary:
-                    self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(norm_source)
-                if not get_accelerator().is_synchronized_device() and param.grad is not None:
-                    param.grad.record_stream(get_accelerator().current_stream())
-                param.grad = None
-                if g.complete_now:
-                    completed.append(i)
-            for i in completed:
-                grads.close(i)
-            return buffers
-
-        def _finalize_offload_gradient_accumulation(self):
-            """Unmanaged gradient accumulation (``managed_gradient_accumulation: false``): every
-            ``step()`` is the boundary; the norms come from the accumulated partitions, as DeepSpeed's
-            ``_finalize_offload_gradient_accumulation`` (``stage3.py:1467-1482``) takes them."""
-            grads = self._aidaptiv_grads
-            for group in self.fp16_groups:
-                for param in group:
-                    if param.ds_id not in self._offload_boundary_param_ids:
-                        continue
-                    i, off = self._aidaptiv_grad_where[param.ds_id]
-                    g = grads.open(i)
-                    t = grads.view(g, off, param.partition_numel())
-                    if not get_accelerator().on_accelerator(t):
-                        if grads.device_sync is not None:
-                            grads.device_sync()
-                        t = t.to(get_accelerator().current_device_name(), non_blocking=True)
-                    self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(t)
-            grads.end_backward()
-
-        def independent_gradient_partition_epilogue(self):
-            super().independent_gradient_partition_epilogue()
-            self._aidaptiv_grads.end_backward()
-            if self.is_gradient_accumulation_boundary():
-                self._aidaptiv_rt.end_of_step()  # the activations are freed: return them before the step
-
-        def reset_cpu_buffers(self):
-            """After every step and after an fp16 overflow (``_overflow_clean_up``): the window's
-            gradients are consumed or thrown away."""
-            super().reset_cpu_buffers()
-            self._aidaptiv_grads.discard_all()
-
-        def offload_states(self, *args, **kwargs):
-            raise AidaptivConfigError(
-                "aidaptiv_ds: engine.offload_states() moves DeepSpeed's flat host gradient buffer and fp32 "
-                "partitions, which an engine on aidaptiv_ds does not have (its state is in the DRAM tier and on "
-                "the cache drives already). Fix: do not call offload_states() with the \"aidaptiv\" section "
-                "enabled; lower aidaptiv.dram_budget instead to keep less in host memory.")
 
         def initialize_optimizer_states(self):
             sw = self.optimizer_swapper
@@ -317,7 +181,28 @@ def make_stage3_class(base: type) -> type:
                 held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
                 rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
                 rt.release_host_memory()  # what the smaller budget evicted goes back to the OS
-            plan = plan_residency(sizes, rt.budget)
+            clip = float(getattr(self, "clip_grad", 0.0) or 0.0) > 0.0
+            state_bytes = sum(round_up(n * sw.elsize * slots, align) for n in numels)
+            speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 and sw.expected_states > 0
+            while True:
+                sizes.grads_transient = speculate and not clip
+                plan = plan_residency(sizes, rt.budget)
+                grads_stored = sum(b for i, b in enumerate(grad_slices) if i not in plan.resident_grad_subgroups)
+                shadows = sum(round_up(numels[i] * sw.elsize * slots, align) for i in range(len(numels))
+                              if i not in plan.resident_subgroups) if speculate else 0
+                need = state_bytes + shadows + (0 if sizes.grads_transient else grads_stored)
+                what = "the optimizer state" + (", a second copy of it for steps inside backward" if speculate else "") \
+                    + ("" if sizes.grads_transient or not grads_stored else " and the gradients")
+                try:
+                    rt.store.preflight(need, what)
+                    break
+                except StorageFullError:
+                    if not speculate or rt.cfg.step_in_backward is True:
+                        raise
+                    speculate = False  # "auto": step after backward, which needs no second copy
+                    if rt.rank == 0:
+                        log.warning("aidaptiv_ds: the cache paths lack room for a second copy of the optimizer "
+                                    "state, so optimizer steps run after backward (step_in_backward: \"auto\")")
             sw.plan = plan
             rt.settle_host_memory_reuse(ws - RANK_OVERHEAD_BYTES, plan.cache_bytes)
             device_sync = None
@@ -327,20 +212,21 @@ def make_stage3_class(base: type) -> type:
                 rt, self._aidaptiv_engine_id, accum, grad_numels, expected, window_bytes=grad_window,
                 resident_bytes=sum(grad_slices[i] for i in plan.resident_grad_subgroups), device_sync=device_sync,
                 resident_subgroups=plan.resident_grad_subgroups)
-            store_bytes = sum(-(-n * sw.elsize * slots // align) * align for n in numels) + \
-                sum(b for i, b in enumerate(grad_slices) if i not in plan.resident_grad_subgroups)
-            rt.store.preflight(store_bytes, "the optimizer state" if plan.grads_resident
-                               else "the optimizer state and gradients")
+            self._aidaptiv_stepper = BackwardStepper(self, enabled=speculate, keep_gradients=clip)
+            sw.wanted = self._aidaptiv_stepper.wanted
+            rt.steppers.append(self._aidaptiv_stepper)
             if psw is not None and plan.params_resident:
                 psw.make_resident()
             self.aidaptiv_plan = plan
             self.aidaptiv_sizes = sizes
             if rt.rank == 0:
-                n_grad = len(plan.resident_grad_subgroups)
-                log.info("aidaptiv_ds: DRAM budget %s -> gradients of %d/%d sub-groups, parameters %s, %d/%d optimizer "
-                         "sub-groups in DRAM; %s written to the cache tier per step", format_bytes(rt.budget), n_grad,
-                         len(grad_slices), "in DRAM" if plan.params_resident else "on the cache tier",
-                         len(plan.resident_subgroups), len(numels), format_bytes(plan.write_bytes_per_step))
+                grads = ("consumed inside backward" if sizes.grads_transient else
+                         f"of {len(plan.resident_grad_subgroups)}/{len(grad_slices)} sub-groups in DRAM")
+                log.info("aidaptiv_ds: DRAM budget %s -> gradients %s, parameters %s, %d/%d optimizer sub-groups in "
+                         "DRAM; optimizer steps %s; %s written to the cache tier per step", format_bytes(rt.budget),
+                         grads, "in DRAM" if plan.params_resident else "on the cache tier", len(plan.resident_subgroups),
+                         len(numels), "inside backward (speculative" + (", redone when clipping)" if clip else ")")
+                         if speculate else "after backward", format_bytes(plan.write_bytes_per_step))
 
     AidaptivZeroOptimizer_Stage3.__qualname__ = "AidaptivZeroOptimizer_Stage3"
     return AidaptivZeroOptimizer_Stage3

@@ -110,7 +110,8 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     ``alias_params``: gradients, sub-groups, parameters).
 
     Gradient slices are taken one by one in backward order (last sub-group first) while they fit
-    (transient gradients take none); parameters as one block; sub-groups one by one in step order (a
+    (transient gradients take none, except those of sub-groups kept in DRAM, which are stepped after
+    backward: their slice is charged with the sub-group); parameters as one block; sub-groups one by one in step order (a
     sub-group that does not fit is skipped and a later, smaller one may still fit). Bytes written per
     step = non-resident parameters (with ``alias_params``: only those of resident sub-groups) +
     non-resident gradient slices + non-resident sub-groups; bytes read per step = 2 x non-resident
@@ -118,10 +119,8 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     """
     left = max(int(budget), 0)
     slices = sizes.grad_slices()
-    if sizes.grads_transient:
-        grad_res = list(range(len(slices)))
-    else:
-        grad_res = []
+    grad_res: list[int] = []
+    if not sizes.grads_transient:
         for i in reversed(range(len(slices))):
             if slices[i] <= left:
                 grad_res.append(i)
@@ -134,9 +133,14 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
             left -= sizes.param_bytes
     resident = []
     for i, b in enumerate(sizes.subgroup_bytes):
-        if b <= left:
+        # a sub-group kept in DRAM is stepped after backward, so with transient gradients its own
+        # gradient slice stays in DRAM until then too
+        cost = b + (slices[i] if sizes.grads_transient and i < len(slices) else 0)
+        if cost <= left:
             resident.append(i)
-            left -= b
+            left -= cost
+    if sizes.grads_transient:
+        grad_res = [i for i in resident if i < len(slices)]
     if sizes.alias_params:
         params = sizes.param_bytes <= left
         if params:
@@ -148,9 +152,10 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
         p_w = sum(sizes.subgroup_param_bytes[i] for i in resident)
     else:
         p_w = sizes.param_bytes
-    g_w = sum(b for i, b in enumerate(slices) if i not in grad_res)
+    g_w = 0 if sizes.grads_transient else sum(b for i, b in enumerate(slices) if i not in grad_res)
     return ResidencyPlan(
-        budget=int(budget), grads_resident=len(grad_res) == len(slices), resident_grad_subgroups=grad_res,
+        budget=int(budget), grads_resident=sizes.grads_transient or len(grad_res) == len(slices),
+        resident_grad_subgroups=grad_res,
         params_resident=params, resident_subgroups=resident,
         resident_bytes=max(int(budget), 0) - left, cache_bytes=left,
         write_bytes_per_step=p_w + g_w + opt_written,

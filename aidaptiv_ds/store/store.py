@@ -314,6 +314,23 @@ class SlabStore:
         with self._lock:
             return list(self._extents)
 
+    def swap_extents(self, a: str, b: str) -> None:
+        """Exchange the bytes of two extents of the same size by exchanging their places (no I/O): what
+        was written to ``b`` is read under ``a`` from now on, and the other way round. Requests in
+        flight keep their order, which follows byte places, not keys: a read of ``a`` issued after this
+        waits for a write to ``b`` issued before it. The copy-on-commit of a speculative optimizer step
+        (new state written beside the old one, made current when the step is accepted).
+
+        Raises:
+            KeyError: either extent does not exist; ValueError: their sizes differ.
+        """
+        with self._lock:
+            ea, eb = self._extents[a], self._extents[b]
+            if ea.nbytes != eb.nbytes:
+                raise ValueError(f"extents {a!r} ({ea.nbytes} bytes) and {b!r} ({eb.nbytes} bytes) differ in size")
+            self._extents[a] = Extent(a, eb.offset, eb.nbytes)
+            self._extents[b] = Extent(b, ea.offset, ea.nbytes)
+
     def free(self, key: str) -> None:
         """Return ``key``'s extent for reuse (its bytes become undefined)."""
         with self._lock:

@@ -25,6 +25,10 @@ Snapshot keys (all ints unless noted):
     ``dram_bytes``: bytes the DRAM tier holds now; ``dram_peak_bytes``: the most it held.
     ``io_wait_s`` (float): seconds the training thread waited on I/O.
     ``proc_read_bytes`` / ``proc_write_bytes``: ``/proc/self/io`` read_bytes / write_bytes.
+    ``optimizer_steps``: dict path -> optimizer sub-group steps taken that way (``in_backward``,
+        ``committed``, ``redone``, ``rolled_back``, ``after_backward``: see
+        :class:`aidaptiv_ds.integration.backward_step.StepCounters`).
+    ``grad_spilled_bytes``: gradient bytes written to the cache tier (part of ``bytes_written``).
 """
 from __future__ import annotations
 
@@ -88,7 +92,7 @@ def snapshot(settle_first: bool = False) -> dict:
     if settle_first:
         settle()
     snap: dict = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, "dram_bytes": 0, "dram_peak_bytes": 0,
-                  "io_wait_s": 0.0}
+                  "io_wait_s": 0.0, "optimizer_steps": {}, "grad_spilled_bytes": 0}
     with _lock:
         providers = list(_providers.values())
     for fn in providers:
@@ -100,8 +104,10 @@ def snapshot(settle_first: bool = False) -> dict:
             cur = snap["per_path"].setdefault(path, {"bytes_read": 0, "bytes_written": 0})
             for k in cur:
                 cur[k] += v.get(k, 0)
-        for k in ("dram_bytes", "dram_peak_bytes", "io_wait_s"):
+        for k in ("dram_bytes", "dram_peak_bytes", "io_wait_s", "grad_spilled_bytes"):
             snap[k] += d.get(k, 0)
+        for k, v in d.get("optimizer_steps", {}).items():
+            snap["optimizer_steps"][k] = snap["optimizer_steps"].get(k, 0) + v
     p = proc_io()
     snap["proc_read_bytes"], snap["proc_write_bytes"] = p["read_bytes"], p["write_bytes"]
     return snap
@@ -115,6 +121,9 @@ def delta(after: dict, before: dict) -> dict:
     out["per_path"] = {p: {kk: v[kk] - before["per_path"].get(p, {}).get(kk, 0) for kk in v}
                        for p, v in after["per_path"].items()}
     out["io_wait_s"] = after["io_wait_s"] - before["io_wait_s"]
+    out["optimizer_steps"] = {k: v - before.get("optimizer_steps", {}).get(k, 0)
+                              for k, v in after.get("optimizer_steps", {}).items()}
+    out["grad_spilled_bytes"] = after.get("grad_spilled_bytes", 0) - before.get("grad_spilled_bytes", 0)
     out["proc_read_bytes"] = after["proc_read_bytes"] - before["proc_read_bytes"]
     out["proc_write_bytes"] = after["proc_write_bytes"] - before["proc_write_bytes"]
     out["dram_bytes"], out["dram_peak_bytes"] = after["dram_bytes"], after["dram_peak_bytes"]

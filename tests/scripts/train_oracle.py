@@ -50,6 +50,8 @@ def parse():
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--budget", default="0")
     ap.add_argument("--sub_group_size", type=float, default=1e9)
+    ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--cache", default="/tmp/aidaptiv_oracle")
     ap.add_argument("--cache_paths", default="", help="comma-separated aidaptiv cache paths (default: --cache)")
     ap.add_argument("--zinit", action="store_true", help="build the model under deepspeed.zero.Init")
@@ -89,7 +91,8 @@ def ds_config(a) -> dict:
         "train_micro_batch_size_per_gpu": a.micro,
         "gradient_accumulation_steps": a.ga,
         "steps_per_print": 10 ** 9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": not a.cpu_adam}},
+        "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.01, "torch_adam": not a.cpu_adam}},
+        "gradient_clipping": a.clip,
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": int(a.sub_group_size),
@@ -311,7 +314,7 @@ def main():
     eng = build(a, cfg)
     rank = eng.global_rank
     vocab = getattr(getattr(eng.module, "config", None), "vocab_size", 512)
-    losses, io = [], []
+    losses, io, norms = [], [], []
     micro, first = 0, 0
     if a.resume:
         path, client = eng.load_checkpoint(a.ckpt_dir, load_optimizer_states=not a.no_optimizer_state)
@@ -338,6 +341,7 @@ def main():
         if current_runtime() is not None:  # count every write of this step in this step
             current_runtime().flush()
         losses.append(step_losses)
+        norms.append(float(eng.get_global_grad_norm() or 0.0))
         io.append(counters.delta(counters.snapshot(), before))
         if a.progress:
             print(f"aidaptiv-test: step {step} done", flush=True)
@@ -394,7 +398,7 @@ def main():
                          "segment_bytes": dict(shadow.segment_bytes) if shadow is not None else None})
         torch.save(mine, os.path.join(a.rank_out, f"rank{rank}.pt"))
     if rank == 0:
-        torch.save({"losses": losses, "params": params, "masters": masters, "io": io, "nparams": nparams,
+        torch.save({"losses": losses, "norms": norms, "params": params, "masters": masters, "io": io, "nparams": nparams,
                     "world": eng.world_size, **extra}, a.out)
     print(json.dumps({"losses": losses}))
 

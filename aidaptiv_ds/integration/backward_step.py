@@ -1,0 +1,325 @@
+"""The optimizer step inside the backward pass, kept exact by speculation (Fuyou's / Ratel's "active
+gradient offloading"; DeepSpeed's ``superoffload_stage3.py`` does it for CPU Adam without clipping).
+
+At the gradient-accumulation boundary, a sub-group's gradient is final as soon as every partition of
+it that receives gradients has arrived in this micro-step (:attr:`SubGroupGrads.complete_now`). Its
+master weights and moments are read then (prefetched when its first partition arrived) and Adam runs
+on it while backward goes on with earlier layers; its gradient is dropped unwritten.
+
+[Note: why it is speculative]
+
+DeepSpeed's step depends on two things known only after the whole backward: the global gradient norm
+(clipping: ``unscale_and_clip_grads`` scales every gradient by ``clamp(norm / clip, min=1)``) and
+whether it is finite (DeepSpeed skips the step on an invalid norm, ``stage3.py:2883``, in any
+precision, and the norm is all-reduced, so one rank's NaN skips every rank's step). So each early step
+is a *speculation*: it assumes a clipping factor of exactly 1.0 (DeepSpeed then multiplies by ``1 /
+loss_scale``: the same operation, the same bits) and writes its new state to a shadow extent, the
+old one staying intact (:meth:`AidaptivOptimizerSwapper.begin_speculation`). When DeepSpeed's step
+computes the norm (:meth:`BackwardStepper.settle`):
+
+* finite and not clipping, and the optimizer's hyperparameters unchanged: **commit**: the shadows
+  become current (a swap of two extents, no I/O) and DeepSpeed's per-sub-group loop skips those
+  sub-groups;
+* clipping: **redo**: the shadows are dropped, the optimizer's scalars (Adam's ``step``) restored, and
+  DeepSpeed's loop steps those sub-groups again from the old state with the clipped gradients, which
+  were kept for that (in DRAM within the budget, written beyond it);
+* invalid (or an fp16 overflow): **roll back**: the shadows are dropped and the parameters rewritten
+  from the old master weights (DeepSpeed skips the step).
+
+A speculation costs a second extent per sub-group on the drives (``2 x`` the optimizer state while a
+step is open) and, with clipping on, the kept gradients; the preflight decides whether the space is
+there (:func:`speculation_mode`), otherwise every sub-group steps after backward.
+
+Each sub-group has a :class:`SubGroupStep` record with an explicit state: ``PENDING`` -> (backward)
+``SPECULATED`` -> (settle) ``COMMITTED`` or back to ``PENDING`` (redo, rollback) -> (end of step)
+``PENDING``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+
+import torch
+
+log = logging.getLogger("aidaptiv_ds")
+
+
+class StepState(enum.Enum):
+    PENDING = "pending"        # stepped by DeepSpeed's own loop after backward (if at all)
+    STEPPING = "stepping"      # its speculative step is running (DeepSpeed's per-sub-group methods act)
+    SPECULATED = "speculated"  # stepped in backward, new state in its shadow extent, old state kept
+    COMMITTED = "committed"    # the speculation was accepted: DeepSpeed's loop skips it this step
+
+
+@dataclasses.dataclass
+class SubGroupStep:
+    """The in-backward step state of one optimizer sub-group (see the module's notes)."""
+    index: int
+    state: StepState = StepState.PENDING
+    snapshot: dict | None = None  # optimizer scalars and state names before the speculative step
+    hyper: dict | None = None  # the param group's hyperparameters the speculative step used
+
+
+@dataclasses.dataclass
+class StepCounters:
+    """Sub-group steps per path, cumulative (the metrics record their per-step deltas)."""
+    in_backward: int = 0  # speculative steps run inside backward
+    committed: int = 0  # of those, accepted
+    redone: int = 0  # re-run after backward (clipping, changed hyperparameters)
+    rolled_back: int = 0  # thrown away (invalid norm / overflow: the step was skipped)
+    after_backward: int = 0  # sub-groups DeepSpeed's own loop stepped (never speculated, or redone)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _hyper(group: dict) -> dict:
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in group.items() if k != "params"}
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            if not (torch.is_tensor(x) and torch.is_tensor(y) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+class BackwardStepper:
+    """Runs, settles and undoes speculative sub-group steps for one Stage-3 optimizer ``opt``.
+
+    Args:
+        opt: the :func:`~aidaptiv_ds.integration.stage3.make_stage3_class` optimizer (DeepSpeed's
+            per-sub-group methods are called on it).
+        enabled: speculation allowed at all (the mode chosen at initialisation).
+        keep_gradients: clipping is on: gradients must outlive their speculative step until settled.
+    """
+
+    def __init__(self, opt, enabled: bool, keep_gradients: bool) -> None:
+        self.opt = opt
+        self.enabled = enabled
+        self.keep_gradients = keep_gradients
+        self.subgroups = [SubGroupStep(i) for i in range(len(opt.fp16_groups))]
+        self.counters = StepCounters()
+
+    # ------------------------------------------------------------------ queries
+    def state(self, index: int) -> StepState:
+        return self.subgroups[index].state
+
+    def skips(self, index: int) -> bool:
+        """DeepSpeed's per-sub-group step methods do nothing for ``index`` (stepped in backward)."""
+        return self.subgroups[index].state in (StepState.SPECULATED, StepState.COMMITTED)
+
+    def wanted(self, index: int) -> bool:
+        """Sub-group ``index`` will still be stepped this window (worth reading ahead)."""
+        return self.subgroups[index].state is StepState.PENDING
+
+    def speculated(self) -> list[SubGroupStep]:
+        return [r for r in self.subgroups if r.state is StepState.SPECULATED]
+
+    def _swapper_group(self, index: int):
+        sw = self.opt.optimizer_swapper
+        return sw, sw.groups[str(self.opt.fp32_partitioned_groups_flat[index].ds_id)]
+
+    def may_speculate(self, index: int) -> bool:
+        opt = self.opt
+        if not self.enabled or opt.dtype == torch.float16 or not opt._swappable_optimizer_subgroup(index):
+            return False
+        sw, g = self._swapper_group(index)
+        return sw.can_speculate(g)
+
+    # ------------------------------------------------------------------ backward
+    def prefetch(self, index: int) -> None:
+        """Sub-group ``index`` is receiving its gradients: start reading its state (and the next one's)."""
+        if self.may_speculate(index) and self.subgroups[index].state is StepState.PENDING:
+            sw, g = self._swapper_group(index)
+            sw.prefetch(g)
+
+    def step_in_backward(self, index: int) -> bool:
+        """Sub-group ``index`` 's gradient is final: step it now, speculatively. Returns True if it ran."""
+        rec = self.subgroups[index]
+        if rec.state is not StepState.PENDING or not self.may_speculate(index):
+            return False
+        opt = self.opt
+        sw, g = self._swapper_group(index)
+        fp32 = opt.fp32_partitioned_groups_flat[index]
+        rec.snapshot = sw.begin_speculation(g, fp32, keep_gradient=self.keep_gradients)
+        rec.hyper = _hyper(opt.optimizer.param_groups[opt.sub_group_to_group_id[index]])
+        rec.state = StepState.STEPPING
+        try:
+            opt._prepare_sub_group(index, None)  # None: no read-ahead of the sub-group after it (stepped already)
+            # no clipping assumed: DeepSpeed's own call with a clipping factor of exactly 1.0
+            opt.unscale_and_clip_grads(index, torch.zeros((), dtype=torch.float64))
+            opt._optimizer_step(index)
+            opt._reassign_or_swap_out_partitioned_parameters(index)
+            opt._release_sub_group(index, None)
+        except BaseException:
+            rec.state = StepState.PENDING
+            sw.discard(g, fp32, rec.snapshot)
+            raise
+        rec.state = StepState.SPECULATED
+        self.counters.in_backward += 1
+        return True
+
+    # ------------------------------------------------------------------ settle
+    def settle(self, scaled_global_norm, loss_scale: float, clip_grad: float) -> None:
+        """DeepSpeed computed the global norm (``step()``): commit or redo the speculated sub-groups
+        (an invalid norm is left to :meth:`rollback_all`, which DeepSpeed's overflow clean-up triggers)."""
+        from deepspeed.runtime.utils import is_invalid_grad_norm
+
+        pending = self.speculated()
+        if not pending or is_invalid_grad_norm(scaled_global_norm):
+            return
+        clips = False
+        if clip_grad > 0.0:  # DeepSpeed's unscale_and_clip_grads, stage3.py:2979-2988
+            clip = ((scaled_global_norm / loss_scale) + 1e-6) / clip_grad
+            clips = bool(torch.clamp(clip, min=1.0) != 1.0)
+        opt = self.opt
+        for rec in pending:
+            sw, g = self._swapper_group(rec.index)
+            same = _same(rec.hyper, _hyper(opt.optimizer.param_groups[opt.sub_group_to_group_id[rec.index]]))
+            if clips or not same:
+                sw.discard(g, opt.fp32_partitioned_groups_flat[rec.index], rec.snapshot)
+                rec.state = StepState.PENDING  # DeepSpeed's loop steps it again, from the old state
+                self.counters.redone += 1
+            else:
+                sw.commit(g)
+                if self.keep_gradients:
+                    sw.gradients.consume(rec.index)
+                rec.state = StepState.COMMITTED
+                self.counters.committed += 1
+
+    def rollback_all(self) -> None:
+        """The step is skipped (invalid norm, fp16 overflow): drop every speculation and rewrite its
+        parameters from the old master weights."""
+        opt = self.opt
+        for rec in self.speculated() + [r for r in self.subgroups if r.state is StepState.COMMITTED]:
+            sw, g = self._swapper_group(rec.index)
+            fp32 = opt.fp32_partitioned_groups_flat[rec.index]
+            if rec.state is StepState.COMMITTED:
+                raise RuntimeError(f"aidaptiv_ds: sub-group {rec.index} was committed before the step was skipped")
+            sw.discard(g, fp32, rec.snapshot)
+            rec.state = StepState.STEPPING  # let DeepSpeed's methods act: restore the partitions
+            try:
+                opt._optimizer_states_and_gradient_swap_in(rec.index)
+                opt._reassign_or_swap_out_partitioned_parameters(rec.index)
+                opt._release_swap_buffers(rec.index)
+            finally:
+                rec.state = StepState.PENDING
+            self.counters.rolled_back += 1
+
+    def end_step(self, stepped_after: int) -> None:
+        """The optimizer step is over: every record back to ``PENDING``."""
+        self.counters.after_backward += stepped_after
+        for rec in self.subgroups:
+            rec.state = StepState.PENDING
+            rec.snapshot = rec.hyper = None
+
+
+class BackwardStepMixin:
+    """In-backward step overrides of the Stage-3 subclass (DeepSpeed 0.19.8 seams:
+    ``_prepare_sub_group``, ``unscale_and_clip_grads``, ``_optimizer_step``,
+    ``_reassign_or_swap_out_partitioned_parameters``, ``_release_sub_group`` (``stage3.py:2702-2741,
+    1235-1262, 2854-2864, 2979-2988``) do nothing for a sub-group stepped in backward;
+    ``_partitioned_params_swap_out`` (``stage3.py:1271-1290``) sends every NVMe partition to the swapper
+    whatever its status; ``_get_norm_groups`` (``stage3.py:2573``) settles the speculations;
+    ``_overflow_clean_up`` and ``_post_step`` (``stage3.py:2799, 2835``) end them)."""
+
+    _aidaptiv_stepper: BackwardStepper | None = None
+
+    # ---------------------------------------------------------------- called from partition_grads
+    def _aidaptiv_gradient_arriving(self, index: int, param) -> None:
+        st = self._aidaptiv_stepper
+        if st is not None and st.skips(index):
+            from .config import AidaptivConfigError
+            raise AidaptivConfigError(
+                f"aidaptiv_ds: parameter ds_id={param.ds_id} received a gradient after the optimizer step of its "
+                f"sub-group {index} already ran inside the backward pass (reentrant activation checkpointing, or one "
+                f"parameter used across several backward calls of one accumulation boundary). Fix: set "
+                f"\"aidaptiv\": {{\"step_in_backward\": false}}, or use non-reentrant checkpointing "
+                f"(use_reentrant=False).")
+
+    def _aidaptiv_gradient_started(self, index: int) -> None:
+        if self._aidaptiv_stepper is not None:
+            self._aidaptiv_stepper.prefetch(index)
+
+    def _aidaptiv_gradient_final(self, index: int) -> None:
+        st = self._aidaptiv_stepper
+        if st is not None and st.step_in_backward(index) and index > 0:
+            st.prefetch(index - 1)  # the next sub-group backward completes
+
+    # ---------------------------------------------------------------- DeepSpeed's step loop
+    def _aidaptiv_skips(self, index: int) -> bool:
+        return self._aidaptiv_stepper is not None and self._aidaptiv_stepper.skips(index)
+
+    def _prepare_sub_group(self, sub_group_id, timer_names):
+        if not self._aidaptiv_skips(sub_group_id):
+            super()._prepare_sub_group(sub_group_id, timer_names)
+
+    def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        if not self._aidaptiv_skips(sub_group_id):
+            super().unscale_and_clip_grads(sub_group_id, total_norm)
+
+    def _optimizer_step(self, sub_group_id):
+        if not self._aidaptiv_skips(sub_group_id):
+            super()._optimizer_step(sub_group_id)
+
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        if not self._aidaptiv_skips(sub_group_id):
+            super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
+
+    def _release_sub_group(self, sub_group_id, timer_names):
+        if not self._aidaptiv_skips(sub_group_id):
+            super()._release_sub_group(sub_group_id, timer_names)
+
+    def _partitioned_params_swap_out(self, i):
+        """DeepSpeed's method (``stage3.py:1271-1290``), except that every partition on the cache tier goes
+        to the swapper even when ``AVAILABLE`` (DeepSpeed copies into an available partition in place,
+        which is right after ``_partition_all_parameters`` but not inside backward, where the partition
+        being released is still published): the swapper unpublishes it and writes the new content."""
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+        from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+
+        offset = 0
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        dst, src = [], []
+        for param, part in zip(self.fp16_groups[i], self.fp16_partitioned_groups[i]):
+            view = fp32.narrow(0, offset, part.ds_numel)
+            if getattr(part, "final_location", None) == OffloadDeviceEnum.nvme:
+                dst.append(param)
+                src.append(view)
+            elif part.status == PartitionedParamStatus.AVAILABLE:
+                part.data.copy_(view.data)
+            else:
+                dst.append(param)
+                src.append(view)
+            offset += part.ds_numel
+        if dst:
+            dst[0].nvme_swapper.swap_out_partitioned_params(dst_fp16_params=dst, src_fp32_params=src)
+
+    def _get_norm_groups(self):
+        groups = super()._get_norm_groups()
+        if self._aidaptiv_stepper is not None:
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+            self._aidaptiv_stepper.settle(combine_grad_norm_groups(groups), self.loss_scale, self.clip_grad)
+        return groups
+
+    def _overflow_clean_up(self, prev_scale):
+        if self._aidaptiv_stepper is not None:
+            self._aidaptiv_stepper.rollback_all()
+        super()._overflow_clean_up(prev_scale)
+        if self._aidaptiv_stepper is not None:
+            self._aidaptiv_stepper.end_step(0)
+
+    def _post_step(self, timer_names):
+        st = self._aidaptiv_stepper
+        after = len(self.fp16_groups) - (sum(st.skips(i) for i in range(len(self.fp16_groups))) if st else 0)
+        super()._post_step(timer_names)
+        if st is not None:
+            st.end_step(after)

@@ -1,0 +1,183 @@
+"""The Stage-3 optimizer's gradient path on the gradient store (:mod:`aidaptiv_ds.integration.gradients`).
+
+A mixin of the Stage-3 subclass (:func:`aidaptiv_ds.integration.stage3.make_stage3_class`). DeepSpeed
+0.19.8 seams it overrides (``docs/deepspeed-surface.md``):
+
+* ``_setup_for_real_optimizer`` (``stage3.py:761-805``): the same steps without allocating the flat
+  host gradient buffer (``grad_partitions_flat_buffer``); ``__param_id_to_grad_partition`` becomes a
+  :class:`NoFlatGradientBuffer` that names the unsupported DeepSpeed feature that reaches for it;
+* ``partition_grads`` (``stage3.py:2006-2052``): DeepSpeed's copy/add arithmetic into the
+  sub-group's accumulation slice, DeepSpeed's per-parameter norms at the boundary, and the
+  in-backward step of every sub-group whose gradient became final;
+* ``_finalize_offload_gradient_accumulation`` (unmanaged accumulation), ``independent_gradient_partition_epilogue``
+  (end of a backward), ``reset_cpu_buffers`` (after a step or an overflow), ``has_overflow`` (fp16);
+* ``offload_states`` refuses with the reason.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from .config import AidaptivConfigError
+
+
+class NoFlatGradientBuffer(dict):
+    """Stands in for DeepSpeed's ``__param_id_to_grad_partition`` (views of its flat host gradient
+    buffer, which an engine on aidaptiv_ds does not allocate): every access names the problem."""
+
+    def __getitem__(self, ds_id):
+        raise AidaptivConfigError(
+            f"aidaptiv_ds: a DeepSpeed code path asked for the flat host gradient buffer of parameter ds_id={ds_id}; "
+            f"an engine on aidaptiv_ds keeps gradients in its gradient store instead, so that feature (ZenFlow, "
+            f"DeepCompile, SuperOffload, Muon on offloaded state) is not supported with the \"aidaptiv\" section. "
+            f"Fix: disable it, or run DeepSpeed's own offload (\"aidaptiv\": {{\"enabled\": false}}).")
+
+    def __contains__(self, ds_id) -> bool:
+        return False
+
+
+def accumulate_gradient(buf: torch.Tensor, grad_partition: torch.Tensor, first: bool, accum: torch.dtype
+                        ) -> torch.Tensor:
+    """Copy or add one gradient partition into its accumulation view ``buf`` (host memory), with
+    DeepSpeed's operations (``partition_grads``, ``stage3.py:2024-2039``); returns the tensor DeepSpeed
+    takes the partition's norm of (``buf``, or its device copy when the gradient is on a GPU).
+
+    Args:
+        buf: the partition's view in its sub-group's gradient slice (``accum`` dtype, ``grad_partition.numel()``).
+        grad_partition: the reduced gradient partition (any float dtype; CPU or an accelerator).
+        first: the partition's first gradient of the accumulation window (copy instead of add).
+        accum: the gradient-accumulation dtype.
+    """
+    if first:
+        buf.copy_(grad_partition, non_blocking=True)
+        return buf if get_accelerator().on_accelerator(buf) else grad_partition.to(accum)
+    if get_accelerator().on_accelerator(buf):
+        buf.add_(grad_partition.to(accum).view(buf.shape))
+        return buf
+    dev = buf.to(grad_partition.device, non_blocking=True)  # adding on the host is slow (DeepSpeed's comment)
+    dev.add_(grad_partition.to(accum).view(dev.shape))
+    buf.copy_(dev, non_blocking=True)
+    return dev
+
+
+
+class GradientPathMixin:
+    """Gradient-path overrides of the Stage-3 subclass (see the module docstring)."""
+
+    def _setup_for_real_optimizer(self):
+        """DeepSpeed's ``_setup_for_real_optimizer`` (``stage3.py:761-805``) without its flat host
+        gradient buffer: the gradient partitions accumulate in :class:`GradientStore` instead."""
+        import deepspeed.comm as dist
+        self._create_fp32_partitions()
+        dist.barrier()
+        self._create_next_swappable_fp32_groups()
+        self.initialize_optimizer_states()
+        dist.barrier()
+        if self.contiguous_gradients:
+            for dtype, bucket in self.ipg_buckets.items():
+                bucket.buffer = torch.empty(self.reduce_bucket_size, dtype=dtype,
+                                            device=get_accelerator().current_device_name())
+        self.grad_partitions_flat_buffer = None
+        setattr(self, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", NoFlatGradientBuffer())
+
+    def _aidaptiv_grad_layout(self) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
+        """Per sub-group: elements and partitions that receive gradients; per ``ds_id``: (sub-group,
+        offset). The layout of DeepSpeed's ``grad_position`` (``set_grad_positions``, stage3.py:1948)."""
+        numels, expected, where = [], [], {}
+        for i, group in enumerate(self.fp16_groups):
+            off, n_exp = 0, 0
+            for p in group:
+                where[p.ds_id] = (i, off)
+                real = p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
+                n_exp += int(p.requires_grad and real)
+                off += p.partition_numel()
+            numels.append(off)
+            expected.append(n_exp)
+        return numels, expected, where
+
+    def partition_grads(self, params_to_release, grad_partitions):
+        """DeepSpeed's ``partition_grads`` (``stage3.py:2006-2052``) on the gradient store: the same
+        copy/add arithmetic into per-sub-group slices, the same per-parameter norms at the boundary;
+        nothing is handed to the swapper here (the optimizer swap-in takes the gradient from the store).
+        At the boundary, a sub-group whose gradient became final is stepped now
+        (:meth:`BackwardStepMixin._aidaptiv_gradient_final`), and one that starts receiving gradients
+        has its optimizer state read ahead."""
+        grads = self._aidaptiv_grads
+        boundary = self.is_gradient_accumulation_boundary()
+        accum = self.gradient_accumulation_dtype
+        buffers = []
+        for param, grad_partition in zip(params_to_release, grad_partitions):
+            if not param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
+                param.grad = None  # this rank's partition of the parameter is padding only
+                continue
+            self._offload_boundary_param_ids.add(param.ds_id)
+            i, off = self._aidaptiv_grad_where[param.ds_id]
+            self._aidaptiv_gradient_arriving(i, param)
+            g = grads.open(i)
+            view = grads.view(g, off, grad_partition.numel())
+            first = grads.arrive(g, param.ds_id)
+            norm_source = accumulate_gradient(view, grad_partition, first, accum)
+            grads.check_finite(g, norm_source)  # fp16 only
+            buffers.append(view)
+            if boundary:
+                self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(norm_source)
+                if len(g.arrived_now) == 1:
+                    self._aidaptiv_gradient_started(i)
+            if not get_accelerator().is_synchronized_device() and param.grad is not None:
+                param.grad.record_stream(get_accelerator().current_stream())
+            param.grad = None
+            if g.complete_now:  # at once: a bucket can span many sub-groups, whose slices would spill meanwhile
+                if boundary:
+                    self._aidaptiv_gradient_final(i)  # may step it (and consume its gradient) right here
+                grads.close(i)
+        return buffers
+
+    def has_overflow(self, partition_gradients=True):
+        """fp16: DeepSpeed's overflow check (``stage3.py:3009-3044``) over the gradient store instead of
+        its flat buffer: the slices' inf/NaN flags, kept while accumulating, reduced as DeepSpeed does."""
+        if not partition_gradients:
+            return super().has_overflow(partition_gradients)
+        import deepspeed.comm as dist
+        overflow = get_accelerator().ByteTensor([int(self._aidaptiv_grads.any_nonfinite())])
+        dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=overflow, op=dist.ReduceOp.MAX)
+        return bool(overflow[0].item())
+
+    def _finalize_offload_gradient_accumulation(self):
+        """Unmanaged gradient accumulation (``managed_gradient_accumulation: false``): every
+        ``step()`` is the boundary; the norms come from the accumulated partitions, as DeepSpeed's
+        ``_finalize_offload_gradient_accumulation`` (``stage3.py:1467-1482``) takes them."""
+        grads = self._aidaptiv_grads
+        for group in self.fp16_groups:
+            for param in group:
+                if param.ds_id not in self._offload_boundary_param_ids:
+                    continue
+                i, off = self._aidaptiv_grad_where[param.ds_id]
+                g = grads.open(i)
+                t = grads.view(g, off, param.partition_numel())
+                if not get_accelerator().on_accelerator(t):
+                    if grads.device_sync is not None:
+                        grads.device_sync()
+                    t = t.to(get_accelerator().current_device_name(), non_blocking=True)
+                self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(t)
+        grads.end_backward()
+
+    def independent_gradient_partition_epilogue(self):
+        super().independent_gradient_partition_epilogue()
+        self._aidaptiv_grads.end_backward()
+        if self.is_gradient_accumulation_boundary():
+            self._aidaptiv_rt.end_of_step()  # the activations are freed: return them before the step
+
+    def reset_cpu_buffers(self):
+        """After every step and after an fp16 overflow (``_overflow_clean_up``): the window's
+        gradients are consumed or thrown away."""
+        super().reset_cpu_buffers()
+        self._aidaptiv_grads.discard_all()
+
+    def offload_states(self, *args, **kwargs):
+        raise AidaptivConfigError(
+            "aidaptiv_ds: engine.offload_states() moves DeepSpeed's flat host gradient buffer and fp32 "
+            "partitions, which an engine on aidaptiv_ds does not have (its state is in the DRAM tier and on "
+            "the cache drives already). Fix: do not call offload_states() with the \"aidaptiv\" section "
+            "enabled; lower aidaptiv.dram_budget instead to keep less in host memory.")
+

@@ -1,0 +1,82 @@
+"""The optimizer step inside backward (``integration/backward_step.py``) keeps the oracle in every mode.
+
+Each case trains with DeepSpeed's CPU offload and with aidaptiv_ds (fresh processes), compares losses,
+gathered parameters and fp32 master weights bit for bit, and checks from the per-step counters which
+path each sub-group step took: speculated inside backward and committed; speculated, then redone after
+backward because clipping triggered; or stepped after backward only.
+"""
+from __future__ import annotations
+
+import pytest
+
+from _oracle import assert_identical, oracle, run
+
+LLAMA = ["--model", "llama", "--sub_group_size", "2e5"]  # ~3 sub-groups per rank
+
+
+def _paths(res: dict) -> list[dict]:
+    return [d["optimizer_steps"] for d in res["io"]]
+
+
+def _clipped(res: dict, clip: float) -> list[bool]:
+    """Steps where DeepSpeed's clipping factor was above 1 (its formula, from the reported norms)."""
+    return [clip > 0 and (n + 1e-6) / clip > 1.0 for n in res["norms"]]
+
+
+CASES = [
+    # id, arguments, budget, what the counters must show
+    ("fp32-noclip-ga1-budget0", ["--dtype", "fp32", "--steps", "5"], "0", "committed"),
+    ("bf16-noclip-ga2-budget0", ["--dtype", "bf16", "--steps", "4", "--ga", "2"], "0", "committed"),
+    ("fp32-noclip-ga4-half", ["--dtype", "fp32", "--steps", "3", "--ga", "4"], "3MiB", "committed"),
+    ("fp32-clip-never-triggers", ["--dtype", "fp32", "--steps", "5", "--clip", "1e3"], "0", "committed"),
+    ("bf16-clip-always-triggers-ga2", ["--dtype", "bf16", "--steps", "4", "--ga", "2", "--clip", "1e-3"], "0",
+     "redone"),
+    ("fp32-clip-some-steps", ["--dtype", "fp32", "--steps", "5", "--clip", "4.0", "--lr", "1e-2"], "0", "mixed"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_step_in_backward_is_bit_identical(case, tmp_path_factory):
+    name, args, budget, expect = case
+    args = LLAMA + args
+    ref = oracle(args, str(tmp_path_factory.getbasetemp()))
+    got = run("aidaptiv", args + ["--budget", budget], str(tmp_path_factory.mktemp(name)))
+    assert_identical(ref, got)
+    assert got["norms"] == ref["norms"]
+    paths = _paths(got)
+    clip = float(args[args.index("--clip") + 1]) if "--clip" in args else 0.0
+    clipped = _clipped(ref, clip)
+    for step, (p, c) in enumerate(zip(paths, clipped)):
+        assert p["in_backward"] > 0, f"step {step}: no sub-group was stepped inside backward: {p}"
+        assert p["rolled_back"] == 0
+        if c:  # every speculation of a clipping step is redone after backward, from the old state
+            assert p["redone"] == p["in_backward"] and p["committed"] == 0, (step, p)
+        else:
+            assert p["committed"] == p["in_backward"] and p["redone"] == 0, (step, p)
+    if expect == "committed":
+        assert not any(clipped)
+    elif expect == "redone":
+        assert all(clipped)
+    else:
+        assert any(clipped) and not all(clipped), f"the case must mix clipping and non-clipping steps: {ref['norms']}"
+
+
+def test_step_after_backward_when_switched_off(tmp_path_factory):
+    args = LLAMA + ["--dtype", "fp32", "--steps", "4"]
+    ref = oracle(args, str(tmp_path_factory.getbasetemp()))
+    got = run("aidaptiv", args + ["--budget", "0", "--extra", '{"step_in_backward": false}'],
+              str(tmp_path_factory.mktemp("off")))
+    assert_identical(ref, got)
+    assert all(p["in_backward"] == 0 and p["after_backward"] > 0 for p in _paths(got))
+
+
+def test_no_gradient_written_when_stepped_in_backward(tmp_path_factory):
+    """Clipping off, budget 0: every gradient is consumed by its sub-group's step inside backward, so
+    none is written (fp32: 12 B/param/step, the master weights and moments only)."""
+    args = LLAMA + ["--dtype", "fp32", "--steps", "4"]
+    got = run("aidaptiv", args + ["--budget", "0"], str(tmp_path_factory.mktemp("nograd")))
+    assert all(d["grad_spilled_bytes"] == 0 for d in got["io"][1:])
+    assert got["plan"]["grads_resident"]
+    off = run("aidaptiv", args + ["--budget", "0", "--extra", '{"step_in_backward": false}'],
+              str(tmp_path_factory.mktemp("gradoff")))
+    assert all(d["grad_spilled_bytes"] > 0 for d in off["io"][1:])  # after backward they go through the drive
