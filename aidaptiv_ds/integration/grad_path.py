@@ -164,9 +164,39 @@ class GradientPathMixin:
 
     def independent_gradient_partition_epilogue(self):
         super().independent_gradient_partition_epilogue()
+        if self.is_gradient_accumulation_boundary():
+            self._aidaptiv_norms_of_earlier_gradients()
         self._aidaptiv_grads.end_backward()
         if self.is_gradient_accumulation_boundary():
             self._aidaptiv_rt.end_of_step()  # the activations are freed: return them before the step
+
+    def _aidaptiv_norms_of_earlier_gradients(self) -> None:
+        """At the boundary: the norm of every partition that got gradients in earlier micro-steps of
+        the window but none in the last one. DeepSpeed takes norms only of partitions reduced in the
+        boundary micro-step (``_offload_grad_partition_at_boundary``), so such a gradient would be
+        applied but left out of the clipping norm; here it counts, as it would had it been a zero
+        gradient added in the last micro-step."""
+        grads = self._aidaptiv_grads
+        params = None
+        for g in grads.groups:
+            late = g.arrived - g.arrived_now
+            if not late:
+                continue
+            if params is None:
+                params = {p.ds_id: p for group in self.fp16_groups for p in group}
+            was_open = g.index in grads._open
+            grads.open(g.index)
+            for ds_id in sorted(late, key=lambda d: self._aidaptiv_grad_where[d][1]):
+                p = params[ds_id]
+                _, off = self._aidaptiv_grad_where[ds_id]
+                view = grads.view(g, off, p.partition_numel())
+                if not get_accelerator().on_accelerator(view):
+                    if grads.device_sync is not None:
+                        grads.device_sync()
+                    view = view.to(get_accelerator().current_device_name())
+                self.norm_for_param_grads[self.get_param_id(p)] = self._constant_buffered_norm2(view)
+            if not was_open:
+                grads.close(g.index)
 
     def reset_cpu_buffers(self):
         """After every step and after an fp16 overflow (``_overflow_clean_up``): the window's

@@ -7,7 +7,11 @@ The model: ``layers`` square linear layers, plus two that are used only sometime
   gradient in some micro-steps of a window and not in others: a mixture-of-experts expert no token was
   routed to in the later micro-batches).
 
-Every rank makes the same choice (ZeRO-3 reduces a parameter's gradient collectively). Backends:
+Every rank makes the same choice (ZeRO-3 reduces a parameter's gradient collectively). With
+``--mask`` the two layers are always used but their output is multiplied by 0.0 when "unused": they
+then get an exact zero gradient (and every other gradient keeps its bits), which is the semantics
+aidaptiv_ds defines for a parameter without a gradient, expressed so that any backend computes it.
+Backends:
 ``torch`` (plain PyTorch AdamW, one process: the reference semantics, gradients zeroed with
 ``zero_grad(set_to_none=False)``), ``z3`` (DeepSpeed ZeRO-3 without offload), ``cpu`` (ZeRO-3 with
 DeepSpeed's CPU offload), ``aidaptiv`` (ZeRO-3 NVMe offload on aidaptiv_ds)::
@@ -42,13 +46,16 @@ class Model(torch.nn.Module):
         self.branch = torch.nn.Linear(H, H)
         self.expert = torch.nn.Linear(H, H)
 
+    mask = False
+
     def forward(self, x, use_branch: bool, use_expert: bool):
         for layer in self.layers:
             x = torch.tanh(layer(x))
-        if use_branch:
-            x = x + torch.tanh(self.branch(x))
-        if use_expert:
-            x = x + torch.tanh(self.expert(x))
+        for used, layer in ((use_branch, self.branch), (use_expert, self.expert)):
+            if used:
+                x = x + torch.tanh(layer(x))
+            elif self.mask:  # used, contributing exactly nothing: an exact zero gradient
+                x = x + 0.0 * torch.tanh(layer(x))
         return x.pow(2).mean()
 
 
@@ -68,7 +75,7 @@ def ds_config(a) -> dict:
                                                                              if off == "nvme" else {})}
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": a.ga, "steps_per_print": 10 ** 9,
            "gradient_clipping": a.clip, "zero_optimization": zero,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}}
+           "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.01, "torch_adam": True}}}
     if a.backend == "aidaptiv":
         cfg["aidaptiv"] = {"enabled": True, "cache_paths": [a.cache], "dram_budget": a.budget,
                            **json.loads(a.extra)}
@@ -86,14 +93,17 @@ def main() -> None:
     ap.add_argument("--budget", default="0")
     ap.add_argument("--extra", default="{}")
     ap.add_argument("--cache", default="/tmp/aidaptiv_unused")
+    ap.add_argument("--mask", action="store_true", help="multiply unused layers by 0 instead of skipping them")
+    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
     model = Model(a.layers)
+    model.mask = a.mask
     losses = []
     if a.backend == "torch":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
         for step in range(a.steps):
             opt.zero_grad(set_to_none=False)  # no gradient this step = a zero gradient (never a stale one)
             for micro in range(a.ga):
