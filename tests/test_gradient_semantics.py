@@ -19,6 +19,8 @@ import torch
 
 from _oracle import REPO, free_port
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 SCRIPT = os.path.join(REPO, "tests", "scripts", "sometimes_unused.py")
 
 
@@ -48,12 +50,13 @@ CASES = [  # id, arguments of every backend, aidaptiv_ds-only arguments, world s
     ("ga2-clip-after-backward", ["--ga", "2", "--clip", "0.05"], ["--extra", '{"step_in_backward": false}'], 1),
     ("ga2-clip-subgroups-budget", ["--ga", "2", "--clip", "0.05", "--sub_group_size", "5000"],
      ["--budget", "40000"], 1),
-    ("ws2-ga2-clip", ["--ga", "2", "--clip", "0.05", "--sub_group_size", "5000"], [], 2),
-    ("ws2-ga1-noclip", ["--ga", "1"], [], 2),
+    pytest.param(("ws2-ga2-clip", ["--ga", "2", "--clip", "0.05", "--sub_group_size", "5000"], [], 2),
+                 marks=pytest.mark.multirank, id="ws2-ga2-clip"),
+    pytest.param(("ws2-ga1-noclip", ["--ga", "1"], [], 2), marks=pytest.mark.multirank, id="ws2-ga1-noclip"),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] if isinstance(c, tuple) else c.id for c in CASES])
 def test_no_gradient_means_zero_never_stale(case, tmp_path):
     name, args, ours_only, ws = case
     args = ["--steps", "6", *args]

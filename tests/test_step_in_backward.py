@@ -11,6 +11,8 @@ import pytest
 
 from _oracle import assert_identical, oracle, run
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 LLAMA = ["--model", "llama", "--sub_group_size", "2e5"]  # ~3 sub-groups per rank
 
 

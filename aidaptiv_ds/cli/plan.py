@@ -17,8 +17,17 @@ import json
 import os
 
 from ..planner.model_size import load_model_shape, nearest_preset
-from ..planner.plan import (DEFAULT_READ_GBPS, DEFAULT_SUB_GROUP_SIZE, DEFAULT_WRITE_GBPS, MOMENT_BYTES, PARAM_BYTES,
-                            CacheDrive, CapacityPlan, PlanInput, make_plan)
+from ..planner.plan import (
+    DEFAULT_READ_GBPS,
+    DEFAULT_SUB_GROUP_SIZE,
+    DEFAULT_WRITE_GBPS,
+    MOMENT_BYTES,
+    PARAM_BYTES,
+    CacheDrive,
+    CapacityPlan,
+    PlanInput,
+    make_plan,
+)
 from ..store.ledger import EnduranceRating, filesystem_capacity
 from ..store.slab import free_bytes
 from ..telemetry.nvml import nvml_status
@@ -235,8 +244,7 @@ def format_plan(p: CapacityPlan) -> str:
            f"{_dec(d['working_set_bytes'])}"
     if cpu:
         c = p.cpu_rank_host
-        host += (f" (incl. DeepSpeed's flat gradient buffer {_dec(c['grad_buffer'] * p.local_ranks)}, gathered "
-                 f"slices and activations {_dec(c['compute'] * p.local_ranks)})")
+        host += f" (incl. gathered slices and activations {_dec(c['compute'] * p.local_ranks)})"
     host += f", budget {_dec(d['budget_bytes'])} ({_dec(d['per_rank_bytes'])}/rank)"
     out += [host,
             f"resident   gradients {'yes' if r['grads_resident'] else 'no'}, parameters "

@@ -74,7 +74,6 @@ from ..store.striping import StripeLayout
 from ..units import GiB, format_bytes
 from .auto import (
     FREE_FRACTION,
-    GRAD_BYTES_PER_PARAM,
     MASTER_BYTES_PER_PARAM,
     MIN_FREE_BYTES,
     RANK_OVERHEAD_BYTES,
@@ -417,14 +416,17 @@ def _core(inp: PlanInput) -> dict:
         slice_numel = int(slice_numel * N / shape.n_params)
     slice_part = -(-slice_numel // dp) * pb
     largest_sg = min(inp.sub_group_size, -(-N // dp))
-    ws = host_working_set(slice_part, largest_sg, mb, ranks, inp.rank_overhead)
+    # gradients accumulate in per-sub-group slices in the tiers (integration/gradients.py); the open window
+    # (two of the largest slice partitions, in the accumulation dtype) is working set
+    grad_window = 2 * -(-slice_numel // dp) * grad_accum_bytes(inp.dtype)
+    ws = host_working_set(slice_part, largest_sg, mb, ranks, inp.rank_overhead, grad_window_bytes=grad_window)
     act = activation_bytes(shape, inp.seq_len, inp.micro_batch, inp.activation_checkpointing, inp.flash_attention,
                            inp.dropout)
     vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
             "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
             "overhead": inp.vram_overhead}
     vram["total"] = sum(vram.values())
-    # CPU ranks: DeepSpeed's flat gradient buffer and the "GPU" working set are host memory outside the budget
+    # CPU ranks: the "GPU" working set is host memory outside the budget
     cpu = cpu_rank_host_bytes(inp, sizes, vram) if inp.cpu_ranks else None
     ws += cpu["total"] * ranks if cpu else 0
     auto = explain_dram_budget(inp.dram, ws, total_host_bytes=inp.dram, local_ranks=ranks)
@@ -441,22 +443,21 @@ def _core(inp: PlanInput) -> dict:
 
 
 def grad_accum_bytes(dtype: str) -> int:
-    """Bytes per element of DeepSpeed 0.19.8's gradient accumulation (its flat host gradient buffer):
-    the parameter dtype's for bf16/fp16, 4 for fp32 (``data_types.grad_accum_dtype`` unset)."""
+    """Bytes per element of DeepSpeed 0.19.8's gradient accumulation dtype, which our gradient store keeps
+    (:class:`~aidaptiv_ds.integration.gradients.GradientStore`): the parameter dtype's for bf16/fp16, 4 for
+    fp32 (``data_types.grad_accum_dtype`` unset)."""
     return PARAM_BYTES[dtype]
 
 
 def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, vram: dict) -> dict:
     """Host bytes one CPU rank needs beyond :func:`~aidaptiv_ds.planner.auto.host_working_set`
-    (``--cpu-ranks``): DeepSpeed's flat host gradient buffer (the rank's partition x
-    :func:`grad_accum_bytes`; ``stage3.py:786-800``, allocated whenever the optimizer is offloaded, and
-    where the gradients live on CPU ranks) and what a GPU would hold (gathered slices, their gradients,
-    the reduce bucket, activations; item 3 of the module docstring, without the CUDA allowance).
-    Keys: ``grad_buffer``, ``compute``, ``total``."""
-    numel = sizes.param_bytes // PARAM_BYTES[inp.dtype]
-    grad_buffer = numel * grad_accum_bytes(inp.dtype)
+    (``--cpu-ranks``): what a GPU would hold (gathered slices, their gradients, the reduce bucket,
+    activations; item 3 of the module docstring, without the CUDA allowance). DeepSpeed's flat host
+    gradient buffer (``stage3.py:786-800``) is not allocated on our backend: gradients live in the tiers
+    like the rest of the state (:mod:`aidaptiv_ds.integration.grad_path`).
+    Keys: ``compute``, ``total``."""
     compute = vram["total"] - vram["overhead"]
-    return {"grad_buffer": grad_buffer, "compute": compute, "total": grad_buffer + compute}
+    return {"compute": compute, "total": compute}
 
 
 def _checks(inp: PlanInput, c: dict) -> dict:
@@ -616,9 +617,8 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
         "moments": split(res_sg_numel * mb, numel * mb),
         "activations": {"vram": c["act"]["total"] * dp, "dram": 0, "cache": 0},
     }
-    if inp.cpu_ranks:  # no GPU: activations are host memory, gradients DeepSpeed's flat buffer in its dtype
+    if inp.cpu_ranks:  # no GPU: activations are host memory
         tiers["activations"] = {"vram": 0, "dram": c["act"]["total"] * dp, "cache": 0}
-        tiers["gradients"] = {"vram": 0, "dram": c["cpu_rank"]["grad_buffer"] * dp, "cache": 0}
     state_total = sizes.total * dp
     total = state_total + c["act"]["total"] * dp
     prefetch = prefetch_bytes_from_budget(res, c["slice_part"], len(shape.slice_params()))
@@ -674,8 +674,8 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
         problems.append(
             f"dram: the host needs {_dec(c['dram_need'])} (safety margin {_dec(dram.margin_bytes)} + working set "
             f"{_dec(dram.working_set_bytes)} of {ranks} rank(s)"
-            + (f", of which DeepSpeed's flat gradient buffer {_dec(cpu['grad_buffer'] * ranks)} and gathered "
-               f"slices and activations {_dec(cpu['compute'] * ranks)} on the CPU ranks" if cpu else "")
+            + (f", of which gathered slices and activations {_dec(cpu['compute'] * ranks)} on the CPU ranks"
+               if cpu else "")
             + (f" + budget {_dec(dram.budget_bytes)}" if inp.dram_budget is not None else "")
             + f") but has {_dec(inp.dram)}")
     if not checks["cache"]:
