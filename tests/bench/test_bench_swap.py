@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from aidaptiv_ds.integration.config import AidaptivConfig
+from aidaptiv_ds.integration.gradients import GradientStore
 from aidaptiv_ds.integration.optimizer_swapper import AidaptivOptimizerSwapper
 from aidaptiv_ds.integration.param_swapper import AidaptivParamSwapper
 from aidaptiv_ds.integration.runtime import Runtime
@@ -189,6 +190,8 @@ def test_optimizer_pipeline(benchmark, runtime, request, path):
         params = _fp32_params(GROUPS)
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
         sw = AidaptivOptimizerSwapper(runtime, opt, torch.float32, engine_id=0)
+        # gradients through the tiers, as the Stage-3 subclass sets them up (budget 0: all written)
+        sw.gradients = GradientStore(runtime, 0, torch.float32, [numel] * GROUPS, [1] * GROUPS)
         sw.initialize_parameters(params, masters)
 
         def store_grads():
