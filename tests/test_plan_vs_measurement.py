@@ -13,23 +13,30 @@ from aidaptiv_ds.cli.main import main as cli
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
 
 
-def plan(budget: str, capsys) -> dict:
+def plan(budget: str, capsys, clip: float = 0.0) -> dict:
     cfg = os.path.join(STORIES, "config.json")
     assert cli(["plan", "--model", cfg, "--gpus", "1", "--vram", "80GB", "--dram", "24GiB", "--dram-budget", budget,
-                "--cache", "/tmp:10GB", "--dtype", "bf16", "--micro-batch", "2", "--seq-len", "24", "--cpu-ranks", "--json"]) == 0
+                "--cache", "/tmp:10GB", "--dtype", "bf16", "--micro-batch", "2", "--seq-len", "24", "--cpu-ranks",
+                "--gradient-clipping", str(clip), "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
-@pytest.mark.parametrize("budget", ["0", str(260032 * 2 + 4096)])  # nothing in DRAM / the bf16 parameters in DRAM
-def test_planned_writes_match_the_ledger(budget, tmp_path, capsys):
-    p = plan(budget, capsys)
-    res = run("aidaptiv", ["--model", "stories", "--zinit", "--dtype", "bf16", "--steps", "4", "--budget", budget],
-              str(tmp_path))
+@pytest.mark.parametrize("budget, clip", [("0", 0.0),                      # nothing in DRAM, gradients consumed
+                                          ("0", 1e6),                      # clipping on, never triggered: kept
+                                          ("0", 1e-3),                     # triggered every step: redone
+                                          (str(260032 * 2 + 4096), 0.0)])  # the bf16 parameters in DRAM
+def test_planned_writes_match_the_ledger(budget, clip, tmp_path, capsys):
+    p = plan(budget, capsys, clip)
+    res = run("aidaptiv", ["--model", "stories", "--zinit", "--dtype", "bf16", "--steps", "4", "--budget", budget,
+                           "--clip", str(clip)], str(tmp_path))
     assert res["nparams"] == p["n_params"]
     measured = written_per_param_per_step(res)
-    planned = p["per_step"]["write_bytes"] / p["n_params"]
-    print(f"budget {budget}: planned {planned:.3f} B/param/step, measured {measured:.3f}")
-    assert res["plan"]["grads_resident"] and p["residency"]["grads_resident"]  # DeepSpeed's host buffer (CPU ranks)
+    planned = p["per_step"]["write_bytes" if clip != 1e-3 else "write_bytes_if_clipped"] / p["n_params"]
+    print(f"budget {budget}, clip {clip}: planned {planned:.3f} B/param/step, measured {measured:.3f}")
+    # the steps run inside backward in every case (the drives have room for the second copy)
+    assert p["residency"]["step_in_backward"]
+    # without clipping the gradients are consumed inside backward ("resident": never written)
+    assert res["plan"]["grads_resident"] == p["residency"]["grads_resident"] == (clip == 0 or budget != "0")
     assert res["plan"]["params_resident"] == p["residency"]["params_resident"] == (budget != "0")
     assert measured == pytest.approx(planned, rel=0.05)

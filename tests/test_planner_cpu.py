@@ -49,9 +49,13 @@ def test_cpu_rank_plans_that_fit_are_true(model, dram, drives, dtype):
     inp = PlanInput(shape=preset_shape(model), gpus=1, vram=0, dram=dram, drives=drives, cpu_ranks=True,
                     dtype=dtype, seq_len=2048)
     p = make_plan(inp)
-    # gradients in the accumulation dtype, split between DRAM and the cache tier by the residency plan
+    # gradients in the accumulation dtype, split between DRAM and the cache tier by the residency plan;
+    # consumed by the optimizer steps inside backward (no clipping): only resident sub-groups' slices remain
     g = p.tiers["gradients"]
-    assert g["dram"] + g["cache"] == pytest.approx(p.n_params * (2 if dtype == "bf16" else 4), rel=0.01)
+    if p.residency["step_in_backward"]:
+        assert g["cache"] == 0 and g["dram"] <= p.n_params * (2 if dtype == "bf16" else 4)
+    else:
+        assert g["dram"] + g["cache"] == pytest.approx(p.n_params * (2 if dtype == "bf16" else 4), rel=0.01)
     assert p.tiers["activations"]["vram"] == 0
     if p.fits:
         assert _dram_is_true(p)

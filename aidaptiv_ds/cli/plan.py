@@ -120,8 +120,14 @@ def register(subparsers) -> None:
     p.add_argument("--step-time", type=float, help="measured seconds per step (endurance pace; default: lower bound)")
     p.add_argument("--cpu-ranks", nargs="?", type=int, const=0, default=None, metavar="N",
                    help="the ranks train on the CPU (DeepSpeed's CPU accelerator), N per node (default: --gpus if "
-                        "given, else 1); no GPU flags needed: gradients stay in DeepSpeed's host buffer and are never "
-                        "written, activations and gathered slices are host memory, and there is no VRAM check")
+                        "given, else 1); no GPU flags needed: activations and gathered slices are host memory, and "
+                        "there is no VRAM check")
+    p.add_argument("--gradient-clipping", type=float, default=0.0,
+                   help="DeepSpeed's gradient_clipping (default 0: off; HF Trainer's default is 1.0): with it on, "
+                        "steps inside backward keep their gradients until the norm is known")
+    p.add_argument("--step-in-backward", choices=("auto", "true", "false"), default="auto",
+                   help="aidaptiv.step_in_backward (default auto: inside backward where the drives hold a second "
+                        "copy of the optimizer state)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -196,7 +202,8 @@ def plan_input_from_args(args) -> PlanInput:
         dropout=args.dropout, sub_group_size=int(args.sub_group_size),
         gpu_flops=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
-        step_time_s=args.step_time, cpu_ranks=cpu_ranks, assumed=assumed)
+        step_time_s=args.step_time, cpu_ranks=cpu_ranks, gradient_clipping=args.gradient_clipping,
+        step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward], assumed=assumed)
 
 
 def _days(x: float | None) -> str:
@@ -246,12 +253,19 @@ def format_plan(p: CapacityPlan) -> str:
         c = p.cpu_rank_host
         host += f" (incl. gathered slices and activations {_dec(c['compute'] * p.local_ranks)})"
     host += f", budget {_dec(d['budget_bytes'])} ({_dec(d['per_rank_bytes'])}/rank)"
-    out += [host,
+    sib = (f"inside backward (a second copy of the state on the drives, {_dec(r['shadow_bytes'])}"
+           + ("; gradients consumed at once, never written)" if not i.get("gradient_clipping")
+              else "; gradients kept until the clipping norm is known)")) if r.get("step_in_backward") \
+        else "after backward"
+    out += [host, f"optimizer  steps {sib}",
             f"resident   gradients {'yes' if r['grads_resident'] else 'no'}, parameters "
             f"{'yes' if r['params_resident'] else 'no'}, {len(r['resident_subgroups'])} optimizer sub-group(s); "
             f"prefetch depth {p.prefetch['depth']}",
             f"per step   written {_dec(p.per_step['write_bytes'])}, read {_dec(p.per_step['read_bytes'])} "
-            f"per node ({p.per_step['write_bytes_per_param']:.2f} B/param written); {p.per_step['tokens']:,} tokens",
+            f"per node ({p.per_step['write_bytes_per_param']:.2f} B/param written"
+            + (f"; {_dec(p.per_step['write_bytes_if_clipped'])} on a step the clipping norm redoes"
+               if p.per_step['write_bytes_if_clipped'] != p.per_step['write_bytes'] else "")
+            + f"); {p.per_step['tokens']:,} tokens",
             f"step time  >= {_secs(p.step_time['lower_bound_s'])} (bound by {p.step_time['bound_by']}; compute "
             f"{_secs(p.step_time['compute_s'])}, reads {_secs(p.step_time['io_read_s'])}, writes "
             f"{_secs(p.step_time['io_write_s'])})"]

@@ -154,9 +154,15 @@ class PlanInput:
         step_time_s: a measured step time for the endurance pace (None: the lower bound).
         rank_overhead / vram_overhead: allowances (bytes) per rank in DRAM and per GPU.
         cpu_ranks: the ranks compute on the CPU (DeepSpeed's CPU accelerator; ``gpus`` then counts
-            ranks): gradients stay in DeepSpeed's host buffer and are never written, and what a GPU
-            would hold (gathered slices, their gradients, activations, the reduce bucket) is host
-            memory too; there is no VRAM check (see :func:`cpu_rank_host_bytes`).
+            ranks): what a GPU would hold (gathered slices, their gradients, activations, the reduce
+            bucket) is host memory too; there is no VRAM check (see :func:`cpu_rank_host_bytes`).
+        gradient_clipping: DeepSpeed's ``gradient_clipping`` (0: off). With clipping on, a step run
+            inside backward must keep its gradients until the norm is known (they are stored like
+            after backward); off, they are consumed at once and never written.
+        step_in_backward: the ``aidaptiv.step_in_backward`` setting (``"auto"``, True, False): with
+            ``"auto"`` or True (and not fp16) the optimizer steps inside backward, which needs a second
+            copy of the non-resident optimizer state on the drives; ``"auto"`` falls back to stepping
+            after backward when the drives lack that room, as the runtime's preflight does.
         assumed: names of inputs that were defaulted rather than given (reported).
     """
     shape: ModelShape
@@ -184,6 +190,8 @@ class PlanInput:
     vram_overhead: int = VRAM_OVERHEAD_BYTES
     shape_source: str = "exact"
     cpu_ranks: bool = False
+    gradient_clipping: float = 0.0
+    step_in_backward: bool | str = "auto"
     assumed: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -434,10 +442,24 @@ def _core(inp: PlanInput) -> dict:
         dram = DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
     else:
         dram = auto
-    res = plan_residency(sizes, dram.per_rank_bytes)
-    nonres_rank = sizes.total - res.resident_bytes
+    # steps inside backward (integration/stage3.py: the same choice and the same preflight)
+    speculate = inp.step_in_backward is not False and inp.dtype != "fp16"
+    usable = usable_cache_bytes(inp.drives)
+    while True:
+        sizes.grads_transient = speculate and not inp.gradient_clipping > 0
+        res = plan_residency(sizes, dram.per_rank_bytes)
+        shadows = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in res.resident_subgroups) \
+            if speculate else 0
+        nonres_rank = sizes.total - res.resident_bytes + shadows
+        if sizes.grads_transient:  # consumed by the step inside backward: never stored
+            slices = sizes.grad_slices()
+            nonres_rank -= sum(b for i, b in enumerate(slices) if i not in res.resident_grad_subgroups)
+        if not speculate or inp.step_in_backward is True or nonres_rank * ranks <= usable:
+            break
+        speculate = False
     return {"sizes": sizes, "slice_numel": slice_numel, "slice_part": slice_part, "dram": dram, "res": res,
-            "act": act, "vram": vram, "cache_need": nonres_rank * ranks, "cache_usable": usable_cache_bytes(inp.drives),
+            "act": act, "vram": vram, "cache_need": nonres_rank * ranks, "cache_usable": usable,
+            "step_in_backward": speculate, "shadow_bytes": shadows * ranks,
             "cpu_rank": cpu,
             "dram_need": dram.margin_bytes + ws + (dram.budget_bytes if inp.dram_budget is not None else 0)}
 
@@ -612,7 +634,11 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
 
     tiers = {
         "parameters": split(sizes.param_bytes if res.params_resident else 0, sizes.param_bytes),
-        "gradients": split(sizes.grad_bytes if res.grads_resident else 0, sizes.grad_bytes),
+        # gradient slices in DRAM (resident), on the drives (stored), or consumed inside backward (neither)
+        "gradients": {"vram": 0, "dram": sum(sizes.grad_slices()[i] for i in res.resident_grad_subgroups) * all_ranks,
+                      "cache": 0 if sizes.grads_transient else
+                      sum(b for i, b in enumerate(sizes.grad_slices()) if i not in res.resident_grad_subgroups)
+                      * all_ranks},
         "master_weights": split(res_sg_numel * MASTER_BYTES_PER_PARAM, numel * MASTER_BYTES_PER_PARAM),
         "moments": split(res_sg_numel * mb, numel * mb),
         "activations": {"vram": c["act"]["total"] * dp, "dram": 0, "cache": 0},
@@ -626,6 +652,12 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     # bytes per optimizer step, per node (item 5)
     p_nonres = 0 if res.params_resident else sizes.param_bytes
     write_step = res.write_bytes_per_step * ranks
+    # a step inside backward that the clipping norm invalidates is redone after backward from the old state:
+    # its sub-groups and parameters are written a second time (the gradients were kept, not rewritten)
+    grads_written = 0 if sizes.grads_transient else \
+        sum(b for i, b in enumerate(sizes.grad_slices()) if i not in res.resident_grad_subgroups)
+    write_redone = write_step + (res.write_bytes_per_step - grads_written) * ranks \
+        if c["step_in_backward"] and inp.gradient_clipping > 0 else write_step
     read_step = (res.read_bytes_per_step + (inp.grad_accum - 1) * 2 * p_nonres) * ranks
     hits = min(res.cache_bytes, p_nonres) * inp.grad_accum * ranks
     read_best = max(read_step - hits, 0)
@@ -697,9 +729,11 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
         inputs=inputs, model=model, n_params=N, dp=dp, local_ranks=ranks,
         bytes_per_param=total / N, state_bytes_per_param=2 * pb + per_elem_opt,  # gradients in the model dtype
         total_state_bytes=total, rule_of_thumb_bytes=RULE_OF_THUMB_BYTES_PER_PARAM * N,
-        tiers=tiers, vram_per_gpu=c["vram"], dram=dram.as_dict(), residency=res.as_dict(),
+        tiers=tiers, vram_per_gpu=c["vram"], dram=dram.as_dict(),
+        residency={**res.as_dict(), "step_in_backward": c["step_in_backward"], "shadow_bytes": c["shadow_bytes"]},
         prefetch=dataclasses.asdict(prefetch),
-        per_step={"write_bytes": write_step, "read_bytes": read_step, "read_bytes_best": read_best,
+        per_step={"write_bytes": write_step, "write_bytes_if_clipped": write_redone,
+                  "read_bytes": read_step, "read_bytes_best": read_best,
                   "tokens": tokens_step, "write_bytes_per_param": write_step * nodes / N},
         step_time={"compute_s": compute_s, "io_read_s": max(rt), "io_write_s": max(wt), "lower_bound_s": lower,
                    "bound_by": bound_by, "pace_s": pace,
