@@ -1,15 +1,15 @@
 """Every byte of the main job accounted once, the same on every rank and under every launcher.
 
-2 ranks, the embedded demo at DRAM budget 0 (every step writes the fp32 master weights and Adam
-moments, 12 B/param, through asynchronous write-back), under ``torchrun`` and the ``deepspeed``
+2 ranks, the embedded demo at DRAM budget 0 (every step writes the fp32 master weights, Adam
+moments and the gradients kept for clipping, 16 B/param, through asynchronous write-back), under ``torchrun`` and the ``deepspeed``
 launcher:
 
 * per step, the cache tier's bytes written (summed over ranks) are the bytes ``/proc/self/io`` saw
   (summed over ranks), up to the few KB of the metrics and ledger files: a step's write-back is
   counted in its own step, not the next one;
 * the setup, eval, step and save windows add up to what the endurance ledger files booked for the run;
-* ``bytes_written_per_param_per_step`` is 12 (plus the partitions' alignment padding) under both
-  launchers, and the per-step bytes are identical between them.
+* ``bytes_written_per_param_per_step`` is 16 (plus the partitions' alignment padding, and a redone
+  step's second write) under both launchers, and the per-step bytes are identical between them.
 """
 from __future__ import annotations
 
@@ -85,7 +85,11 @@ def test_launchers_agree(runs):
     assert [x["cache_write_bytes"] for x in step_lines(a)] == [x["cache_write_bytes"] for x in step_lines(b)]
     assert [x["loss"] for x in step_lines(a)] == [x["loss"] for x in step_lines(b)]
     for s in (sa, sb):
-        # 12 B/param (fp32 master + 2 moments), each rank's partition padded to the store's 4 KiB blocks
-        assert 12.0 <= s["bytes_written_per_param_per_step"] <= 12.05
+        # fp32 at budget 0 with the main job's gradient_clipping 1.0: the gradients are kept until the norm is
+        # known, so each step writes 16 B/param (fp32 master + 2 moments + the gradient), each rank's partition
+        # padded to the store's 4 KiB blocks; a step speculated inside backward that the norm then clips is
+        # redone and writes its state and parameters again (28); after a clipped step the next runs after
+        # backward (integration/backward_step.py), so at most every other step is redone
+        assert 16.0 <= s["bytes_written_per_param_per_step"] <= 22.05
         assert s["bytes_written_per_param_per_step"] == pytest.approx(s["proc_bytes_written_per_param_per_step"],
                                                                       rel=0.01)

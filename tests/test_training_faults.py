@@ -256,13 +256,15 @@ def fill(mnt: str) -> str:
 # ------------------------------------------------------------------------------------------ drive full
 @pytest.mark.subprocess
 def test_drive_too_small_is_refused_before_step_1(tmp_path, launch, ref):
-    """A tmpfs with room for the parameters' extents but not for the optimizer state (the gradients stay
-    in DeepSpeed's host buffer on CPU ranks and need no space)."""
+    """A tmpfs with room for the parameters' extents but not for the optimizer state: no room for the
+    second copy that steps inside backward need, so ("auto") the steps would run after backward, which
+    stores the gradients too (budget 0); the refusal names that need."""
     n = ref["nparams"]
     chunks = _param_chunks(n * 4)
     params = sum(chunks)
-    needed = params + _round(n * 4 * 3)  # params extents + fp32 master & 2 moments
-    size_mib = (params + (needed - params) // 2) // MiB + 6  # the store keeps 2% in reserve
+    state = _round(n * 4 * 3)  # fp32 master & 2 moments
+    needed = params + state + _round(n * 4)  # params extents + the state + the fp32 gradients
+    size_mib = (params + state // 2) // MiB + 6  # the store keeps 2% in reserve
     with mounted(tmp_path, "tmpfs", size_mib) as mnt:
         st = os.statvfs(mnt)
         total = st.f_blocks * st.f_frsize
@@ -277,7 +279,7 @@ def test_drive_too_small_is_refused_before_step_1(tmp_path, launch, ref):
         msg = clear_error(c, "StorageFullError")
         assert c.steps_done == 0
         m = re.fullmatch(rf"aidaptiv_ds: cache path {re.escape(cache)} needs \S+ \S+ \((\d+) bytes\) for the optimizer "
-                         r"state but has \S+ \S+ \((\d+) bytes\) free\. Fix: .*", msg)
+                         r"state and the gradients but has \S+ \S+ \((\d+) bytes\) free\. Fix: .*", msg)
         assert m, msg
         assert int(m.group(1)) == needed and cap_lo <= int(m.group(2)) <= cap_hi, (needed, cap_lo, cap_hi, msg)
         # nothing of the optimizer was allocated: the index holds the parameters' chunks only, and the slab

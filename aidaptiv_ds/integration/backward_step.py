@@ -26,6 +26,11 @@ computes the norm (:meth:`BackwardStepper.settle`):
 * invalid (or an fp16 overflow): **roll back**: the shadows are dropped and the parameters rewritten
   from the old master weights (DeepSpeed skips the step).
 
+[Note: no speculation right after a clipped step] A redo writes the sub-group's state a second time (and
+reads it again), so a run whose norm clips on every step would pay for each step twice. After a step
+whose global norm clipped, the next step runs after backward; once a step's norm does not clip, the
+following one speculates again. Both paths are exact; only the cost differs (:attr:`clipped_last`).
+
 A speculation costs a second extent per sub-group on the drives (``2 x`` the optimizer state while a
 step is open) and, with clipping on, the kept gradients; the preflight decides whether the space is
 there (:func:`speculation_mode`), otherwise every sub-group steps after backward.
@@ -107,6 +112,7 @@ class BackwardStepper:
         self.keep_gradients = keep_gradients
         self.subgroups = [SubGroupStep(i) for i in range(len(opt.fp16_groups))]
         self.counters = StepCounters()
+        self.clipped_last = False  # the last settled step's norm clipped (see the note above)
 
     # ------------------------------------------------------------------ queries
     def state(self, index: int) -> StepState:
@@ -130,6 +136,8 @@ class BackwardStepper:
     def may_speculate(self, index: int) -> bool:
         opt = self.opt
         if not self.enabled or opt.dtype == torch.float16 or not opt._swappable_optimizer_subgroup(index):
+            return False
+        if self.keep_gradients and self.clipped_last:
             return False
         sw, g = self._swapper_group(index)
         return sw.can_speculate(g)
@@ -173,13 +181,16 @@ class BackwardStepper:
         (an invalid norm is left to :meth:`rollback_all`, which DeepSpeed's overflow clean-up triggers)."""
         from deepspeed.runtime.utils import is_invalid_grad_norm
 
-        pending = self.speculated()
-        if not pending or is_invalid_grad_norm(scaled_global_norm):
+        if is_invalid_grad_norm(scaled_global_norm):
             return
         clips = False
         if clip_grad > 0.0:  # DeepSpeed's unscale_and_clip_grads, stage3.py:2979-2988
             clip = ((scaled_global_norm / loss_scale) + 1e-6) / clip_grad
             clips = bool(torch.clamp(clip, min=1.0) != 1.0)
+        self.clipped_last = clips
+        pending = self.speculated()
+        if not pending:
+            return
         opt = self.opt
         for rec in pending:
             sw, g = self._swapper_group(rec.index)

@@ -266,7 +266,19 @@ class StoreShadow:
                 shadow.data.pop(key, None)
             return orig_free(store, key)
 
+        orig_swap = SlabStore.swap_extents
+
+        def swap_extents(store, a, b):  # a committed speculative step: the bytes change keys, not places
+            orig_swap(store, a, b)
+            with shadow.lock:
+                da, db = shadow.data.pop(a, None), shadow.data.pop(b, None)
+                if db is not None:
+                    shadow.data[a] = db
+                if da is not None:
+                    shadow.data[b] = da
+
         SlabStore.write, SlabStore.allocate, SlabStore.free = write, allocate, free
+        SlabStore.swap_extents = swap_extents
 
     def digests(self) -> dict[str, list[tuple[int, int, str]]]:
         """Per key: ``[(offset, length, sha256 hex), ...]`` of each maximal written range."""
