@@ -84,12 +84,15 @@ def test_history_pace():
 
 
 _BOOKER = """
-import importlib.util, json, os, sys, time
-# ledger.py needs only the standard library: load it alone (the package would import torch, seconds per child)
-spec = importlib.util.spec_from_file_location("ledger", os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0],
-                                              "aidaptiv_ds", "store", "ledger.py"))
-ledger = sys.modules["ledger"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ledger)
+import importlib, json, os, sys, time, types
+# ledger.py (and io/atomic.py, which it writes through) need only the standard library: load them without the
+# packages' __init__ (which import torch, seconds per child), through stand-in packages
+root = os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0], "aidaptiv_ds")
+for name, sub in (("aidaptiv_ds", ""), ("aidaptiv_ds.io", "io"), ("aidaptiv_ds.store", "store")):
+    pkg = sys.modules[name] = types.ModuleType(name)
+    pkg.__path__ = [os.path.join(root, sub)]
+ledger = importlib.import_module("aidaptiv_ds.store.ledger")
+assert "torch" not in sys.modules
 EnduranceLedger, EnduranceRating = ledger.EnduranceLedger, ledger.EnduranceRating
 node, cache, rank, n, step, sync = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 led = EnduranceLedger(node, cache, EnduranceRating(capacity=10 ** 12), "shared-run", rank)

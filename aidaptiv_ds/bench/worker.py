@@ -57,10 +57,9 @@ class ResultFile:
         self.write()
 
     def write(self) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1)
-        os.replace(tmp, self.path)
+        from ..io.atomic import atomic_write
+
+        atomic_write(self.path, json.dumps(self.data, indent=1).encode())
 
 
 def batch(seed: int, step: int, micro: int, seq: int, vocab: int):

@@ -16,7 +16,8 @@ import shutil
 
 import torch
 
-from .format import atomic_write, safetensors_header
+from ..io.atomic import AtomicFile, atomic_write
+from .format import safetensors_header
 from .reader import CheckpointReader
 
 #: Files copied from ``source_dir`` when present (tokenizer, chat template, generation defaults).
@@ -55,6 +56,7 @@ def export_hf(tag_path: str, out_dir: str, dtype: torch.dtype = torch.float32, s
 
     Raises:
         IncompleteCheckpointError: the checkpoint's save did not finish.
+        FileWriteError: a shard could not be written whole (disk full, ...): named, never put in place.
         FileNotFoundError: no model config in the checkpoint and no ``source_dir`` with one.
     """
     reader = CheckpointReader(tag_path)
@@ -68,18 +70,14 @@ def export_hf(tag_path: str, out_dir: str, dtype: torch.dtype = torch.float32, s
         spec = [(n, dname, list(reader.params[n].shape), reader.params[n].numel * elsize) for n in names]
         header, offsets = safetensors_header(spec, {"format": "pt"}, align=8)
         path = os.path.join(out_dir, fname)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(header)
+        size = offsets[-1] + reader.params[names[-1]].numel * elsize
+        with AtomicFile(path, expected=size) as f:
+            f.pwrite(header, 0)
             for n, off in zip(names, offsets):
                 t = reader.full(n).to(dtype).contiguous()
-                f.seek(off)
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                f.pwrite(memoryview(t.reshape(-1).view(torch.uint8).numpy()), off)
                 weight_map[n] = fname
                 total += t.numel() * elsize
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
         files.append(path)
     if len(shards) > 1:
         atomic_write(os.path.join(out_dir, "model.safetensors.index.json"),

@@ -1,18 +1,35 @@
-"""The aidaptiv_ds checkpoint layout: crash-safe files in standard safetensors, readable anywhere.
+"""The aidaptiv_ds checkpoint layout: crash-safe, verified, in standard safetensors, readable anywhere.
 
-Beside DeepSpeed's own files of a tag (model states, ZeRO states, ``latest``)::
+A tag directory holds DeepSpeed's own files (model states, ZeRO states) and ours::
 
+    <save_dir>/<tag>/*_model_states.pt, *_optim_states.pt    DeepSpeed's files (engine.save_checkpoint)
     <save_dir>/<tag>/aidaptiv/rank00000/sg00000.safetensors  one optimizer sub-group: tensor "state",
                                                              fp32 [slots, numel] = master, exp_avg, ...
     <save_dir>/<tag>/aidaptiv/rank00000/frozen.safetensors  partitions of frozen parameters (if any)
     <save_dir>/<tag>/aidaptiv/rank00000/rank.json           this rank's index, written after its files
     <save_dir>/<tag>/aidaptiv/MANIFEST.json                 written last, by rank 0, once every rank is done
 
-Every file is written under a temporary name, fsynced, renamed, and its directory fsynced; the
-``latest`` file is replaced only after the manifest exists. A checkpoint without a manifest, or
-whose files do not match it (missing, wrong size, wrong CRC32), is *incomplete*: it is named as
-such and never loaded. A ``kill -9`` at any moment of a save therefore leaves the previous
-checkpoint as the latest, loadable one.
+**Verified.** The manifest lists every file of the tag -- ours and DeepSpeed's -- with its size and
+CRC32; ``rank.json`` and the manifest carry a CRC32 of their own content (``self_crc32``,
+:func:`aidaptiv_ds.io.atomic.dumps_checked`). A tag without a manifest, or any of whose files is
+missing, of another size or another CRC32, is *incomplete*: named as such and never loaded.
+
+**All or nothing, also over an existing tag.** A save never writes into ``<save_dir>/<tag>``. The
+whole new tag -- DeepSpeed's files included -- is written into ``<save_dir>/.aidaptiv-staging/<tag>``
+(every file under a temporary name, checked, fsynced, renamed; :mod:`aidaptiv_ds.io.atomic`), the
+manifest last, and only then is it switched into place (:func:`publish`):
+
+* a new tag: one ``rename`` of the complete directory;
+* an existing tag: ``renameat2(RENAME_EXCHANGE)`` swaps the old and the new directory atomically
+  (the old one is then deleted); where the filesystem cannot exchange, the old directory is first
+  renamed to ``<save_dir>/.aidaptiv-retired/<tag>`` and the new one renamed into place; a crash
+  between the two renames leaves both complete copies, and :func:`locate_tag` finds the new one;
+
+and only then is ``latest`` replaced. So a ``kill -9`` (or a power cut: every rename is followed by
+a directory fsync) at any moment of a save leaves ``<save_dir>/<tag>`` with either the complete old
+or the complete new checkpoint, and ``latest`` naming a complete one. Leftovers of an interrupted
+save (a partial staging directory, a retired copy) are finished or removed by the next save
+(:func:`recover`).
 
 Each ``rank.json`` records, per sub-group, its parameters (name, partition numel, offset in the
 sub-group, full numel and shape), so state can be re-partitioned for another world size and
@@ -22,15 +39,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import zlib
 
 from ..errors import AidaptivError
+from ..io.atomic import SELF_CRC, ChecksumMismatch, atomic_write, exchange, fsync_dir, loads_checked, \
+    read_json_checked, write_json  # noqa: F401 - atomic_write, write_json: re-exported for the writer
+from ..io.errors import FileWriteError
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: DeepSpeed's files in the manifest, self-CRC of manifest and rank.json
 DIRNAME = "aidaptiv"
 MANIFEST = "MANIFEST.json"
 RANK_INDEX = "rank.json"
+STAGING = ".aidaptiv-staging"  # <save_dir>/STAGING/<tag>: a save being written
+RETIRED = ".aidaptiv-retired"  # <save_dir>/RETIRED/<tag>: the old copy during a two-rename switch
 ALIGN = 4096
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int8": "I8",
@@ -43,29 +66,6 @@ class IncompleteCheckpointError(AidaptivError, RuntimeError):
 
 def rank_dirname(rank: int) -> str:
     return f"rank{rank:05d}"
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file, fsync, rename and directory fsync."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def write_json(path: str, obj) -> None:
-    atomic_write(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 def safetensors_header(tensors: list[tuple[str, str, list[int], int]], metadata: dict | None = None,
@@ -94,9 +94,13 @@ def safetensors_header(tensors: list[tuple[str, str, list[int], int]], metadata:
     return header, [start + e["data_offsets"][0] for e in entries.values() if "data_offsets" in e]
 
 
-def crc32_file(path: str, chunk: int = 8 << 20) -> int:
+def crc32_file(path: str, chunk: int = 8 << 20, fsync: bool = False) -> int:
+    """CRC32 of the whole file ``path`` (read in ``chunk``-byte pieces); with ``fsync``, also make its
+    bytes durable first (for files another library wrote without fsync, e.g. DeepSpeed's ``torch.save``)."""
     crc = 0
     with open(path, "rb", buffering=0) as f:
+        if fsync:
+            os.fsync(f.fileno())
         while True:
             b = f.read(chunk)
             if not b:
@@ -108,8 +112,43 @@ def tag_dir(save_dir: str, tag: str) -> str:
     return os.path.join(save_dir, str(tag))
 
 
+def staging_root(save_dir: str) -> str:
+    """``<save_dir>/.aidaptiv-staging``: the ``save_dir`` DeepSpeed's own save writes into."""
+    return os.path.join(save_dir, STAGING)
+
+
+def staging_dir(save_dir: str, tag: str) -> str:
+    return os.path.join(save_dir, STAGING, str(tag))
+
+
+def retired_dir(save_dir: str, tag: str) -> str:
+    return os.path.join(save_dir, RETIRED, str(tag))
+
+
+def _damaged(tag_path: str, what: str) -> IncompleteCheckpointError:
+    return IncompleteCheckpointError(f"aidaptiv_ds: checkpoint {tag_path} is damaged: {what}. It will not be loaded.")
+
+
+def read_rank_index(tag_path: str, rank: int, version: int = LAYOUT_VERSION) -> dict:
+    """Rank ``rank``'s ``rank.json`` of a tag directory, its self-CRC verified (layout 2).
+
+    Raises:
+        IncompleteCheckpointError: missing, not JSON, or changed since it was written.
+    """
+    path = os.path.join(tag_path, DIRNAME, rank_dirname(rank), RANK_INDEX)
+    try:
+        return read_json_checked(path, required=version >= 2)
+    except FileNotFoundError:
+        raise _damaged(tag_path, f"{path} is missing") from None
+    except ChecksumMismatch as e:
+        raise _damaged(tag_path, str(e)) from None
+
+
 def read_manifest(tag_path: str, verify_crc: bool = False) -> dict:
     """The manifest of a checkpoint tag directory, after checking that every file it lists is intact.
+
+    Always checked: the manifest's own CRC, each ``rank.json``'s CRC, and the size of every file it
+    lists (ours and DeepSpeed's). With ``verify_crc``: also the CRC32 of every file's bytes.
 
     Raises:
         IncompleteCheckpointError: naming the checkpoint and what is missing or damaged.
@@ -119,32 +158,169 @@ def read_manifest(tag_path: str, verify_crc: bool = False) -> dict:
     if not os.path.isfile(path):
         have = sorted(os.listdir(base)) if os.path.isdir(base) else []
         raise IncompleteCheckpointError(
-            f"aidaptiv_ds: checkpoint {tag_path} is incomplete: {path} is missing (the save was interrupted; found "
-            f"{have or 'no aidaptiv files'}). It will not be loaded. Fix: load an earlier tag (the 'latest' file "
-            f"still names the last complete one) and delete this directory.")
-    with open(path) as f:
-        man = json.load(f)
-    for rel, info in man["files"].items():
-        p = os.path.join(base, rel)
-        if not os.path.isfile(p) or os.path.getsize(p) != info["bytes"]:
-            got = os.path.getsize(p) if os.path.isfile(p) else "missing"
-            raise IncompleteCheckpointError(
-                f"aidaptiv_ds: checkpoint {tag_path} is damaged: {p} should hold {info['bytes']} bytes, found {got}. "
-                f"It will not be loaded. Fix: load an earlier tag.")
-        if verify_crc and info.get("crc32") is not None and crc32_file(p) != info["crc32"]:
-            raise IncompleteCheckpointError(
-                f"aidaptiv_ds: checkpoint {tag_path} is damaged: CRC32 of {p} does not match the manifest. It will "
-                f"not be loaded. Fix: load an earlier tag.")
+            f"aidaptiv_ds: checkpoint {tag_path} is incomplete: {path} is missing (the save did not finish; found "
+            f"{have or 'no aidaptiv files'}). It will not be loaded.")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        man = loads_checked(raw, path, required=False)
+    except ChecksumMismatch as e:
+        raise _damaged(tag_path, str(e)) from None
+    version = int(man.get("version", 1))
+    if version >= 2 and SELF_CRC not in json.loads(raw):
+        raise _damaged(tag_path, f"{path} has no {SELF_CRC}")
+    groups = [(base, man.get("files", {})), (tag_path, man.get("deepspeed_files", {}))]
+    for root, files in groups:
+        for rel, info in files.items():
+            p = os.path.join(root, rel)
+            if not os.path.isfile(p) or os.path.getsize(p) != info["bytes"]:
+                got = f"{os.path.getsize(p)} bytes" if os.path.isfile(p) else "no such file"
+                raise _damaged(tag_path, f"{p} should hold {info['bytes']} bytes, found {got}")
+            metadata = rel.endswith("/" + RANK_INDEX)
+            if (verify_crc or metadata) and info.get("crc32") is not None and crc32_file(p) != info["crc32"]:
+                raise _damaged(tag_path, f"the CRC32 of {p} does not match the manifest")
+    for r in range(int(man["world_size"])):
+        read_rank_index(tag_path, r, version)
     return man
 
 
-def complete_tags(save_dir: str) -> list[str]:
-    """Tags under ``save_dir`` with a complete aidaptiv checkpoint, oldest first (by manifest time)."""
+def list_tags(save_dir: str) -> list[str]:
+    """Names of the tag directories under ``save_dir`` (not our staging/retired directories)."""
+    if not os.path.isdir(save_dir):
+        return []
+    return sorted(t for t in os.listdir(save_dir) if not t.startswith(".aidaptiv-") and
+                  os.path.isdir(os.path.join(save_dir, t, DIRNAME)))
+
+
+def complete_tags(save_dir: str, exclude=()) -> list[str]:
+    """Tags under ``save_dir`` with a complete aidaptiv checkpoint, oldest first (by manifest time),
+    leaving out ``exclude`` (e.g. a tag just refused). Checked: manifests, ``rank.json`` files and
+    every file's size (:func:`read_manifest` without the data CRCs, which the load verifies)."""
     out = []
-    for t in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
+    for t in list_tags(save_dir):
+        if t in exclude:
+            continue
         try:
             man = read_manifest(os.path.join(save_dir, t))
-        except (IncompleteCheckpointError, OSError, ValueError):
+        except (IncompleteCheckpointError, OSError, ValueError, KeyError):
             continue
         out.append((man.get("created", 0), t))
     return [t for _, t in sorted(out)]
+
+
+def is_complete(tag_path: str) -> bool:
+    try:
+        read_manifest(tag_path)
+        return True
+    except (IncompleteCheckpointError, OSError, ValueError, KeyError):
+        return False
+
+
+def locate_tag(save_dir: str, tag: str) -> str:
+    """The directory that holds checkpoint ``tag`` of ``save_dir``: ``<save_dir>/<tag>``, except in
+    the moment of a two-rename switch (:func:`publish`) interrupted by a crash, when it is missing:
+    then the complete new copy in the staging directory, else the complete old one set aside.
+    Read-only (the next save moves it back into place, :func:`recover`)."""
+    final = tag_dir(save_dir, tag)
+    if os.path.isdir(final):
+        return final
+    for cand in (staging_dir(save_dir, tag), retired_dir(save_dir, tag)):
+        if is_complete(cand):
+            return cand
+    return final
+
+
+# ---------------------------------------------------------------------------------------------- switching
+def _rmtree(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def publish(save_dir: str, tag: str, kill_point=lambda name: None) -> str:
+    """Put the complete staging directory of ``tag`` at ``<save_dir>/<tag>`` (see module docstring).
+
+    Returns:
+        How: ``"new"`` (rename), ``"exchanged"`` (atomic swap with the old tag) or ``"two renames"``.
+
+    Raises:
+        FileWriteError: a rename or directory fsync failed, naming the paths (the old tag is intact
+            or set aside complete; :func:`locate_tag` finds a complete copy either way).
+    """
+    src, dst = staging_dir(save_dir, tag), tag_dir(save_dir, tag)
+    parent = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    if not os.path.lexists(dst):
+        _rename(src, dst)
+        fsync_dir(parent)
+        fsync_dir(os.path.dirname(os.path.abspath(src)))
+        return "new"
+    if exchange(src, dst):  # now src holds the old tag
+        fsync_dir(parent)
+        fsync_dir(os.path.dirname(os.path.abspath(src)))
+        kill_point("after_switch")
+        _rmtree(src)
+        return "exchanged"
+    old = retired_dir(save_dir, tag)
+    os.makedirs(os.path.dirname(old), exist_ok=True)
+    _rmtree(old)
+    _rename(dst, old)
+    fsync_dir(os.path.dirname(old))
+    fsync_dir(parent)
+    kill_point("mid_switch")
+    _rename(src, dst)
+    fsync_dir(parent)
+    kill_point("after_switch")
+    _rmtree(old)
+    return "two renames"
+
+
+def _rename(a: str, b: str) -> None:
+    try:
+        os.rename(a, b)
+    except OSError as e:
+        raise FileWriteError(f"{a} -> {b}", 0, None, e.errno, step="renaming the checkpoint directory") from e
+
+
+def recover(save_dir: str) -> list[str]:
+    """Finish or undo what interrupted saves left in ``save_dir`` (rank 0, before a save).
+
+    For each staged or retired tag: when ``<save_dir>/<tag>`` is missing (a two-rename switch was
+    cut between its renames) the complete copy is moved back into place, the new one first; other
+    leftovers (partial staging directories, old copies of tags now in place) are deleted.
+    Returns what was done, one line per directory.
+    """
+    done = []
+    for root in (STAGING, RETIRED):
+        base = os.path.join(save_dir, root)
+        if not os.path.isdir(base):
+            continue
+        for name in sorted(os.listdir(base)):
+            cand = os.path.join(base, name)
+            if not os.path.isdir(cand):
+                continue  # DeepSpeed's recovery scripts: publish() moves them
+            final = tag_dir(save_dir, name)
+            if not os.path.isdir(final) and is_complete(cand):
+                _rename(cand, final)
+                fsync_dir(save_dir)
+                done.append(f"restored {final} from {cand}")
+            else:
+                _rmtree(cand)
+                done.append(f"removed {cand}")
+    return done
+
+
+def adopt_root_files(save_dir: str) -> list[str]:
+    """Move the files DeepSpeed's save put beside the staged tag (its ``zero_to_fp32.py`` recovery
+    scripts, which it writes into the ``save_dir`` it is given) to ``save_dir``, where DeepSpeed
+    puts them. Returns the paths moved."""
+    base, moved = staging_root(save_dir), []
+    if not os.path.isdir(base):
+        return moved
+    for name in sorted(os.listdir(base)):
+        src = os.path.join(base, name)
+        if os.path.isfile(src):
+            os.replace(src, os.path.join(save_dir, name))
+            moved.append(os.path.join(save_dir, name))
+    if moved:
+        fsync_dir(save_dir)
+    return moved

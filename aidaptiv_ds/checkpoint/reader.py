@@ -11,13 +11,12 @@ parameter range at a time is in memory.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
 from safetensors import safe_open
 
-from .format import DIRNAME, RANK_INDEX, rank_dirname, read_manifest
+from .format import DIRNAME, rank_dirname, read_manifest, read_rank_index
 
 
 @dataclasses.dataclass
@@ -43,6 +42,10 @@ class ParamInfo:
 class CheckpointReader:
     """A complete checkpoint tag directory (raises ``IncompleteCheckpointError`` otherwise).
 
+    Opening it verifies the manifest, every ``rank.json`` and every file's size, and with
+    ``verify_crc`` (the default) every file's CRC32, DeepSpeed's included
+    (:func:`~aidaptiv_ds.checkpoint.format.read_manifest`).
+
     Attributes:
         world_size: ranks that wrote it; manifest: the manifest dict; ranks: each rank's index.
         params: ``{name: ParamInfo}`` in the order of rank 0's sub-groups, then frozen parameters.
@@ -54,10 +57,8 @@ class CheckpointReader:
         self.manifest = read_manifest(tag_path, verify_crc=verify_crc)
         self.world_size = int(self.manifest["world_size"])
         base = os.path.join(tag_path, DIRNAME)
-        self.ranks = []
-        for r in range(self.world_size):
-            with open(os.path.join(base, rank_dirname(r), RANK_INDEX)) as f:
-                self.ranks.append(json.load(f))
+        version = int(self.manifest.get("version", 1))
+        self.ranks = [read_rank_index(tag_path, r, version) for r in range(self.world_size)]
         self.params: dict[str, ParamInfo] = {}
         names = set()
         for r, idx in enumerate(self.ranks):

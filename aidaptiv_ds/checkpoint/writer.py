@@ -1,14 +1,20 @@
-"""Writing one rank's part of a checkpoint, crash-safe (see :mod:`aidaptiv_ds.checkpoint.format`)."""
+"""Writing one rank's part of a checkpoint, crash-safe (see :mod:`aidaptiv_ds.checkpoint.format`).
+
+Every file goes through :class:`aidaptiv_ds.io.atomic.AtomicFile`: each ``pwrite`` is checked (a
+short write is continued, one that fails or makes no progress raises
+:class:`~aidaptiv_ds.io.errors.FileWriteError` naming the file and the bytes written of the bytes
+expected), the file is fsynced and must have its expected size before it is renamed into place.
+"""
 from __future__ import annotations
 
 import os
 import time
-import zlib
 
 import torch
 
-from .format import DIRNAME, MANIFEST, RANK_INDEX, atomic_write, fsync_dir, rank_dirname, safetensors_header, \
-    write_json
+from ..io.atomic import AtomicFile, atomic_write, fsync_dir
+from .format import DIRNAME, LAYOUT_VERSION, MANIFEST, RANK_INDEX, crc32_file, rank_dirname, read_rank_index, \
+    safetensors_header, write_json
 from .reflink import clone_range
 
 CHUNK = 64 << 20
@@ -18,7 +24,7 @@ class RankWriter:
     """Files of one rank under ``<tag>/aidaptiv/rankNNNNN``; :meth:`finish` writes ``rank.json`` last.
 
     Attributes:
-        files: ``{relative path: {"bytes": n, "crc32": c or None}}`` written so far.
+        files: ``{relative path: {"bytes": n, "crc32": c}}`` written so far.
         written_bytes / cloned_bytes: bytes written to the drive vs shared by copy-on-write clones.
     """
 
@@ -32,101 +38,114 @@ class RankWriter:
         self.written_bytes = 0
         self.cloned_bytes = 0
 
-    def _begin(self, name: str):
-        path = os.path.join(self.dir, name)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        return path, tmp, fd
-
-    def _commit(self, name: str, path: str, tmp: str, fd: int, crc: int | None) -> None:
-        os.fsync(fd)
-        size = os.fstat(fd).st_size
-        os.close(fd)
-        os.replace(tmp, path)
-        self.files[f"{self.rel_dir}/{name}"] = {"bytes": size, "crc32": crc}
-
     def write_tensors(self, name: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict | None = None) -> None:
-        """A safetensors file of CPU tensors (written in ``CHUNK``-byte pieces; CRC32 recorded)."""
+        """A safetensors file of CPU tensors (written in ``CHUNK``-byte pieces; CRC32 recorded).
+
+        Raises:
+            FileWriteError: a write failed or came up short (disk full, quota, EIO), naming the file and
+                the bytes written of the bytes expected; nothing is renamed into place.
+        """
         spec = [(n, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size())
                 for n, t in tensors]
         header, offsets = safetensors_header(spec, metadata)
-        path, tmp, fd = self._begin(name)
-        try:
-            os.pwrite(fd, header, 0)
-            crc = zlib.crc32(header)
-            pos = len(header)
+        size = offsets[-1] + spec[-1][3] if offsets else len(header)
+        path = os.path.join(self.dir, name)
+        with AtomicFile(path, expected=size, crc=True) as f:
+            f.write(header)
             for (_, t), off in zip(tensors, offsets):
-                if off > pos:  # alignment padding between tensors (none with one tensor)
-                    pad = b"\0" * (off - pos)
-                    os.pwrite(fd, pad, pos)
-                    crc = zlib.crc32(pad, crc)
+                if off > f.pos:  # alignment padding between tensors (none with one tensor)
+                    f.write(b"\0" * (off - f.pos))
                 mv = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
                 for s in range(0, len(mv), CHUNK):
-                    piece = mv[s:s + CHUNK]
-                    os.pwrite(fd, piece, off + s)
-                    crc = zlib.crc32(piece, crc)
-                pos = off + len(mv)
+                    f.write(mv[s:s + CHUNK])
                 self.written_bytes += len(mv)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        self._commit(name, path, tmp, fd, crc)
+        self.files[f"{self.rel_dir}/{name}"] = {"bytes": size, "crc32": f.crc32}
 
     def clone_tensor(self, name: str, tensor_name: str, dtype: str, shape: list[int], runs, metadata: dict | None,
                      align: int) -> bool:
         """Try to make a one-tensor safetensors file whose data is cloned from ``runs``
-        (``[(src_fd, src_offset, length, offset_in_tensor)]``, block-aligned). False: nothing done."""
+        (``[(src_fd, src_offset, length, offset_in_tensor)]``, block-aligned). False: nothing done.
+
+        The cloned file's CRC32 is computed by reading it back (reads only: the point of cloning is
+        not writing the bytes again), so a load verifies it like any other file.
+        """
         nbytes = 1
         for s in shape:
             nbytes *= s
         nbytes *= 4 if dtype == "float32" else 2
         header, (off,) = safetensors_header([(tensor_name, dtype, shape, nbytes)], metadata, align=align)
-        path, tmp, fd = self._begin(name)
+        path = os.path.join(self.dir, name)
+        f = AtomicFile(path, expected=off + nbytes)
         try:
             for src_fd, src_off, length, rel in runs:
-                if not clone_range(src_fd, src_off, fd, off + rel, length):
-                    os.close(fd)
-                    os.unlink(tmp)
+                if not clone_range(src_fd, src_off, f.fd, off + rel, length):
+                    f.abort()
                     return False
-            os.pwrite(fd, header, 0)
-            os.ftruncate(fd, off + nbytes)
+            f.pwrite(header, 0)
+            f.truncate(off + nbytes)
+            os.fsync(f.fd)
+            crc = crc32_file(f.tmp)
         except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
+            f.abort()
             raise
+        f.commit()
         self.cloned_bytes += nbytes
-        self._commit(name, path, tmp, fd, None)
+        self.files[f"{self.rel_dir}/{name}"] = {"bytes": off + nbytes, "crc32": crc}
         return True
 
     def finish(self, index: dict) -> None:
-        """Write ``rank.json`` (the rank's index, listing its files) after all of them."""
-        index = dict(index, files=self.files, rank=self.rank, world_size=self.world_size)
-        write_json(os.path.join(self.dir, RANK_INDEX), index)
+        """Write ``rank.json`` (the rank's index, listing its files, with its own CRC) after all of them."""
+        index = dict(index, files=self.files, rank=self.rank, world_size=self.world_size, version=LAYOUT_VERSION)
+        write_json(os.path.join(self.dir, RANK_INDEX), index, checked=True)
         fsync_dir(self.dir)
+        fsync_dir(self.base)
+
+
+def deepspeed_files(tag_path: str) -> dict[str, dict]:
+    """Every file of the tag directory outside ``aidaptiv/`` (DeepSpeed's own), fsynced, with its
+    size and CRC32: ``{path relative to the tag directory: {"bytes": n, "crc32": c}}``.
+
+    DeepSpeed writes them with ``torch.save`` without fsync; the fsync here makes them as durable
+    as ours before the manifest that lists them exists.
+    """
+    out = {}
+    for root, dirs, files in os.walk(tag_path):
+        rel_root = os.path.relpath(root, tag_path)
+        if rel_root == DIRNAME or rel_root.startswith(DIRNAME + os.sep):
+            dirs[:] = []
+            continue
+        if rel_root == ".":
+            dirs[:] = [d for d in dirs if d != DIRNAME]
+        for name in files:
+            p = os.path.join(root, name)
+            rel = os.path.normpath(os.path.join(rel_root, name))
+            out[rel] = {"bytes": os.path.getsize(p), "crc32": crc32_file(p, fsync=True)}
+        fsync_dir(root)
+    return out
 
 
 def write_manifest(tag_path: str, world_size: int, extra: dict) -> dict:
-    """Rank 0, after every rank finished: check each ``rank.json`` and write ``MANIFEST.json`` last.
+    """Rank 0, after every rank finished: check each ``rank.json``, list DeepSpeed's files with their
+    CRC32, and write ``MANIFEST.json`` last (with its own CRC).
 
     Raises:
-        FileNotFoundError: a rank's index is missing (that rank's save did not finish).
+        IncompleteCheckpointError: a rank's index is missing or damaged (that rank's save did not finish).
     """
-    import json
-
     base = os.path.join(tag_path, DIRNAME)
     files = {}
     for r in range(world_size):
-        idx_path = os.path.join(base, rank_dirname(r), RANK_INDEX)
-        with open(idx_path) as f:
-            idx = json.load(f)
+        idx = read_rank_index(tag_path, r)
         files.update(idx["files"])
-        files[f"{rank_dirname(r)}/{RANK_INDEX}"] = {"bytes": os.path.getsize(idx_path), "crc32": None}
-    man = dict(extra, version=1, world_size=world_size, files=files, created=time.time())
-    write_json(os.path.join(base, MANIFEST), man)
+        idx_path = os.path.join(base, rank_dirname(r), RANK_INDEX)
+        files[f"{rank_dirname(r)}/{RANK_INDEX}"] = {"bytes": os.path.getsize(idx_path), "crc32": crc32_file(idx_path)}
+    man = dict(extra, version=LAYOUT_VERSION, world_size=world_size, files=files,
+               deepspeed_files=deepspeed_files(tag_path), created=time.time())
+    write_json(os.path.join(base, MANIFEST), man, checked=True)
+    fsync_dir(tag_path)
     return man
 
 
 def write_latest(save_dir: str, tag: str) -> None:
     """Point ``<save_dir>/latest`` at ``tag`` atomically (DeepSpeed's format: the tag as text)."""
     atomic_write(os.path.join(save_dir, "latest"), str(tag).encode())
+

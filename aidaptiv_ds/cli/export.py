@@ -12,6 +12,7 @@ import os
 import torch
 
 from ..checkpoint.export import export_hf
+from ..checkpoint.format import locate_tag
 from ..units import parse_size
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,7 +44,7 @@ def resolve_tag_path(checkpoint: str, tag: str | None) -> str:
             raise ValueError(f"{checkpoint}: no 'latest' file and no --tag given; pass --tag TAG")
         with open(latest) as f:
             tag = f.read().strip()
-    return os.path.join(checkpoint, tag)
+    return locate_tag(checkpoint, tag)
 
 
 def run(args) -> int:

@@ -65,3 +65,41 @@ class ChecksumError(StorageError):
             f"aidaptiv_ds: checksum mismatch for extent {key!r} ({nbytes} bytes at offset {offset} in {path}): "
             f"stored crc32 {expected:#010x}, read {got:#010x}. The drive returned corrupted data. Fix: resume "
             f"from the last checkpoint; if it repeats, check the drive (SMART log) and stop using it.")
+
+
+class FileWriteError(StorageError, OSError):
+    """Writing a file (a checkpoint file, an index, a ledger, a report) failed or came up short.
+
+    Raised by :mod:`aidaptiv_ds.io.atomic`, which never puts such a file in place: the path keeps
+    its previous content (or stays absent) and the temporary file is removed.
+
+    Attributes:
+        path: the file's final path.
+        written: bytes written before the failure.
+        expected: bytes the file should have held (None when unknown).
+        errno: the OS error number (``ENOSPC``, ``EDQUOT``, ``EIO``, ...), or None for a short write.
+    """
+
+    _FIX = {
+        _errno.ENOSPC: "free space on that filesystem, or write to a larger one",
+        _errno.EDQUOT: "raise this user's disk quota there, or write to another filesystem",
+        _errno.EROFS: "the filesystem is read-only; remount it read-write or write elsewhere",
+        _errno.EACCES: "make the directory writable by this user",
+        _errno.EIO: "the drive reported a media error; check `dmesg` and the drive's SMART log",
+    }
+
+    def __init__(self, path: str, written: int, expected: int | None, err: int | None, step: str = "write") -> None:
+        self.path, self.written, self.expected = path, int(written), expected
+        what = os.strerror(err) if err else "short write (the system accepted fewer bytes and then none)"
+        of = f" of {expected}" if expected is not None else ""
+        fix = self._FIX.get(err or 0, "check the filesystem (free space, quota, `dmesg`)"
+                            if err is None else "check the filesystem and the path")
+        msg = (f"aidaptiv_ds: {step} of {path} failed after {written}{of} bytes: {what}. The file was not put in "
+               f"place (any previous version of it is unchanged). Fix: {fix}.")
+        StorageError.__init__(self, msg)
+        self.errno = err
+        self.strerror = what
+        self.filename = path
+
+    def __str__(self) -> str:  # OSError.__str__ would print "[Errno n] ..." instead of our message
+        return self.args[0]

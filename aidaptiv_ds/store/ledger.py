@@ -25,6 +25,7 @@ import time
 # absolute, not relative: this module is also loaded alone by file path (no package), and
 # aidaptiv_ds.errors imports nothing (``import aidaptiv_ds`` stays cheap)
 from aidaptiv_ds.errors import AidaptivError, AidaptivWarning
+from aidaptiv_ds.io.atomic import write_json  # stdlib only, like aidaptiv_ds.errors
 
 SECONDS_PER_DAY = 86400.0
 
@@ -134,27 +135,17 @@ class EnduranceLedger:
 
         Raises:
             LedgerError: the file could not be written (full, read-only or removed directory), naming
-                it; a partly written temporary file is removed and the old file stays.
+                it; the old file stays (:mod:`aidaptiv_ds.io.atomic` never renames a partial one).
         """
-        tmp = f"{self.file}.tmp.{os.getpid()}"
         fd = None
         try:
             fd = os.open(self.file + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = self._read()
             fn(data)
-            payload = json.dumps(data, indent=1, sort_keys=True).encode()
-            with open(tmp, "wb") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.file)
+            write_json(self.file, data)  # temp file, checked writes, fsync, rename, directory fsync
             return data
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             raise LedgerError(self.file, self.cache_path, e.errno) from e
         finally:
             if fd is not None:
