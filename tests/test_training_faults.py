@@ -66,7 +66,7 @@ ALIGN = 4096
 # the same as tests/test_multirank.py uses.
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
     "/tmp", "aidaptiv_ds_torch_extensions_" + __import__("hashlib").sha1(sys.prefix.encode()).hexdigest()[:10])
-FIRST_CHUNK = 4 * MiB  # PackedRegion's first chunk; each next one doubles (4, 8, 16 ... MiB)
+FIRST_CHUNK = 4 * MiB  # PackedRegion's first chunk; each next one a quarter of the capacity so far (>= 4 MiB)
 STEPS = 4
 ARGS = ["--model", "llama", "--dtype", "fp32", "--budget", "0", "--steps", str(STEPS)]
 TIMEOUT = 600  # seconds for one child on a loaded 2-core machine; a hang fails the test, it never blocks
@@ -77,11 +77,12 @@ def _round(n: int) -> int:
 
 
 def _param_chunks(nbytes: int) -> list[int]:
-    """Sizes of the parameter region's chunks (4 MiB, then doubling) that hold ``nbytes`` of fp32
-    partitions (packed at 128-byte granularity: a few KiB over ``nbytes``, far from a chunk boundary here)."""
+    """Sizes of the parameter region's chunks (4 MiB, then a quarter of the capacity so far, at least
+    4 MiB: partitions here are far smaller) that hold ``nbytes`` of fp32 partitions (packed at 128-byte
+    granularity: a few KiB over ``nbytes``, far from a chunk boundary here)."""
     sizes = [FIRST_CHUNK]
     while sum(sizes) < nbytes + (64 << 10):
-        sizes.append(sizes[-1] * 2)
+        sizes.append(max(sum(sizes) // 4, FIRST_CHUNK))
     return sizes
 
 

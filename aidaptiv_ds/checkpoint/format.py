@@ -324,3 +324,15 @@ def adopt_root_files(save_dir: str) -> list[str]:
     if moved:
         fsync_dir(save_dir)
     return moved
+
+
+def offer_complete(save_dir: str, refused: str) -> str:
+    """The fix part of an error about a refused tag: the *other* complete tags (oldest first) and
+    how to load the newest, or that there is none."""
+    good = complete_tags(save_dir, exclude={str(refused)})
+    if not good:
+        return (f"There is no other complete checkpoint in {save_dir}. Fix: start without loading it, or restore "
+                f"{tag_dir(save_dir, refused)} from a copy.")
+    return (f"Complete checkpoints in {save_dir} (oldest first): {good}. Fix: load one of them, e.g. "
+            f"engine.load_checkpoint({save_dir!r}, tag={good[-1]!r}), and delete or repair "
+            f"{tag_dir(save_dir, refused)}.")

@@ -25,6 +25,7 @@ import time
 import torch
 from safetensors import safe_open
 
+from ..io.atomic import ChecksumMismatch, read_json_checked, write_json
 from ..io.engine import IOEngine
 from ..store.layout import Namespace
 from ..store.packed import PackedRegion
@@ -128,8 +129,7 @@ def unpack(model_dir: str, cache_paths: list[str], run_name: str, world_size: in
         seconds = time.perf_counter() - t0
         for st, region, man in zip(stores, regions, manifests):
             man["region_size"] = region.size
-            with open(os.path.join(st.ns.rank_dir(0), MANIFEST), "w") as f:
-                json.dump(man, f)
+            write_json(os.path.join(st.ns.rank_dir(0), MANIFEST), man, checked=True, indent=None)
         return UnpackResult(n, written, seconds, world_size, run_name)
     finally:
         for st in stores:
@@ -142,11 +142,15 @@ def read_manifest(rank_dir: str) -> dict:
 
     Raises:
         FileNotFoundError: naming the directory and the command that creates it.
+        ValueError: the manifest was changed or damaged after it was written (its CRC does not match).
     """
     path = os.path.join(rank_dir, MANIFEST)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"aidaptiv_ds: {path} does not exist: this run namespace was not unpacked. Fix: run "
                                 f"`aidaptiv-ds unpack MODEL_DIR --deepspeed CONFIG` with the same cache_paths and "
                                 f"run_name, or remove \"from_unpacked\" from the aidaptiv section")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        return read_json_checked(path, required=False)  # manifests before self_crc32 are read unchecked
+    except ChecksumMismatch as e:
+        raise ValueError(f"aidaptiv_ds: {e}. The unpacked store cannot be trusted. Fix: run `aidaptiv-ds unpack` "
+                         f"again for this run_name (after `aidaptiv-ds gc --delete --run NAME`)") from None

@@ -12,7 +12,7 @@ import os
 import torch
 
 from ..checkpoint.export import export_hf
-from ..checkpoint.format import locate_tag
+from ..checkpoint.format import IncompleteCheckpointError, locate_tag, offer_complete
 from ..units import parse_size
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,7 +49,11 @@ def resolve_tag_path(checkpoint: str, tag: str | None) -> str:
 
 def run(args) -> int:
     path = resolve_tag_path(args.checkpoint, args.tag)
-    files = export_hf(path, args.output, _DTYPES[args.dtype], source_dir=args.source,
-                      shard_bytes=parse_size(args.shard_size, "--shard-size"))
+    try:
+        files = export_hf(path, args.output, _DTYPES[args.dtype], source_dir=args.source,
+                          shard_bytes=parse_size(args.shard_size, "--shard-size"))
+    except IncompleteCheckpointError as e:
+        save_dir, tag = os.path.split(os.path.normpath(path))
+        raise IncompleteCheckpointError(f"{e} {offer_complete(save_dir, tag)}") from None
     print(f"wrote {len(files)} safetensors file(s) ({args.dtype}) to {args.output}")
     return 0

@@ -5,15 +5,22 @@ moments, the optimizer step or the loss scaler (the engine skips its ZeRO states
 ``engine.py:4456``), refuses another world size, and its ``zero_to_fp32`` cannot read the result
 (``docs/deepspeed-seams.md`` §6). Here, for engines whose optimizer is our Stage-3 subclass:
 
-* **save** runs DeepSpeed's own save (model states, LR scheduler, client state) with
-  ``save_latest=False``, then each rank writes its sub-groups' fp32 master weights and optimizer
-  state once, straight from DRAM or the slab (or shares the slab's blocks by a copy-on-write clone
-  where the filesystem allows), plus frozen parameters and an index; rank 0 writes the manifest
-  after every rank finished, and only then ``latest`` (:mod:`aidaptiv_ds.checkpoint.format`);
-* **load** refuses an incomplete checkpoint by name, restores engine counters, LR scheduler and
-  client state from DeepSpeed's rank-0 model-states file, re-partitions master weights and moments
-  for the current world size and sub-groups, restores each sub-group's optimizer ``step`` and the
-  loss scaler, and rebuilds the low-precision partitions from the masters.
+* **save** writes the whole tag into a staging directory, ``<save_dir>/.aidaptiv-staging/<tag>``:
+  DeepSpeed's own save (model states, LR scheduler, client state; ``save_latest=False``), then each
+  rank's sub-groups' fp32 master weights and optimizer state, once, straight from DRAM or the slab
+  (or sharing the slab's blocks by a copy-on-write clone where the filesystem allows), frozen
+  parameters and an index; rank 0 writes the manifest (every file, DeepSpeed's included, with its
+  CRC32) after every rank finished, switches the complete directory into ``<save_dir>/<tag>`` in
+  one atomic step -- over an existing tag too -- and only then writes ``latest``
+  (:mod:`aidaptiv_ds.checkpoint.format`). A ``kill -9`` at any moment leaves the complete old or the
+  complete new checkpoint, never a mix. Before anything is written, the free space of ``save_dir``
+  is checked against what the save needs (:func:`check_space`);
+* **load** verifies the tag (manifest, ``rank.json``, every file's size and CRC32, DeepSpeed's
+  files included) and refuses an incomplete or damaged one by name, offering the complete ones;
+  restores engine counters, LR scheduler and client state from DeepSpeed's rank-0 model-states
+  file, re-partitions master weights and moments for the current world size and sub-groups,
+  restores each sub-group's optimizer ``step`` and the loss scaler, and rebuilds the low-precision
+  partitions from the masters.
 
 Engines on DeepSpeed's own swappers go straight to DeepSpeed's methods.
 """
@@ -22,13 +29,18 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import shutil
 
 import torch
 
-from ..checkpoint.format import IncompleteCheckpointError, complete_tags, tag_dir
+from ..checkpoint.format import IncompleteCheckpointError, adopt_root_files, locate_tag, offer_complete, publish, \
+    read_manifest, recover, staging_dir, staging_root, tag_dir
 from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.reflink import clone_range
+from ..checkpoint.space import DEEPSPEED_FILES_ESTIMATE, rank_need, verdict
 from ..checkpoint.writer import RankWriter, write_latest, write_manifest
 from ..io.buffers import alloc_aligned
+from ..io.killpoint import kill_point
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -36,14 +48,15 @@ log = logging.getLogger("aidaptiv_ds")
 DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
            "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
            "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
-_KILL_ENV = "AIDAPTIV_TEST_KILL_AT"
+#: Crash points of a save, in order (``AIDAPTIV_TEST_KILL_AT``, :mod:`aidaptiv_ds.io.killpoint`):
+#: ``mid_switch`` exists only where the filesystem cannot exchange two directories atomically.
+KILL_POINTS = ("before_deepspeed", "after_deepspeed", "subgroup", "after_rank_state", "before_manifest",
+               "before_switch", "mid_switch", "after_switch", "before_latest", "after_latest")
 
 
 def _kill_point(name: str) -> None:
-    """Test hook: ``AIDAPTIV_TEST_KILL_AT=<name>`` sends SIGKILL to this process here (crash-safety tests)."""
-    if os.environ.get(_KILL_ENV) == name:
-        import signal
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Test hook: ``AIDAPTIV_TEST_KILL_AT=<name>[@rank]`` sends SIGKILL to this process here (crash-safety tests)."""
+    kill_point(name)
 
 
 def is_ours(engine) -> bool:
@@ -116,6 +129,80 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
     return writer
 
 
+_CLONES: dict[tuple, bool] = {}  # (save_dir's device, slab path) -> whether a copy-on-write clone works there
+
+
+def _clone_possible(rt, save_dir: str) -> bool:
+    """Whether sub-groups on the slab would be cloned into ``save_dir`` (same filesystem, and it
+    clones: probed once with one block into a temporary file there)."""
+    slab = rt.store.slabs[0]
+    dev = os.stat(save_dir).st_dev
+    key = (dev, slab.path)
+    if key not in _CLONES:
+        ok = False
+        if dev == os.stat(slab.path).st_dev and slab.size >= rt.store.alignment:
+            probe = os.path.join(save_dir, f".aidaptiv-clone-probe.{os.getpid()}")
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                ok = clone_range(slab.fh.fileno(), 0, fd, 0, rt.store.alignment)
+            except OSError:
+                ok = False
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        _CLONES[key] = ok
+    return _CLONES[key]
+
+
+def save_bytes(opt, save_dir: str, tag: str, exclude_frozen: bool) -> int:
+    """Bytes this rank's part of a save of ``tag`` into ``save_dir`` needs on its filesystem:
+    each sub-group's fp32 master and optimizer state (none for sub-groups on the slab that a
+    copy-on-write clone will share), headers, frozen partitions, the index, and DeepSpeed's files
+    (their size in an earlier tag of ``save_dir``, else :data:`DEEPSPEED_FILES_ESTIMATE`)."""
+    rt, sw = opt._aidaptiv_rt, opt.optimizer_swapper
+    align = rt.store.alignment
+    clone = _clone_possible(rt, save_dir)
+    need, nparams = 0, 0
+    for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
+        g = sw.groups[str(fp32.ds_id)]
+        data = 0 if (g.slice is None and clone) else g.valid_slots * g.slot_bytes
+        need += data + 4 * align  # header (params' names and shapes in the metadata), rounding
+        nparams += len(opt.fp16_groups[i])
+    if not exclude_frozen:
+        need += sum(p.ds_tensor.ds_numel * p.element_size() for p in opt._aidaptiv_module.parameters()
+                    if not p.requires_grad and getattr(p, "ds_tensor", None) is not None)
+    need += 64 * 1024 + 512 * nparams  # rank.json
+    ds = DEEPSPEED_FILES_ESTIMATE
+    try:
+        man = read_manifest(tag_dir(save_dir, tag)) if os.path.isdir(tag_dir(save_dir, tag)) else None
+    except (IncompleteCheckpointError, OSError, ValueError, KeyError):
+        man = None
+    if man and man.get("deepspeed_files"):
+        ds = sum(f["bytes"] for f in man["deepspeed_files"].values()) // max(int(man["world_size"]), 1) + (1 << 20)
+    return need + ds
+
+
+def check_space(opt, save_dir: str, tag: str, exclude_frozen: bool) -> None:
+    """Refuse, on every rank and before anything is written, a save whose parts do not fit the free
+    space of their filesystem (the ranks' needs are gathered, so ranks sharing one add up).
+
+    Raises:
+        CheckpointSpaceError: naming the directory, the bytes needed and free, the cache paths on
+            the same filesystem with what their slabs hold, and dead stores of earlier runs there.
+    """
+    rt = opt._aidaptiv_rt
+    mine = rank_need(save_dir, save_bytes(opt, save_dir, tag, exclude_frozen), rt.namespace.cache_paths,
+                     [s.allocated_bytes() for s in rt.store.slabs])
+    ranks = [mine]
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        ranks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, mine)
+    err = verdict(save_dir, tag, ranks)
+    if err is not None:
+        raise err
+
+
 def _read_partitions(rt, params) -> list[torch.Tensor]:
     out = []
     for p in params:
@@ -128,31 +215,51 @@ def _read_partitions(rt, params) -> list[torch.Tensor]:
 
 def save_checkpoint(engine, orig, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DS's API
                     exclude_frozen_parameters=False):
-    """Replacement of ``DeepSpeedEngine.save_checkpoint`` (see module docstring)."""
+    """Replacement of ``DeepSpeedEngine.save_checkpoint`` (see module docstring).
+
+    Raises:
+        CheckpointSpaceError: ``save_dir`` lacks the space (nothing written, the old tag untouched).
+        FileWriteError: a file could not be written whole (named; never put in place).
+    """
     if not is_ours(engine):
         return orig(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     dist = _dist()
+    rank, world = dist.get_rank(), dist.get_world_size()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    path = tag_dir(save_dir, tag)
-    rank_dir = os.path.join(path, "offloaded_tensors", f"rank{dist.get_rank():02d}")
-    if os.path.isdir(rank_dir) and not os.listdir(rank_dir):  # ours is always empty: let a re-save of the tag pass
-        os.rmdir(rank_dir)
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        for line in recover(save_dir):  # what an interrupted save left: finished or removed
+            log.warning("aidaptiv_ds: checkpoint %s: %s (left by an interrupted save)", save_dir, line)
+        shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)
+    dist.barrier()
+    rt = engine.optimizer._aidaptiv_rt
+    check_space(engine.optimizer, save_dir, tag, exclude_frozen_parameters)
+    path = staging_dir(save_dir, tag)
     _kill_point("before_deepspeed")
-    ok = orig(engine, save_dir, tag, client_state, False, exclude_frozen_parameters)
+    ok = orig(engine, staging_root(save_dir), tag, client_state, False, exclude_frozen_parameters)
     _kill_point("after_deepspeed")
     writer = save_rank_state(engine.optimizer, path, exclude_frozen_parameters)
+    _kill_point("after_rank_state")
     dist.barrier()
-    if dist.get_rank() == 0:
+    if rank == 0:
         module = engine.module
         hf = module.config.to_dict() if hasattr(getattr(module, "config", None), "to_dict") else None
         _kill_point("before_manifest")
-        write_manifest(path, dist.get_world_size(), {"tag": tag, "global_steps": engine.global_steps,
-                                                     "hf_config": hf, "deepspeed_version": _ds_version()})
+        write_manifest(path, world, {"tag": tag, "global_steps": engine.global_steps, "hf_config": hf,
+                                     "deepspeed_version": _ds_version()})
+        _kill_point("before_switch")
+        how = publish(save_dir, tag, _kill_point)
+        adopt_root_files(save_dir)
+        try:
+            os.rmdir(staging_root(save_dir))  # nothing else staged: leave save_dir as DeepSpeed would
+        except OSError:
+            pass
+        log.info("aidaptiv_ds: checkpoint %s saved (%s)", tag_dir(save_dir, tag), how)
         _kill_point("before_latest")
         if save_latest:
             write_latest(save_dir, tag)
+        _kill_point("after_latest")
     dist.barrier()
-    rt = engine.optimizer._aidaptiv_rt
     rt.checkpoint_bytes_written += writer.written_bytes
     rt.checkpoint_bytes_cloned += writer.cloned_bytes
     return ok
@@ -249,16 +356,16 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
     if tag is None:
         log.warning("aidaptiv_ds: no 'latest' file in %s; nothing loaded", load_dir)
         return None, None
-    path = tag_dir(load_dir, tag)
+    path = locate_tag(load_dir, tag)
     try:
         reader = CheckpointReader(path)
     except IncompleteCheckpointError as e:
-        good = complete_tags(load_dir)
-        raise IncompleteCheckpointError(f"{e} Complete checkpoints in {load_dir}: {good or 'none'}.") from None
+        raise IncompleteCheckpointError(f"{e} {offer_complete(load_dir, tag)}") from None
     files = sorted(glob.glob(os.path.join(path, "*_model_states.pt")))
     ms_file = next((f for f in files if "zero_pp_rank_0_" in os.path.basename(f)), files[0] if files else None)
     if ms_file is None:
-        raise IncompleteCheckpointError(f"aidaptiv_ds: checkpoint {path} has no DeepSpeed model-states file")
+        raise IncompleteCheckpointError(f"aidaptiv_ds: checkpoint {path} has no DeepSpeed model-states file. "
+                                        f"{offer_complete(load_dir, tag)}")
     ms = torch.load(ms_file, map_location="cpu", weights_only=False)
     opt = engine.optimizer
     opt.checkpoint_event_prologue()

@@ -46,13 +46,15 @@ class StorageIOError(StorageError, OSError):
 class StorageFullError(StorageError):
     """A cache path lacks the space a plan or a write needs. Raised before any data is written."""
 
-    def __init__(self, path: str, needed: int, free: int, what: str = "") -> None:
+    def __init__(self, path: str, needed: int, free: int, what: str = "", hint: str = "") -> None:
+        """``hint``: more about what holds the space (e.g. dead stores of earlier runs, and the command
+        that removes them), put before the fix."""
         from ..units import format_bytes
         self.path, self.needed, self.free = path, needed, free
         super().__init__(
             f"aidaptiv_ds: cache path {path} needs {format_bytes(needed)} ({needed} bytes)"
             f"{' for ' + what if what else ''}"
-            f" but has {format_bytes(free)} ({free} bytes) free. Fix: free space there, add another path to "
+            f" but has {format_bytes(free)} ({free} bytes) free.{hint} Fix: free space there, add another path to "
             f"aidaptiv.cache_paths, or raise aidaptiv.dram_budget so less state goes to the drive.")
 
 

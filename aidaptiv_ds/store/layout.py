@@ -248,3 +248,42 @@ def list_namespaces(cache_path: str) -> list[dict]:
                 size = sum(os.stat(os.path.join(d, f)).st_blocks * 512 for f in os.listdir(d))
                 out.append({"host": host, "run": run, "rank": rank, "dir": d, "live": live, "bytes_on_disk": size})
     return out
+
+
+def dead_stores(cache_path: str, host: str | None = None) -> list[dict]:
+    """The stores under ``cache_path`` of this node (``host``, default :func:`hostname`) whose owner is
+    gone: left by a run killed with ``kill -9``, or kept (``keep_files``, ``aidaptiv-ds unpack``).
+    Each row as :func:`list_namespaces`, plus ``kept``: True when the store was closed and kept (it has
+    an index), which a later run may still want (``from_unpacked``, a restart)."""
+    me = safe_name(host) if host else hostname()
+    out = []
+    for ns in list_namespaces(cache_path):
+        if ns["host"] != me or ns["live"]:
+            continue
+        out.append(dict(ns, kept=os.path.exists(os.path.join(ns["dir"], "index.json"))))
+    return out
+
+
+def dead_store_hint(cache_path: str, needed: int | None = None, free: int | None = None) -> str:
+    """One or two sentences for a "drive full" error: the dead stores on ``cache_path`` and the
+    command that removes them, or "" when there are none. With ``needed``/``free`` (bytes) it says
+    whether removing them would make the space."""
+    from ..units import format_bytes
+
+    try:
+        dead = dead_stores(cache_path)
+    except OSError:
+        return ""
+    held = sum(d["bytes_on_disk"] for d in dead)
+    if not held:
+        return ""
+    runs = sorted({d["run"] for d in dead})
+    kept = sorted({d["run"] for d in dead if d["kept"]})
+    enough = needed is not None and free is not None and free + held >= needed
+    msg = (f" {len(dead)} dead store(s) of earlier runs ({', '.join(runs[:4])}{', ...' if len(runs) > 4 else ''}) "
+           f"hold {format_bytes(held)} on {cache_path}{' -- removing them makes the space' if enough else ''}: "
+           f"`aidaptiv-ds gc --cache {cache_path} --delete` removes them (never a live store)")
+    if kept:
+        msg += (f"; {', '.join(kept[:4])} {'was' if len(kept) == 1 else 'were'} kept on purpose (keep_files or "
+                f"unpack): add --run NAME to delete only the others")
+    return msg + "."

@@ -3,7 +3,11 @@
 Parameter partitions are packed in creation order (so one module's partitions are one contiguous
 range and one fetch is one sequential read) with no per-item padding (so a 128-byte norm weight
 costs 128 bytes of writes, not a 4 KiB block). The region lives in store extents ("chunks")
-appended as it grows, each twice the previous one up to ``chunk_bytes``.
+appended as it grows: the first of ``first_chunk`` bytes, each next one a quarter of the region's
+capacity so far (at least what the append needs, at most ``chunk_bytes``). [Note: the margin] The
+chunks then hold at most a fifth more than the items, or one first chunk (4 MiB), and never more than
+one ``chunk_bytes`` (256 MiB) more: the slab reserves what the state needs plus that, not the up to
+twice as much that doubling chunks held.
 
 I/O is always block-aligned (``store.alignment``): a write of ``[start, end)`` becomes a write of
 the enclosing aligned range ``[A, B)`` whose partial head and tail blocks are filled
@@ -33,8 +37,9 @@ class PackedRegion:
         store: the slab store holding the chunks.
         name: key prefix of the chunks (``"<name>/<k>"``).
         chunk_bytes: largest chunk extent in bytes (a multiple of the store's alignment).
-        first_chunk: size of the first chunk; each next one doubles, up to ``chunk_bytes`` (a small
-            model takes little space; a large one gets large sequential chunks). Default 4 MiB.
+        first_chunk: size of the first chunk; each next one is a quarter of the capacity so far, up
+            to ``chunk_bytes`` (a small model takes little space; a large one gets large sequential
+            chunks). Default 4 MiB.
         edge_cache_blocks: boundary blocks kept in memory (4 KiB each at the default alignment).
     """
 
@@ -46,7 +51,8 @@ class PackedRegion:
         self.chunk_bytes = round_up(chunk_bytes, self.block)
         self.first_chunk = min(round_up(first_chunk, self.block), self.chunk_bytes)
         self.size = 0
-        self._starts: list[int] = []  # region offset of each chunk; chunk k spans [starts[k], starts[k] + size_k)
+        self._starts: list[int] = []  # region offset of each chunk; chunk k spans [starts[k], starts[k] + sizes[k])
+        self._sizes: list[int] = []
         self._capacity = 0
         self._lock = threading.RLock()
         self._edges: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
@@ -66,14 +72,20 @@ class PackedRegion:
             end = start + int(nbytes)
             while self._capacity < end:
                 k = len(self._starts)
-                self.store.allocate(f"{self.name}/{k}", self._chunk_size(k))
+                size = self.next_chunk_size(self._capacity, end - self._capacity)
+                self.store.allocate(f"{self.name}/{k}", size)
                 self._starts.append(self._capacity)
-                self._capacity += self._chunk_size(k)
+                self._sizes.append(size)
+                self._capacity += size
             self.size = end
             return start
 
-    def _chunk_size(self, k: int) -> int:
-        return min(self.first_chunk << min(k, 40), self.chunk_bytes)
+    def next_chunk_size(self, capacity: int, short: int) -> int:
+        """Bytes of the chunk added to a region of ``capacity`` bytes that lacks ``short`` bytes (see
+        the module docstring): ``capacity / 4``, at least ``first_chunk`` and ``short`` (whole blocks),
+        at most ``chunk_bytes``."""
+        want = max(capacity // 4, round_up(short, self.block), self.first_chunk)
+        return round_up(min(want, self.chunk_bytes), self.block)
 
     def reopen(self, size: int) -> None:
         """Adopt ``size`` bytes already in the store (after :meth:`SlabStore` reopened an index).
@@ -82,13 +94,15 @@ class PackedRegion:
             KeyError: a chunk the size implies is missing from the store index.
         """
         with self._lock:
-            self.size, self._starts, self._capacity = size, [], 0
+            self.size, self._starts, self._sizes, self._capacity = size, [], [], 0
             while self._capacity < size:
                 k = len(self._starts)
-                if self.store.extent(f"{self.name}/{k}") is None:
+                ext = self.store.extent(f"{self.name}/{k}")
+                if ext is None:
                     raise KeyError(f"{self.name}: chunk {k} missing from the store index")
                 self._starts.append(self._capacity)
-                self._capacity += self._chunk_size(k)
+                self._sizes.append(ext.nbytes)
+                self._capacity += ext.nbytes
 
     def _pieces(self, a: int, b: int):
         """``(chunk_key, offset_in_chunk, offset_in_request, length)`` for aligned region bytes ``[a, b)``."""
@@ -97,7 +111,7 @@ class PackedRegion:
         k = bisect.bisect_right(self._starts, pos) - 1
         while pos < b:
             off = pos - self._starts[k]
-            n = min(self._chunk_size(k) - off, b - pos)
+            n = min(self._sizes[k] - off, b - pos)
             out.append((f"{self.name}/{k}", off, pos - a, n))
             pos += n
             k += 1

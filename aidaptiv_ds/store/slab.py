@@ -1,6 +1,7 @@
 """One preallocated slab file per cache path.
 
-The slab grows in large steps with ``fallocate(2)`` (unwritten extents: space is reserved on the
+The slab grows to what the store's extents need plus a small margin (:meth:`Slab.margin`: 1/32,
+1 MiB to 64 MiB) with ``fallocate(2)`` (unwritten extents: space is reserved on the
 drive without writing a byte, so preallocation costs no endurance). Where ``fallocate`` is not
 supported the file is extended sparsely with ``ftruncate`` after checking ``statvfs`` free space.
 Either way a growth that does not fit raises :class:`StorageFullError` naming the path, the bytes
@@ -52,11 +53,11 @@ class Slab:
         cache_path: the user's cache path (named in errors).
         engine: the I/O engine; the slab's requests go to the worker pool named ``drive``.
         drive: worker-pool (and statistics) name, the cache path.
-        grow_step: minimum growth in bytes (fewer, larger fallocate calls).
+        grow_step: largest growth margin in bytes (see :meth:`Slab.margin`).
         alignment: direct-I/O alignment of the file in bytes.
     """
 
-    def __init__(self, path: str, cache_path: str, engine: IOEngine, drive: str, grow_step: int = 256 << 20,
+    def __init__(self, path: str, cache_path: str, engine: IOEngine, drive: str, grow_step: int = 64 << 20,
                  alignment: int = 4096) -> None:
         self.path, self.cache_path, self.drive = path, cache_path, drive
         self.grow_step = grow_step
@@ -64,18 +65,26 @@ class Slab:
         self.size = os.fstat(self.fh.fileno()).st_size
 
     def ensure(self, nbytes: int, what: str = "", limit: int | None = None) -> None:
-        """Make the slab at least ``nbytes`` long (growing by at least ``grow_step``, but never past
-        ``limit`` bytes, the path's capacity, unless ``nbytes`` itself is larger).
+        """Make the slab at least ``nbytes`` long: ``nbytes`` plus the growth margin (:meth:`margin`),
+        never past ``limit`` bytes (the path's capacity) unless ``nbytes`` itself is larger.
 
         Raises:
             StorageFullError: the filesystem lacks the space; nothing was written.
         """
         if nbytes <= self.size:
             return
-        target = max(nbytes, min(self.size + self.grow_step, nbytes + self.grow_step))
+        target = nbytes + self.margin(nbytes)
         if limit is not None:
             target = max(nbytes, min(target, int(limit)))
         self._grow(target, nbytes, what)
+
+    def margin(self, nbytes: int) -> int:
+        """Bytes reserved beyond ``nbytes`` when the slab grows: 1/32 of it, at least 1 MiB, at most
+        ``grow_step`` -- so that a run of small allocations does not call ``fallocate`` for each, while
+        the slab stays within ~3 % of what the state needs (and the space beside it, e.g. for
+        checkpoints on the same filesystem, stays free). [Note: issue 11.8] Growing by a fixed 256 MiB
+        reserved 184 MB for 32 MB of state on a 200 MB filesystem."""
+        return int(min(max(nbytes // 32, 1 << 20), self.grow_step))
 
     def _grow(self, target: int, needed_size: int, what: str) -> None:
         fd = self.fh.fileno()
@@ -98,8 +107,11 @@ class Slab:
                 os.ftruncate(fd, size)
                 self.size = size
                 return
-        raise StorageFullError(self.cache_path, needed_size - self.size, free_bytes(self.cache_path),
-                               what or "slab growth")
+        from .layout import dead_store_hint
+
+        need, free = needed_size - self.size, free_bytes(self.cache_path)
+        raise StorageFullError(self.cache_path, need, free, what or "slab growth",
+                               dead_store_hint(self.cache_path, need, free))
 
     def allocated_bytes(self) -> int:
         """Bytes the slab occupies on the drive (``st_blocks x 512``)."""

@@ -42,7 +42,7 @@ from ..io.engine import READ_DEMAND, WRITE_BACK, IOEngine, default_engine
 from ..io.errors import ChecksumError, StorageError, StorageFullError
 from ..io.futures import IOFuture, combine
 from .allocator import ExtentAllocator, OutOfSpace
-from .layout import CachePathError, Namespace
+from .layout import CachePathError, Namespace, dead_store_hint
 from .ledger import EnduranceLedger, EnduranceRating, LedgerError, LedgerWarning
 from .slab import Slab, free_bytes
 from .striping import StripeLayout
@@ -279,8 +279,9 @@ class SlabStore:
                 if need > self.phys_caps[path]:
                     cp = self.ns.cache_paths[path]
                     free = min(free_bytes(cp) + self.slabs[path].size, self.phys_caps[path])
-                    raise StorageFullError(cp, need, free, what)
-        raise StorageFullError(self.ns.cache_paths[0], logical_end, self.capacity(), what)
+                    raise StorageFullError(cp, need, free, what, dead_store_hint(cp, need, free))
+        cp = self.ns.cache_paths[0]
+        raise StorageFullError(cp, logical_end, self.capacity(), what, dead_store_hint(cp, logical_end, self.capacity()))
 
     # ------------------------------------------------------------------ extents
     def allocate(self, key: str, nbytes: int) -> Extent:

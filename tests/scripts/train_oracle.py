@@ -62,6 +62,7 @@ def parse():
     ap.add_argument("--save_after", type=int, default=0, help="save a checkpoint after this many steps and stop")
     ap.add_argument("--save_at", default="", help="comma-separated steps after which to save and go on")
     ap.add_argument("--save_dir", default="", help="where to save (default: --ckpt_dir)")
+    ap.add_argument("--tag", default="", help="checkpoint tag for every save (default: DeepSpeed's global_stepN)")
     ap.add_argument("--save16", default="", help="after training, engine.save_16bit_model(DIR)")
     ap.add_argument("--resume", action="store_true", help="load the latest checkpoint of --ckpt_dir first")
     ap.add_argument("--no_optimizer_state", action="store_true", help="resume with load_optimizer_states=False")
@@ -335,7 +336,11 @@ def main():
     save_at = {int(x) for x in a.save_at.split(",") if x}
     for step in range(first, a.steps + (1 if a.save_after == a.steps else 0)):
         if step in save_at or (a.save_after and step == a.save_after):
-            eng.save_checkpoint(a.save_dir or a.ckpt_dir, client_state={"step": step, "micro": micro})
+            if a.progress:
+                print(f"aidaptiv-test: saving at step {step}", flush=True)
+            eng.save_checkpoint(a.save_dir or a.ckpt_dir, tag=a.tag or None, client_state={"step": step, "micro": micro})
+            if a.progress:
+                print(f"aidaptiv-test: saved at step {step}", flush=True)
             if a.save_after and step == a.save_after:  # (--save_at 0 saved and then stopped)
                 break
         _between_steps(a, step)

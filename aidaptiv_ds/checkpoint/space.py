@@ -1,0 +1,94 @@
+"""Space for checkpoints: refuse a save that cannot fit, before anything is written (issue 11.8).
+
+A save writes the whole new tag beside the old one until it is complete
+(:mod:`aidaptiv_ds.checkpoint.format`), so it needs the full size of the new tag free, whether or
+not the tag exists. Each rank states what its part needs (:class:`RankNeed`); the ranks' parts on
+one filesystem are added up and compared with that filesystem's free space. When the checkpoint
+directory shares its filesystem with a cache path, the error says how much of it the slabs hold,
+and, when dead stores of earlier runs fill it, how to remove them (``aidaptiv-ds gc``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+from ..io.errors import StorageError, StorageFullError
+from ..store.layout import dead_store_hint
+from ..units import format_bytes
+
+#: DeepSpeed's own files of one rank (ZeRO-3 model states hold placeholders and buffers, its
+#: optimizer-states file the partition bookkeeping), when no earlier tag shows their size.
+DEEPSPEED_FILES_ESTIMATE = 4 << 20
+
+
+class CheckpointSpaceError(StorageFullError):
+    """The checkpoint directory's filesystem lacks the space a save needs. Raised before any byte of
+    the save is written: the previous checkpoint (of this tag or another) is unchanged."""
+
+    def __init__(self, save_dir: str, tag: str, needed: int, free: int, detail: str = "") -> None:
+        self.path, self.needed, self.free, self.save_dir, self.tag = save_dir, needed, free, save_dir, tag
+        StorageError.__init__(
+            self,
+            f"aidaptiv_ds: saving checkpoint {tag!r} to {save_dir} needs {format_bytes(needed)} ({needed} bytes: the "
+            f"new tag is written whole beside any old one until it is complete) but its filesystem has "
+            f"{format_bytes(free)} ({free} bytes) free.{detail} Nothing was written; the previous checkpoints are "
+            f"unchanged. Fix: free space there (e.g. delete checkpoints you no longer need, keeping the latest), or "
+            f"save to another filesystem.")
+
+
+@dataclasses.dataclass
+class RankNeed:
+    """One rank's view of a save: the filesystem of ``save_dir`` (``fs``: host and device, or the
+    filesystem id), its free bytes, the bytes this rank's part of the checkpoint needs, and the
+    cache paths of this rank on the same filesystem with the bytes its slabs hold there."""
+    fs: str
+    free: int
+    need: int
+    shared_cache_paths: list
+    slab_bytes: int
+
+
+def filesystem_id(path: str) -> str:
+    """A name for the filesystem holding ``path``: its ``statvfs`` filesystem id when it has one
+    (the same for every client of a network filesystem on most systems), else host and device."""
+    st = os.statvfs(path)
+    fsid = getattr(st, "f_fsid", 0)
+    return f"fsid:{fsid}" if fsid else f"{socket.gethostname()}:{os.stat(path).st_dev}"
+
+
+def rank_need(save_dir: str, need: int, cache_paths: list[str], slab_bytes: list[int]) -> RankNeed:
+    """This rank's :class:`RankNeed` for a save of ``need`` bytes into ``save_dir`` (which exists).
+
+    Args:
+        cache_paths / slab_bytes: this rank's cache paths and the bytes its slab holds on each.
+    """
+    st = os.statvfs(save_dir)
+    fs = filesystem_id(save_dir)
+    shared = [(p, b) for p, b in zip(cache_paths, slab_bytes) if filesystem_id(p) == fs]
+    return RankNeed(fs, st.f_bavail * st.f_frsize, int(need), [p for p, _ in shared], sum(b for _, b in shared))
+
+
+def verdict(save_dir: str, tag: str, ranks: list[RankNeed]) -> CheckpointSpaceError | None:
+    """The error every rank raises when the ranks' needs on one filesystem exceed its free space
+    (the smallest free space any of them sees), else None. Deterministic in ``ranks``, so every rank
+    computes the same answer from the same gathered list."""
+    by_fs: dict[str, list[RankNeed]] = {}
+    for r in ranks:
+        by_fs.setdefault(r.fs, []).append(r)
+    for fs in sorted(by_fs):
+        group = by_fs[fs]
+        need, free = sum(r.need for r in group), min(r.free for r in group)
+        if need <= free:
+            continue
+        detail = ""
+        paths = sorted({p for r in group for p in r.shared_cache_paths})
+        if paths:
+            held = sum(r.slab_bytes for r in group)
+            detail = (f" The cache path{'s' if len(paths) > 1 else ''} {', '.join(paths)} {'are' if len(paths) > 1 else 'is'} "
+                      f"on the same filesystem; the slabs of this run hold {format_bytes(held)} there (the state "
+                      f"plus its margin).")
+            for p in paths:
+                detail += dead_store_hint(p, need, free)
+        return CheckpointSpaceError(save_dir, tag, need, free, detail)
+    return None
