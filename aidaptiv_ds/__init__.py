@@ -1,7 +1,9 @@
 """aidaptiv_ds: a DeepSpeed ZeRO-3 backend that keeps the training state on cache SSDs.
 
 ``import aidaptiv_ds`` installs the DeepSpeed hooks (at once if DeepSpeed is imported, otherwise
-when it is); they change nothing for configs without an enabled ``"aidaptiv"`` section. See
+when it is); they change nothing for configs without an enabled ``"aidaptiv"`` section. Without the
+import, the site hook installed with the package (:mod:`_aidaptiv_ds_autoload`) imports it the
+first time a config with an ``"aidaptiv"`` section reaches DeepSpeed. See
 :func:`aidaptiv_ds.integration.install` and the README.
 
 Every error aidaptiv_ds raises for something a user can fix derives from :class:`AidaptivError`

@@ -70,14 +70,21 @@ def test_uninstall_restores_every_attribute():
 
 
 def test_site_hook_activates_an_unmodified_process(tmp_path, monkeypatch):
-    """``aidaptiv-ds site-hook install`` writes a .pth whose import line installs the hooks on ``import deepspeed``."""
+    """``aidaptiv-ds site-hook install`` writes the .pth that ``pip install`` ships: its import line
+    leaves DeepSpeed alone until a config with an ``"aidaptiv"`` section reaches it (even a disabled
+    one: aidaptiv_ds decides), which imports aidaptiv_ds and installs the hooks."""
     from aidaptiv_ds.cli import site_hook
     from aidaptiv_ds.cli.main import main as cli
 
     monkeypatch.setattr(site_hook, "pth_path", lambda: str(tmp_path / site_hook.PTH_NAME))
     assert cli(["site-hook", "install"]) == 0
-    out = _py(f"import site; site.addsitedir({str(tmp_path)!r}); import sys; assert 'aidaptiv_ds' in sys.modules; "
-              "import deepspeed, deepspeed.runtime.zero.stage3 as s3; print(s3.DeepSpeedZeroOptimizer_Stage3.__name__)")
-    assert out == "AidaptivZeroOptimizer_Stage3"
+    assert (tmp_path / site_hook.PTH_NAME).read_text() == "import _aidaptiv_ds_autoload\n"
+    out = _py(f"import site; site.addsitedir({str(tmp_path)!r}); import sys; assert 'aidaptiv_ds' not in sys.modules; "
+              "import deepspeed, deepspeed.runtime.zero.stage3 as s3; assert 'aidaptiv_ds' not in sys.modules\n"
+              "before = s3.DeepSpeedZeroOptimizer_Stage3.__name__\n"
+              "try:\n    deepspeed.initialize(model=None, config={'aidaptiv': {'enabled': False}})\n"
+              "except Exception:\n    pass\n"
+              "print(before, s3.DeepSpeedZeroOptimizer_Stage3.__name__, 'aidaptiv_ds' in sys.modules)")
+    assert out == "DeepSpeedZeroOptimizer_Stage3 AidaptivZeroOptimizer_Stage3 True"
     assert cli(["site-hook", "remove"]) == 0
     assert not (tmp_path / site_hook.PTH_NAME).exists()

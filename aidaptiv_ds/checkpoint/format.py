@@ -253,6 +253,7 @@ def publish(save_dir: str, tag: str, kill_point=lambda name: None) -> str:
         _rename(src, dst)
         fsync_dir(parent)
         fsync_dir(os.path.dirname(os.path.abspath(src)))
+        kill_point("after_switch")
         return "new"
     if exchange(src, dst):  # now src holds the old tag
         fsync_dir(parent)

@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import math
 import os
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from ..errors import AidaptivConfigError
+from ..errors import AidaptivConfigError, AidaptivWarning
 from ..store.layout import CachePathError, check_cache_path
 from ..units import parse_size
 
 SECTION = "aidaptiv"
+log = logging.getLogger("aidaptiv_ds")
+
+
+class BudgetWarning(AidaptivWarning):
+    """``dram_budget`` is more than the host memory available now (but less than the machine's)."""
 
 
 def _size_or_auto(v: Any, field: str) -> int | str:
@@ -458,4 +464,66 @@ def validate(ds: dict, check_paths: bool = True) -> AidaptivConfig:
                 check_cache_path(p, f"{SECTION}.cache_paths[{i}]")
             except CachePathError as e:
                 raise AidaptivConfigError(str(e)) from None
+        check_dram_budget(section.get("dram_budget") if isinstance(section, dict) else None, cfg.dram_budget)
     return cfg
+
+
+def host_memory_limit(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> tuple[int | None, str]:
+    """The most host memory this process can have: ``MemTotal`` of ``/proc/meminfo``, or the memory
+    limit of its cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) when that is smaller
+    (containers, SLURM jobs). Returns ``(bytes or None when unknown, where the number comes from)``."""
+    from ..telemetry.sysinfo import host_memory
+
+    total = host_memory(proc_root).get("total_bytes")
+    best, source = (int(total), "MemTotal in /proc/meminfo") if total else (None, "unknown")
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            with open(os.path.join(cgroup_root, name)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and (best is None or int(text) < best):
+            best, source = int(text), f"the cgroup limit {os.path.join(cgroup_root, name)}"
+    return best, source
+
+
+_BUDGET_WARNED: set = set()
+
+
+def check_dram_budget(given: Any, budget: int | str, local_ranks: int | None = None) -> None:
+    """Refuse a ``dram_budget`` the machine cannot hold; warn when it exceeds what is available now.
+
+    The budget is per rank: the node needs ``budget x local ranks``. More than the machine's memory
+    (:func:`host_memory_limit`) is refused -- such a budget bounds nothing, and the run would be
+    killed by the OOM killer instead of spilling to the cache tier; more than ``MemAvailable`` is
+    accepted with a warning (memory may be freed by then, or held by page cache).
+
+    Raises:
+        AidaptivConfigError: naming the value, the bytes per rank and per node, the machine's memory
+            and the fix.
+    """
+    if budget == "auto" or not isinstance(budget, int) or budget <= 0:
+        return
+    from ..telemetry.sysinfo import host_memory
+    from ..units import format_bytes
+    from .runtime import local_world_size  # noqa: PLC0415 - runtime imports this module
+
+    local = local_ranks or local_world_size()
+    node = int(budget) * local
+    limit, source = host_memory_limit()
+    per = f"{format_bytes(budget)} per rank" + (f" x {local} ranks on this node = {format_bytes(node)}" if local > 1 else "")
+    if limit is not None and node > limit:
+        raise AidaptivConfigError(
+            f"{SECTION}.dram_budget: {given!r} ({per}) is more than this machine's memory, {format_bytes(limit)} "
+            f"({source}): it would not bound host memory. Fix: set it to at most {format_bytes(limit // local)} per rank "
+            f"minus what the training process itself needs, e.g. \"{format_bytes(int(limit * 0.7) // local)}\", or "
+            f"\"auto\" (available memory minus a safety margin)")
+    avail = host_memory().get("available_bytes")
+    if avail and node > avail and (node, local) not in _BUDGET_WARNED:  # validate runs at each entry point: once
+        _BUDGET_WARNED.add((node, local))
+        import warnings
+        msg = (f"{SECTION}.dram_budget: {given!r} ({per}) is more than the memory available now, "
+               f"{format_bytes(int(avail))} (MemAvailable in /proc/meminfo); if the state fills it, this node will "
+               f"swap or hit the OOM killer. Fix: a smaller budget, or \"auto\"")
+        log.warning("aidaptiv_ds: %s", msg)
+        warnings.warn(msg, BudgetWarning, stacklevel=3)

@@ -132,6 +132,7 @@ class Runtime:
         self.checkpoint_bytes_written = 0  # bytes our checkpoint saves wrote (not on the cache tier)
         self.checkpoint_bytes_cloned = 0  # bytes they shared with the slab by copy-on-write clones
         self.closed = False
+        install_sigterm_handler()
         counters.register_provider("aidaptiv_ds", self.counters, settle=self.flush)
         if self.rank == 0:
             log.info("aidaptiv_ds: run %s, %d cache path(s) %s (%s), DRAM budget %s", run, len(paths), paths,
@@ -239,8 +240,10 @@ class Runtime:
                 self.tier.flush()
         finally:
             counters.unregister_provider("aidaptiv_ds")
-            self.store.close()
-            self.engine.close()
+            try:
+                self.store.close()
+            finally:
+                self.engine.close()
 
 
 def get_runtime(cfg: AidaptivConfig) -> Runtime:
@@ -284,9 +287,18 @@ def _shutdown_at_exit() -> None:
     the same failed write again, or a ledger that cannot be written on a full or vanished drive) is
     only logged at debug level, so the run's own error stays the last thing on stderr. The close
     still frees the drive: the store's files are deleted (or kept with ``keep_files``) either way.
+
+    Otherwise an error of the close (a cache directory that became read-only, so the slab cannot be
+    deleted) is reported in one line on stderr -- what was left where, and the command that removes
+    it -- instead of an "Exception ignored in atexit callback" traceback.
     """
     if getattr(sys, "last_value", None) is None:
-        shutdown()
+        try:
+            shutdown()
+        except Exception as e:  # noqa: BLE001 - reported in one line; the process is exiting
+            msg = " ".join(str(e).split())
+            print(msg if msg.startswith("aidaptiv_ds") else f"aidaptiv_ds: at exit: {type(e).__name__}: {msg}",
+                  file=sys.stderr, flush=True)
         return
     import warnings
     was_disabled, log.disabled = log.disabled, True
@@ -302,3 +314,51 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
+
+
+# ---------------------------------------------------------------------------------------------- SIGTERM
+_SIGTERM: dict = {}
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM without a handler of the user's: exit like Ctrl-C does -- unwind (``finally`` blocks
+    run) with ``SystemExit(128 + 15)``, so :func:`_shutdown_at_exit` closes the store (its slab is
+    deleted unless ``keep_files``). A handler of the user's that was installed before ours is called
+    instead, and decides (one installed after ours replaces it, as Python does)."""
+    prev = _SIGTERM.get("prev")
+    if callable(prev):
+        return prev(signum, frame)
+    print(f"aidaptiv_ds: received SIGTERM (pid {os.getpid()}); closing the store and exiting with status "
+          f"{128 + signum}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+def install_sigterm_handler() -> bool:
+    """Handle SIGTERM -- what SLURM, Kubernetes, torchrun and the ``deepspeed`` launcher send to stop a
+    rank -- like SIGINT: the process unwinds and exits, and the store is closed on the way out
+    (:func:`_on_sigterm`). Python's default for SIGTERM is to die at once, which left the slab on the
+    drive. Only from the main thread (Python delivers signals there), once per process; an ignored
+    SIGTERM (``SIG_IGN``) stays ignored. Returns whether our handler is installed.
+
+    [Note: chaining] A user's handler found here is kept and called from ours, so a script that
+    saves a checkpoint on SIGTERM (preemption) still does; if it then exits, the store is closed at
+    exit as usual. A rank blocked inside a collective when the signal comes runs the handler only
+    when the call returns; a launcher that kills it before (SIGKILL) leaves the store for
+    ``aidaptiv-ds gc``.
+    """
+    import signal
+    import threading
+
+    if _SIGTERM.get("installed"):
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    prev = signal.getsignal(signal.SIGTERM)
+    if prev == signal.SIG_IGN:
+        return False
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not the main interpreter, or signals unavailable
+        return False
+    _SIGTERM.update(installed=True, prev=prev if callable(prev) else None)
+    return True

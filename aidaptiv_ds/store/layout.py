@@ -187,10 +187,18 @@ class Namespace:
 
     def remove_files(self) -> None:
         """Delete this namespace's rank directories (only while we hold their locks), then the run
-        directory when it is empty. Other ranks' and runs' directories are never touched."""
+        directory when it is empty. Other ranks' and runs' directories are never touched.
+
+        Raises:
+            StorageError: some files could not be deleted (a directory made read-only or immutable,
+                a filesystem turned read-only): naming what is left, its size, the error and the
+                command that removes it later. Everything deletable was deleted and the locks are
+                released either way.
+        """
         if not self.locked:
             raise StorageError("aidaptiv_ds: refusing to delete a namespace this process does not own")
         ours = [self.still_owned(i) for i in range(len(self.cache_paths))]
+        failed: list[tuple[str, int, OSError]] = []
         for i in range(len(self.cache_paths)):
             if not ours[i]:  # removed under us, maybe re-created by another process: not ours to delete
                 continue
@@ -198,7 +206,11 @@ class Namespace:
             for name in os.listdir(d):
                 if name != "owner.lock":
                     p = os.path.join(d, name)
-                    shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+                    try:
+                        shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+                    except OSError as e:
+                        size = os.stat(p).st_blocks * 512 if os.path.exists(p) else 0
+                        failed.append((p, size, e))
         self.release()
         for i in range(len(self.cache_paths)):
             if not ours[i]:
@@ -209,7 +221,15 @@ class Namespace:
                 os.rmdir(d)
                 os.rmdir(self.run_dir(i))
             except OSError:
-                pass  # another rank of the run is still there
+                pass  # another rank of the run is still there (or the directory is read-only: reported above)
+        if failed:
+            from ..units import format_bytes
+            left = ", ".join(f"{p} ({format_bytes(n)})" for p, n, _ in failed[:3]) + (" ..." if len(failed) > 3 else "")
+            e = failed[0][2]
+            raise StorageError(
+                f"aidaptiv_ds: could not delete the store's files: {left}: {e.strerror or e}. They stay on the drive. "
+                f"Fix: make the directory writable again (chmod u+w, chattr -i, or remount read-write), then run "
+                f"`aidaptiv-ds gc --cache {self.cache_paths[0]} --delete`.")
 
 
 def list_namespaces(cache_path: str) -> list[dict]:
