@@ -100,7 +100,7 @@ def test_a_refused_checkpoint_is_named_and_only_complete_ones_are_offered(tmp_pa
             os.unlink(os.path.join(ck, "global_step2", "aidaptiv", "MANIFEST.json"))
         with pytest.raises(AssertionError) as e:
             run("aidaptiv", args + ["--resume"], str(tmp_path / f"b_{case}"))
-        err = next(ln for ln in str(e.value).splitlines() if "IncompleteCheckpointError" in ln)
+        err = [ln for ln in str(e.value).splitlines() if "IncompleteCheckpointError: " in ln][-1]
         assert f"global_step2 is {case}" in err, err
         assert "Complete checkpoints in" in err and "['global_step1']" in err and "tag='global_step1'" in err, err
     with open(os.path.join(ck, "latest"), "w") as f:

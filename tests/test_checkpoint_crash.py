@@ -119,15 +119,16 @@ class Scenario:
     """The old checkpoint, the new one (uninterrupted), and the straight run's losses, for one world
     size and tag kind; every crash starts from a copy of the old one."""
 
-    def __init__(self, root: str, ws: int, kind: str) -> None:
+    def __init__(self, root: str, ws: int, kind: str, ck_root: str | None = None) -> None:
         self.root, self.ws, self.kind = root, ws, kind
+        self.ck_root = ck_root or root  # where the checkpoints go (another filesystem, e.g. ext2)
         self.cache = os.path.join(root, "cache")  # one path for all runs: DeepSpeed stores it in model_states
         self.tag_args = ["--tag", "last"] if kind == "existing" else []
         self.old_tag, self.new_tag = ("last", "last") if kind == "existing" else ("global_step2", "global_step3")
         straight = launch(ws, BASE, os.path.join(root, "straight"), self.cache)
         assert straight["rc"] == 0, straight["log"][-4000:]
         self.losses = torch.load(straight["out"], weights_only=False)["losses"]
-        self.old_dir = os.path.join(root, "old")
+        self.old_dir = os.path.join(self.ck_root, "old")
         first = launch(ws, BASE + ["--ckpt_dir", self.old_dir, "--save_after", "2", *self.tag_args],
                        os.path.join(root, "first"), self.cache)
         assert first["rc"] == 0, first["log"][-4000:]
@@ -138,9 +139,10 @@ class Scenario:
         self.new_dir = ref["ck"]
         self.new = crc_map(tag_dir(ref["ck"], self.new_tag))
         assert self.new != self.old
+        self.resumed: set = set()
 
     def crash(self, name: str, kill_at: str = "", delay: float | None = None) -> dict:
-        ck = os.path.join(self.root, name, "ckpt")
+        ck = os.path.join(self.ck_root, name, "ckpt")
         shutil.rmtree(os.path.dirname(ck), ignore_errors=True)
         shutil.copytree(self.old_dir, ck)
         run = launch(self.ws, BASE + ["--ckpt_dir", ck, "--resume", "--save_after", "3", *self.tag_args],
@@ -176,10 +178,10 @@ _SCENARIOS: dict = {}
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
-    def get(ws: int, kind: str) -> Scenario:
-        key = (ws, kind)
+    def get(ws: int, kind: str, ck_root: str | None = None) -> Scenario:
+        key = (ws, kind, ck_root)
         if key not in _SCENARIOS:
-            _SCENARIOS[key] = Scenario(str(tmp_path_factory.mktemp(f"ws{ws}_{kind}")), ws, kind)
+            _SCENARIOS[key] = Scenario(str(tmp_path_factory.mktemp(f"ws{ws}_{kind}")), ws, kind, ck_root)
         return _SCENARIOS[key]
     return get
 
@@ -191,9 +193,14 @@ def crash_and_check(scn: Scenario, name: str, kill_at: str = "", delay: float | 
     if kill_at and run["rc"] == 0:  # a point this save never reaches (mid_switch: the filesystem can exchange)
         assert kill_at.startswith("mid_switch"), run["log"][-3000:]
     outcome = scn.judge(c["ck"])
+    if resume is None:  # [Note] files equal to a reference load as it does: one real resume per outcome suffices
+        resume = outcome not in scn.resumed
     if resume:
         scn.resume_matches(c["ck"], outcome)
-    print(f"crash {scn.ws} rank(s) {scn.kind} tag {kill_at or f'delay {delay:.2f}s'}: rc {run['rc']} -> {outcome}")
+        scn.resumed.add(outcome)
+    print(f"crash {scn.ws} rank(s) {scn.kind} tag {kill_at or f'delay {delay:.2f}s'}: rc {run['rc']} -> {outcome}"
+          f"{' (resumed: losses equal)' if resume else ''}", flush=True)
+    shutil.rmtree(os.path.dirname(c["ck"]), ignore_errors=True)
     return outcome
 
 
@@ -210,30 +217,57 @@ def test_kill_9_during_a_resave_of_a_tag(scenario, point, expect, resume):
 POINTS = list(KILL_POINTS)
 
 
+def _matrix(scn: Scenario, points: list[str], delays: int, seed: int) -> dict:
+    outcomes = {}
+    for point in points:
+        outcomes[point] = crash_and_check(scn, f"m_{scn.kind}_{point}".replace("@", "_r"), point, resume=None)
+    rng = random.Random(seed)
+    span = (scn.save_s or 2.0) * 1.3
+    for i in range(delays):
+        d = rng.uniform(0, span)
+        outcomes[f"delay {d:.2f}s"] = crash_and_check(scn, f"m_{scn.kind}_delay{i}", delay=d, resume=None)
+    print(f"MATRIX ws={scn.ws} kind={scn.kind} ck_root={scn.ck_root} save_s={scn.save_s}: {outcomes}", flush=True)
+    return outcomes
+
+
+def _expected(kind: str, point: str, exchange: bool = True) -> str:
+    """Up to the switch a load finds the old checkpoint; an existing tag is new from the switch on
+    (``mid_switch``, only where the filesystem cannot exchange: both copies are there, the new one is
+    found), a new tag once ``latest`` names it; a point a save never reaches lets it finish: new."""
+    if point == "mid_switch":
+        return "new"
+    first_new = "after_switch" if kind == "existing" else "after_latest"
+    if kind == "existing" and not exchange:
+        first_new = "mid_switch"
+    return "new" if KILL_POINTS.index(point) >= KILL_POINTS.index(first_new) else "old"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("ws", [1, pytest.param(2, marks=pytest.mark.multirank)])
 @pytest.mark.parametrize("kind", ["existing", "new"])
 def test_kill_9_matrix(scenario, ws, kind):
     """Every crash point (on every rank, and on rank 1 alone with 2 ranks) and 8 random delays into the save."""
     scn = scenario(ws, kind)
-    outcomes = {}
-    specs = POINTS + ([p + "@1" for p in ("before_deepspeed", "after_deepspeed", "subgroup", "after_rank_state")]
-                      if ws > 1 else [])
-    for point in specs:
-        outcomes[point] = crash_and_check(scn, f"m_{kind}_{point}".replace("@", "_r"), point)
-    rng = random.Random(1000 * ws + len(kind))
-    span = (scn.save_s or 2.0) * 1.3
-    for i in range(8):
-        d = rng.uniform(0, span)
-        outcomes[f"delay {d:.2f}s"] = crash_and_check(scn, f"m_{kind}_delay{i}", delay=d)
-    print(f"MATRIX ws={ws} kind={kind} save_s={scn.save_s}: {outcomes}")
+    specs = list(KILL_POINTS) + ([p + "@1" for p in ("before_deepspeed", "after_deepspeed", "subgroup",
+                                                     "after_rank_state")] if ws > 1 else [])
+    outcomes = _matrix(scn, specs, 8, 1000 * ws + len(kind))
     assert set(outcomes.values()) <= {"old", "new"}
-    # up to the switch the old checkpoint is what a load finds; an existing tag is new from the switch on,
-    # a new tag once latest names it; mid_switch is not reached where the filesystem exchanges atomically
-    first_new = "after_switch" if kind == "existing" else "after_latest"
-    for point in POINTS:
-        want = "new" if point == "mid_switch" or POINTS.index(point) >= POINTS.index(first_new) else "old"
-        assert outcomes[point] == want, (point, outcomes[point])
+    for point in specs:
+        assert outcomes[point] == _expected(kind, point.split("@")[0]), (point, outcomes[point])
+
+
+@pytest.mark.slow
+def test_kill_9_matrix_where_directories_cannot_be_exchanged(scenario, tmp_path_factory):
+    """ext2 has no ``RENAME_EXCHANGE``: the switch is two renames, and a kill between them
+    (``mid_switch``) leaves the tag directory missing with both complete copies beside it."""
+    from test_training_faults import mounted
+
+    with mounted(tmp_path_factory.mktemp("ext2"), "ext2", 600) as mnt:
+        scn = scenario(1, "existing", mnt)
+        outcomes = _matrix(scn, ["before_switch", "mid_switch", "after_switch", "after_latest"], 4, 7)
+        for point in ("before_switch", "mid_switch", "after_switch", "after_latest"):
+            assert outcomes[point] == _expected("existing", point, exchange=False), (point, outcomes[point])
+        assert outcomes["mid_switch"] == "new"
 
 
 def test_a_mix_is_what_judge_refuses(scenario, tmp_path):

@@ -92,3 +92,43 @@ def verdict(save_dir: str, tag: str, ranks: list[RankNeed]) -> CheckpointSpaceEr
                 detail += dead_store_hint(p, need, free)
         return CheckpointSpaceError(save_dir, tag, need, free, detail)
     return None
+
+
+def preflight_verdict(checkpoint_dir: str, ranks: list[RankNeed]) -> StorageFullError | None:
+    """At start (``aidaptiv.checkpoint_dir`` set): the error when one checkpoint of every rank that
+    shares a filesystem with ``checkpoint_dir`` does not fit in what is free there now -- after the
+    slabs reserved the state, so when a cache path shares the filesystem the numbers are state +
+    checkpoint against its free space. None when it fits."""
+    by_fs: dict[str, list[RankNeed]] = {}
+    for r in ranks:
+        by_fs.setdefault(r.fs, []).append(r)
+    for fs in sorted(by_fs):
+        group = by_fs[fs]
+        need, free = sum(r.need for r in group), min(r.free for r in group)
+        if need <= free:
+            continue
+        paths = sorted({p for r in group for p in r.shared_cache_paths})
+        held = sum(r.slab_bytes for r in group)
+        if paths:
+            detail = (f"; it shares its filesystem with the cache path{'s' if len(paths) > 1 else ''} "
+                      f"{', '.join(paths)}, where the slabs already reserved {format_bytes(held)} for the training "
+                      f"state (and its margin), so state + checkpoint need {format_bytes(held + need)} of the "
+                      f"{format_bytes(held + free)} there.")
+            detail += "".join(dead_store_hint(p, need, free) for p in paths)
+        else:
+            detail = "."
+        return CheckpointPreflightError(checkpoint_dir, need, free, detail)
+    return None
+
+
+class CheckpointPreflightError(StorageFullError):
+    """At start: ``aidaptiv.checkpoint_dir`` cannot hold one checkpoint (see :func:`preflight_verdict`)."""
+
+    def __init__(self, checkpoint_dir: str, needed: int, free: int, detail: str) -> None:
+        self.path, self.needed, self.free = checkpoint_dir, needed, free
+        StorageError.__init__(
+            self,
+            f"aidaptiv_ds: aidaptiv.checkpoint_dir {checkpoint_dir} needs {format_bytes(needed)} ({needed} bytes) for "
+            f"one checkpoint of the ranks writing there but has {format_bytes(free)} ({free} bytes) free{detail} "
+            f"Nothing was trained or saved yet. Fix: free space there, save checkpoints to another filesystem, or "
+            f"add a cache path on another drive so the slabs leave room.")

@@ -158,7 +158,8 @@ def save_bytes(opt, save_dir: str, tag: str, exclude_frozen: bool) -> int:
     """Bytes this rank's part of a save of ``tag`` into ``save_dir`` needs on its filesystem:
     each sub-group's fp32 master and optimizer state (none for sub-groups on the slab that a
     copy-on-write clone will share), headers, frozen partitions, the index, and DeepSpeed's files
-    (their size in an earlier tag of ``save_dir``, else :data:`DEEPSPEED_FILES_ESTIMATE`)."""
+    (their size in this tag saved before, or in the tag ``latest`` names, plus 1 MiB; else
+    :data:`DEEPSPEED_FILES_ESTIMATE`)."""
     rt, sw = opt._aidaptiv_rt, opt.optimizer_swapper
     align = rt.store.alignment
     clone = _clone_possible(rt, save_dir)
@@ -173,12 +174,15 @@ def save_bytes(opt, save_dir: str, tag: str, exclude_frozen: bool) -> int:
                     if not p.requires_grad and getattr(p, "ds_tensor", None) is not None)
     need += 64 * 1024 + 512 * nparams  # rank.json
     ds = DEEPSPEED_FILES_ESTIMATE
-    try:
-        man = read_manifest(tag_dir(save_dir, tag)) if os.path.isdir(tag_dir(save_dir, tag)) else None
-    except (IncompleteCheckpointError, OSError, ValueError, KeyError):
-        man = None
-    if man and man.get("deepspeed_files"):
-        ds = sum(f["bytes"] for f in man["deepspeed_files"].values()) // max(int(man["world_size"]), 1) + (1 << 20)
+    for earlier in (tag, resolve_tag(save_dir, None)):  # this tag saved before, else the one `latest` names
+        try:
+            man = read_manifest(tag_dir(save_dir, earlier)) if earlier and os.path.isdir(tag_dir(save_dir, earlier)) \
+                else None
+        except (IncompleteCheckpointError, OSError, ValueError, KeyError):
+            man = None
+        if man and man.get("deepspeed_files"):
+            ds = sum(f["bytes"] for f in man["deepspeed_files"].values()) // max(int(man["world_size"]), 1) + (1 << 20)
+            break
     return need + ds
 
 

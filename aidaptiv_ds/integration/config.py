@@ -116,6 +116,9 @@ class AidaptivConfig(_Model):
         keep_files: keep the slab files after a clean shutdown (default false: they are deleted).
         from_unpacked: take the initial weights from a store written by ``aidaptiv-ds unpack`` under
             ``run_name`` (needs an explicit ``run_name``; the namespace is kept).
+        checkpoint_dir: where this run will save checkpoints (optional): at start, before step 1, the
+            preflight checks that one checkpoint fits there beside the slabs when they share a
+            filesystem (each save checks again, whatever the directory).
         endurance: the drives' endurance rating.
         io: I/O engine settings.
     """
@@ -134,6 +137,7 @@ class AidaptivConfig(_Model):
     checksum: bool = False
     keep_files: bool = False
     from_unpacked: bool = False
+    checkpoint_dir: Union[str, None] = None
     endurance: EnduranceConfig = Field(default_factory=EnduranceConfig)
     io: IOConfig = Field(default_factory=IOConfig)
 
@@ -162,6 +166,13 @@ class AidaptivConfig(_Model):
                              f"e.g. [\"/mnt/cache0\", \"/mnt/cache1\"]")
         if len(set(os.path.abspath(p) for p in v)) != len(v):
             raise ValueError(f"{SECTION}.cache_paths: {v!r} lists a path twice. Fix: list each cache directory once")
+        return v
+
+    @field_validator("checkpoint_dir", mode="before")
+    @classmethod
+    def _ckpt_dir(cls, v):
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            raise ValueError(f"{SECTION}.checkpoint_dir: {v!r} must be a directory path, e.g. \"/data/ckpt\", or absent")
         return v
 
     @field_validator("run_name")
@@ -210,6 +221,7 @@ _EXAMPLES = {
     "primary_path": '"local_rank" or an index of cache_paths such as 0', "stripe_unit": 'a size such as "1MiB"',
     "prefetch_bytes": '"auto" or a size such as "1GiB"', "writeback_bytes": '"auto" or a size such as "512MiB"',
     "min_swap_bytes": '0 or a size such as "1MiB"', "checksum": "true or false", "keep_files": "true or false",
+    "checkpoint_dir": 'a directory such as "/data/ckpt"',
     "endurance": 'an object such as {"rated_dwpd": 100, "capacity": "8TB"}',
     "endurance.capacity": 'a size such as "8TB"', "endurance.rated_dwpd": "a number > 0 such as 100",
     "endurance.warranty_years": "a number > 0 such as 5",

@@ -169,6 +169,34 @@ class Runtime:
         self.tier.wait_writes()
         release_free_host_memory()
 
+    def preflight_checkpoints(self, checkpoint_bytes: int) -> None:
+        """With ``aidaptiv.checkpoint_dir``: refuse at start, before step 1, when one checkpoint
+        (``checkpoint_bytes`` of this rank; the ranks sharing the directory's filesystem are gathered
+        and added up) does not fit in its free space after the slabs' reservation -- the case of a
+        checkpoint directory on the cache drive. Each save checks again (:func:`checkpointing.check_space`).
+
+        Raises:
+            CheckpointPreflightError: a :class:`StorageFullError` naming the directory, the bytes needed
+                and free, the cache paths it shares the filesystem with, what their slabs hold, and
+                dead stores of earlier runs there.
+        """
+        d = self.cfg.checkpoint_dir
+        if not d:
+            return
+        from ..checkpoint.space import DEEPSPEED_FILES_ESTIMATE, preflight_verdict, rank_need
+
+        os.makedirs(d, exist_ok=True)
+        need = int(checkpoint_bytes) + DEEPSPEED_FILES_ESTIMATE
+        mine = rank_need(d, need, self.namespace.cache_paths, [s.allocated_bytes() for s in self.store.slabs])
+        ranks = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            ranks = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(ranks, mine)
+        err = preflight_verdict(d, ranks)
+        if err is not None:
+            raise err
+
     def set_budget(self, budget: int) -> None:
         """Change the DRAM budget (the ``"auto"`` budget is refined once the working set is known)."""
         self.budget = int(budget)

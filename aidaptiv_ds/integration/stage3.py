@@ -215,6 +215,7 @@ def make_stage3_class(base: type) -> type:
             self._aidaptiv_stepper = BackwardStepper(self, enabled=speculate, keep_gradients=clip)
             sw.wanted = self._aidaptiv_stepper.wanted
             rt.steppers.append(self._aidaptiv_stepper)
+            rt.preflight_checkpoints(sum(n * sw.elsize * slots + 4 * align for n in numels))
             if psw is not None and plan.params_resident:
                 psw.make_resident()
             self.aidaptiv_plan = plan

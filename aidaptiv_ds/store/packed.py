@@ -5,9 +5,9 @@ range and one fetch is one sequential read) with no per-item padding (so a 128-b
 costs 128 bytes of writes, not a 4 KiB block). The region lives in store extents ("chunks")
 appended as it grows: the first of ``first_chunk`` bytes, each next one a quarter of the region's
 capacity so far (at least what the append needs, at most ``chunk_bytes``). [Note: the margin] The
-chunks then hold at most a fifth more than the items, or one first chunk (4 MiB), and never more than
-one ``chunk_bytes`` (256 MiB) more: the slab reserves what the state needs plus that, not the up to
-twice as much that doubling chunks held.
+chunks then hold at most a quarter more than the items, or one first chunk (4 MiB), and never more
+than one ``chunk_bytes`` (256 MiB) more: the slab reserves what the state needs plus that, not the
+up to twice as much that doubling chunks held.
 
 I/O is always block-aligned (``store.alignment``): a write of ``[start, end)`` becomes a write of
 the enclosing aligned range ``[A, B)`` whose partial head and tail blocks are filled
