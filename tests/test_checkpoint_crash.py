@@ -225,7 +225,7 @@ def _matrix(scn: Scenario, points: list[str], delays: int, seed: int) -> dict:
     span = (scn.save_s or 2.0) * 1.3
     for i in range(delays):
         d = rng.uniform(0, span)
-        outcomes[f"delay {d:.2f}s"] = crash_and_check(scn, f"m_{scn.kind}_delay{i}", delay=d, resume=None)
+        outcomes[f"delay#{i} {d:.3f}s"] = crash_and_check(scn, f"m_{scn.kind}_delay{i}", delay=d, resume=None)
     print(f"MATRIX ws={scn.ws} kind={scn.kind} ck_root={scn.ck_root} save_s={scn.save_s}: {outcomes}", flush=True)
     return outcomes
 

@@ -204,3 +204,32 @@ def test_cloned_sub_group_files_carry_a_crc(tmp_path, monkeypatch):
     assert info["crc32"] == fmt.crc32_file(os.path.join(w.dir, "sg00000.safetensors")) and info["bytes"] == 4096 + 16384
     from safetensors.torch import load_file
     assert torch.equal(load_file(os.path.join(w.dir, "sg00000.safetensors"))["state"][0], data)
+
+
+def test_a_full_disk_during_a_sub_group_file_names_it_and_puts_nothing_in_place(tmp_path, monkeypatch):
+    """Issue 11.7: the writer fsynced and renamed a sub-group file cut at 2.1 of 12.8 MB on a full
+    disk, then failed with an OSError naming no path. Now every write is checked: the error names the
+    file and the bytes written of the bytes expected, and no file of that name appears."""
+    import errno
+
+    from aidaptiv_ds.io import atomic
+    from aidaptiv_ds.io.errors import FileWriteError
+
+    real, left = os.pwrite, [2_100_000]
+
+    def full(fd, data, off):
+        n = min(len(data), left[0])
+        if not n:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        left[0] -= n
+        return real(fd, memoryview(data)[:n], off)
+
+    monkeypatch.setattr(atomic.os, "pwrite", full)
+    w = RankWriter(str(tmp_path / "tag"), 0, 1)
+    state = torch.zeros(3, 1_066_667)  # 12.8 MB
+    with pytest.raises(FileWriteError) as e:
+        w.write_tensors("sg00000.safetensors", [("state", state)])
+    path = os.path.join(w.dir, "sg00000.safetensors")
+    assert e.value.path == path and e.value.errno == errno.ENOSPC and e.value.written == 2_100_000
+    assert f"{path} failed after 2100000 of {4096 + state.numel() * 4} bytes: No space left on device" in str(e.value)
+    assert os.listdir(w.dir) == [] and w.files == {}

@@ -22,6 +22,7 @@ import time
 
 import aidaptiv_ds
 
+from ..io.atomic import atomic_write
 from ..ports import free_port  # noqa: F401 - re-exported (callers import it from here)
 from ..telemetry.sysinfo import host_memory
 from ..units import GiB
@@ -112,8 +113,7 @@ def run_worker(spec: dict, run_dir: str, env: dict, *, timeout_s: float = 3600, 
     if os.path.exists(result_path):
         os.unlink(result_path)
     spec["t_launch"] = time.time()
-    with open(spec_path, "w") as f:
-        json.dump(spec, f, indent=1)
+    atomic_write(spec_path, json.dumps(spec, indent=1).encode())
     t0 = time.perf_counter()
     killed, peak = None, 0
     with open(log_path, "w") as log:

@@ -172,8 +172,8 @@ def run(args) -> int:
                       say=lambda m: print(m, file=sys.stderr, flush=True))
         out.append(res)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"comparisons": out}, f, indent=1)
+            from ..io.atomic import atomic_write  # rewritten after each comparison: never a half report
+            atomic_write(args.json, json.dumps({"comparisons": out}, indent=1).encode())
     m = out[0]["machine"]
     isa = ", ".join(n for n, k in (("AVX2", "avx2"), ("AVX512-BF16", "avx512_bf16"), ("AMX-BF16", "amx_bf16")) if m[k])
     print(f"Machine: {m['cpu']} ({isa or 'no AVX2'}), {m['cores']} cores, {(m['ram_bytes'] or 0) / 2 ** 30:.1f} GiB "
