@@ -523,6 +523,12 @@ class SlabStore:
             return {p: {"bytes_read": r, "bytes_written": w}
                     for p, r, w in zip(self.ns.cache_paths, self.bytes_read, self.bytes_written, strict=True)}
 
+    def count_metadata_write(self, nbytes: int, path: int = 0) -> None:
+        """Book ``nbytes`` written to a file of this store's namespace outside the slab (an index or
+        header its owner keeps beside it) on cache path ``path``, so the ledger counts them too."""
+        with self._lock:
+            self.bytes_written[path] += int(nbytes)
+
     def flush_ledger(self) -> None:
         """Book bytes written since the last call in each path's endurance ledger.
 
