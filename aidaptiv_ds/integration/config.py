@@ -382,9 +382,19 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _deepspeed_problems(ds: dict, cfg: AidaptivConfig) -> list[str]:
+def trains(ds: dict, training: bool | None = None) -> bool:
+    """Whether DeepSpeed builds an optimizer for ``ds``: ``training`` when the caller knows (a client
+    optimizer was passed to ``deepspeed.initialize``), else whether the config has an ``"optimizer"``
+    section (DeepSpeed's own test, ``engine.py:655``: ``optimizer or self.optimizer_name()``)."""
+    return bool(training) or (training is None and isinstance(ds, dict) and bool(ds.get("optimizer")))
+
+
+def _deepspeed_problems(ds: dict, cfg: AidaptivConfig, training: bool | None = None) -> list[str]:
     """What in the DeepSpeed config cannot work with aidaptiv_ds, or would be refused later by
-    DeepSpeed's own config model, for the keys aidaptiv_ds depends on (each with the lines to change)."""
+    DeepSpeed's own config model, for the keys aidaptiv_ds depends on (each with the lines to change).
+
+    Without an optimizer (ZeRO-Inference, see :func:`trains`) DeepSpeed builds no Stage-3 optimizer:
+    ``offload_optimizer`` and ``max_in_cpu`` (which only the Stage-3 optimizer reads) are not checked."""
     problems: list[str] = []
     zero = ds.get("zero_optimization", {})
     if not isinstance(zero, dict):
@@ -418,16 +428,19 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig) -> list[str]:
             problems.append(f"zero_optimization.{which}.nvme_path is {_short(p)}; it must be one directory path as "
                             f"a string. Fix: \"nvme_path\": \"{path_hint}\" (list several drives in "
                             f"aidaptiv.cache_paths)")
+    training = trains(ds, training)
     if op.get("device", "none") != "nvme":
         problems.append(f"zero_optimization.offload_param.device is {_short(op.get('device', 'none'))}; aidaptiv_ds "
                         f"replaces the NVMe offload. Fix: set\n      \"offload_param\": {{\"device\": \"nvme\", "
                         f"\"nvme_path\": \"{path_hint}\", \"max_in_cpu\": 0}}")
-    elif not (_number(op.get("max_in_cpu", 1e9)) and op.get("max_in_cpu", 1e9) == 0):
+    elif training and not (_number(op.get("max_in_cpu", 1e9)) and op.get("max_in_cpu", 1e9) == 0):
         shown = _short(op["max_in_cpu"]) if "max_in_cpu" in op else "1e9 (default)"
         problems.append(f"zero_optimization.offload_param.max_in_cpu is {shown}; "
                         f"DeepSpeed would pin that many parameters in its own CPU buffers outside the aidaptiv DRAM "
                         f"budget. Fix: add\n      \"max_in_cpu\": 0\n    to offload_param (use aidaptiv.dram_budget "
                         f"to keep state in DRAM)")
+    if not training:
+        return problems
     if oo.get("device", "none") != "nvme":
         problems.append(f"zero_optimization.offload_optimizer.device is {_short(oo.get('device', 'none'))}. Fix: set\n"
                         f"      \"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": \"{path_hint}\"}}")
@@ -438,8 +451,11 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig) -> list[str]:
     return problems
 
 
-def validate(ds: dict, check_paths: bool = True) -> AidaptivConfig:
+def validate(ds: dict, check_paths: bool = True, training: bool | None = None) -> AidaptivConfig:
     """Validate the section and its combination with the rest of the DeepSpeed config.
+
+    ``training``: whether an optimizer is built (None: whether the config has an ``"optimizer"``
+    section, :func:`trains`); without one (ZeRO-Inference) the optimizer offload is not required.
 
     Fills ``cache_paths`` from ``offload_param.nvme_path`` when absent. The DeepSpeed keys
     aidaptiv_ds depends on are checked here with our messages (``zero_optimization`` and its
@@ -455,7 +471,7 @@ def validate(ds: dict, check_paths: bool = True) -> AidaptivConfig:
                                   f"dict or the path of a JSON file holding one, e.g. {{\"{SECTION}\": {{...}}}}")
     section = ds.get(SECTION, {})
     cfg = parse_section(section)
-    problems = _deepspeed_problems(ds, cfg)
+    problems = _deepspeed_problems(ds, cfg, training)
     if problems:
         raise AidaptivConfigError("DeepSpeed config cannot run with \"aidaptiv\" enabled:\n  - " +
                                   "\n  - ".join(problems))

@@ -12,6 +12,9 @@ DeepSpeed file is edited; ``docs/deepspeed-seams.md`` §8):
   DeepSpeed's for parameters of DeepSpeed's own swapper);
 * ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint`` -> :mod:`aidaptiv_ds.integration.checkpointing`
   for engines on our optimizer (DeepSpeed's own methods for the others);
+* ``DeepSpeedEngine._configure_zero_optimizer`` -> a wrapper that, for engines without an optimizer
+  (ZeRO-Inference) on our swapper, settles residency and unpacked weights
+  (:mod:`aidaptiv_ds.integration.inference`);
 * ``deepspeed.initialize`` and ``deepspeed.zero.Init`` -> wrappers that validate an enabled section
   before anything is built, so a bad config fails with its message, not deep inside.
 
@@ -60,11 +63,11 @@ def param_swapper_factory(ds_config, model_dtype):
     return rt.param_swapper
 
 
-def _validate_if_enabled(config) -> None:
+def _validate_if_enabled(config, training: bool | None = None) -> None:
     ds = load_ds_dict(config)
     if section_enabled(ds):
         _check_version()
-        validate(ds)
+        validate(ds, training=training)
 
 
 def _wrap_initialize(orig):
@@ -74,7 +77,9 @@ def _wrap_initialize(orig):
         if config is None:
             a = kwargs.get("args", args[0] if args else None)
             config = getattr(a, "deepspeed_config", None) if a is not None else None
-        _validate_if_enabled(config)
+        # deepspeed.initialize(args, model, optimizer, ...): a client optimizer means training
+        client_optimizer = kwargs.get("optimizer", args[2] if len(args) > 2 else None)
+        _validate_if_enabled(config, training=True if client_optimizer is not None else None)
         return orig(*args, **kwargs)
     initialize._aidaptiv_wrapped = orig
     return initialize
@@ -112,7 +117,7 @@ def install() -> bool:
 
             from deepspeed.runtime.engine import DeepSpeedEngine
 
-            from . import checkpointing, prefetch
+            from . import checkpointing, inference, prefetch
             from .stage3 import make_stage3_class
 
             _STATE["orig_param_swapper"] = pp.AsyncPartitionedParameterSwapper
@@ -121,6 +126,7 @@ def install() -> bool:
             s3.DeepSpeedZeroOptimizer_Stage3 = make_stage3_class(s3.DeepSpeedZeroOptimizer_Stage3)
             prefetch.install(po.PartitionedParameterCoordinator)
             checkpointing.install(DeepSpeedEngine)
+            inference.install(DeepSpeedEngine)
         else:
             log.warning("aidaptiv_ds: DeepSpeed %s is not supported (%s); configs that enable aidaptiv will be "
                         "refused", deepspeed.__version__, ", ".join(SUPPORTED_DEEPSPEED))
@@ -144,11 +150,12 @@ def uninstall() -> None:
 
             from deepspeed.runtime.engine import DeepSpeedEngine
 
-            from . import checkpointing, prefetch
+            from . import checkpointing, inference, prefetch
             pp.AsyncPartitionedParameterSwapper = _STATE.pop("orig_param_swapper")
             s3.DeepSpeedZeroOptimizer_Stage3 = _STATE.pop("orig_stage3")
             prefetch.uninstall(po.PartitionedParameterCoordinator)
             checkpointing.uninstall(DeepSpeedEngine)
+            inference.uninstall(DeepSpeedEngine)
         _STATE.clear()
 
 
