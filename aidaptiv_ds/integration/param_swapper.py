@@ -139,6 +139,8 @@ class AidaptivParamSwapper:
 
     def get_buffer(self, param, numel: int) -> torch.Tensor:
         """A zeroed host buffer of ``numel`` elements of ``param.dtype`` for a first partition."""
+        if self.from_unpacked and param.ds_id not in self._loc:  # its bytes will come from the unpacked store
+            self._unadopted.add(param.ds_id)
         loc = self._register(param, int(numel))
         return alloc_aligned(loc.nbytes, dtype=loc.dtype, zero=True)[: loc.numel]
 
@@ -509,6 +511,9 @@ class AidaptivParamSwapper:
                 self._loc[p.ds_id] = _Loc(region, e["start"], e["partition_numel"], dtype, elsize, readonly=True)
                 self._unadopted.discard(p.ds_id)
                 adopted += e["partition_numel"] * elsize
+        # partitions of parameters the model no longer has (e.g. an output embedding created, then tied to the
+        # input one) are never used: nothing to adopt, nothing to write
+        self._unadopted &= {p.ds_id for p in module.parameters() if getattr(p, "ds_id", None) is not None}
         if self._unadopted and not problems:
             problems.append(f"{len(self._unadopted)} partitions were created but belong to no parameter of the model")
         if problems:
