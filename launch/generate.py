@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    report = run(GenerateArgs(**vars(ns)))
+    try:
+        report = run(GenerateArgs(**vars(ns)))
+    except (ValueError, FileNotFoundError) as e:  # bad input: the message names the field and the fix
+        print(f"launch/generate.py: error: {e}", file=sys.stderr)
+        return 2
     for i, r in enumerate(report["prompts"]):
         print(json.dumps({"prompt": i, "ttft_s": round(r["ttft_s"], 4), "kv_source": r["kv_source"],
                           "prefix_tokens_reused": r["prefix_tokens_reused"], "prompt_tokens": r["prompt_tokens"],

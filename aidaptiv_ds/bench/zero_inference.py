@@ -21,7 +21,8 @@ run it; by hand only for debugging::
 
 ``RESULT.json``: ``ok``, ``error``, ``output_ids`` (the new tokens of the last call), per call
 ``calls[i]`` = ``{ttft_s, decode_tokens_per_s, total_s, new_tokens}``, ``per_token`` (of the last
-call: cumulative ``cache_written``/``cache_read``/``proc_write`` bytes at each generated token),
+call: cumulative ``cache_written``/``cache_read`` (aidaptiv_ds's store) and ``proc_write``/``proc_read``
+(``/proc/self/io``, any backend) bytes at each generated token),
 ``written_during_generate`` (cache-tier bytes written during the ``generate`` calls, prefill
 included), ``swapper``, ``plan`` (aidaptiv: :class:`~aidaptiv_ds.integration.inference.InferencePlan`),
 ``aio`` (native), ``setup_s``, ``peak_rss_bytes``.
@@ -147,7 +148,8 @@ def run(spec: dict, out: dict, write) -> None:
         def __call__(self, input_ids, scores):
             s = counters.snapshot()
             samples.append({"cache_written": s["bytes_written"].get("cache", 0),
-                            "cache_read": s["bytes_read"].get("cache", 0), "proc_write": s["proc_write_bytes"]})
+                            "cache_read": s["bytes_read"].get("cache", 0), "proc_write": s["proc_write_bytes"],
+                            "proc_read": s["proc_read_bytes"]})
             return scores
 
     out["calls"], written = [], 0

@@ -4,7 +4,8 @@ A store (one rank of one run on one node) is *live* while its owner process hold
 ``owner.lock`` (:mod:`aidaptiv_ds.store.layout`). A run killed with ``kill -9``, or kept with
 ``keep_files``, leaves a dead store behind; ``--delete`` removes dead ones (``--run NAME`` limits
 it to one run) and never touches a live store, a store of another host unless ``--all-hosts``, or
-anything outside ``<cache_path>/aidaptiv_ds``. The endurance ledgers stay.
+anything outside ``<cache_path>/aidaptiv_ds``. The endurance ledgers stay, and so do prefix KV caches
+(kept on purpose; ``aidaptiv-ds kv-cache --cache DIR --clear`` removes one).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import os
 import shutil
 import sys
 
+from ..inference.block_store import HEADER as KV_HEADER
+from ..inference.block_store import RUN_NAME as KV_RUN
 from ..store.layout import ROOT_NAME, hostname, list_namespaces
 from ..units import format_bytes
 
@@ -47,8 +50,9 @@ def run(args) -> int:
             if args.run and ns["run"] != args.run:
                 continue
             mine = ns["host"] == me or args.all_hosts
-            ns = dict(ns, cache_path=path, deleted=False)
-            if args.delete and not ns["live"] and mine:
+            kv = ns["run"] == KV_RUN and os.path.exists(os.path.join(ns["dir"], KV_HEADER))
+            ns = dict(ns, cache_path=path, deleted=False, kv_cache=kv)
+            if args.delete and not ns["live"] and mine and not kv:  # a KV cache is kept on purpose
                 shutil.rmtree(ns["dir"])
                 ns["deleted"] = True
             rows.append(ns)
@@ -63,9 +67,9 @@ def run(args) -> int:
         print(f"no aidaptiv_ds store{' of run ' + args.run if args.run else ''} on {path} ({why})",
               file=sys.stdout)
     for r in rows:
-        state = "live" if r["live"] else ("deleted" if r["deleted"] else "dead")
+        state = "live" if r["live"] else ("deleted" if r["deleted"] else "kv-cache" if r["kv_cache"] else "dead")
         print(f"{state:8s} {format_bytes(r['bytes_on_disk']):>12s}  {r['dir']}")
-    dead = sum(r["bytes_on_disk"] for r in rows if not r["live"] and not r["deleted"])
+    dead = sum(r["bytes_on_disk"] for r in rows if not r["live"] and not r["deleted"] and not r["kv_cache"])
     if dead and not args.delete:
         print(f"{format_bytes(dead)} in dead stores; `aidaptiv-ds gc --delete --cache ...` removes them")
     return 0

@@ -30,6 +30,7 @@ SUBCOMMAND_MODULES = [
     "aidaptiv_ds.cli.gc",
     "aidaptiv_ds.cli.compare",
     "aidaptiv_ds.cli.report",
+    "aidaptiv_ds.cli.kv_cache",
 ]
 
 

@@ -332,6 +332,8 @@ class KVBlockStore:
         issued at once), in order; stops before the first block that is corrupt or unreadable (dropped
         with its descendants: the caller recomputes from there). Call :meth:`release` when done.
         """
+        if not self.enabled or not records:
+            return []
         pending = []
         for r in records:
             s = self.tier.get(("kv", r.hash))
