@@ -78,6 +78,21 @@ def test_layout_pack_and_views_round_trip():
         lay.pack(buf, [(k.bfloat16(), v.bfloat16()) for k, v in kv], 0)
 
 
+def test_fingerprint_samples_every_tensor_up_to_its_last_element():
+    """The sample positions of a 49152 x 576 embedding (fp32 linspace would round past its end)."""
+    from aidaptiv_ds.inference.fingerprint import _sample, model_digest
+
+    t = torch.zeros(49152 * 576)
+    a = _sample(t)
+    t[-1] = 1.0
+    assert _sample(t) != a
+    m = torch.nn.Linear(8, 8)
+    d = model_digest(m)
+    with torch.no_grad():
+        m.weight[0, 0] += 1.0
+    assert model_digest(m) != d
+
+
 def test_sliding_window_models_are_refused():
     from transformers import MistralConfig
 

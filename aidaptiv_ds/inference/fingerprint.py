@@ -90,7 +90,8 @@ def _sample(t: torch.Tensor) -> bytes:
     n = flat.numel()
     if n == 0:
         return b""
-    idx = torch.unique(torch.cat([torch.arange(min(n, 16)), torch.linspace(0, n - 1, SAMPLES).round().long()]))
+    spread = torch.linspace(0, n - 1, SAMPLES, dtype=torch.float64).round().long().clamp_(0, n - 1)  # fp64: exact
+    idx = torch.unique(torch.cat([torch.arange(min(n, 16)), spread]))
     return flat[idx].to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
 
 
