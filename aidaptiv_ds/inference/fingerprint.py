@@ -80,6 +80,8 @@ def mismatches(stored: Fingerprint, current: Fingerprint) -> list[str]:
 
 
 def _config_json(config) -> str:
+    if config is None:
+        return "{}"
     d = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
     d = {k: v for k, v in d.items() if k not in _VOLATILE and not k.startswith("_")}
     return json.dumps(d, sort_keys=True, default=str)
@@ -107,7 +109,7 @@ def model_digest(model: torch.nn.Module, model_id: str | None = None, read_param
     import contextlib
 
     h = hashlib.blake2b(digest_size=16)
-    h.update(_config_json(getattr(model, "config", object())).encode())
+    h.update(_config_json(getattr(model, "config", None)).encode())
     if model_id:
         h.update(b"|id|" + str(model_id).encode())
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
