@@ -24,7 +24,8 @@ partitions are ours (:func:`setup`):
 
 1. ``from_unpacked``: the partitions are pointed at the store ``aidaptiv-ds unpack`` wrote;
 2. ``dram_budget: "auto"`` is refined with the inference working set (2 x the largest partition
-   for the live parameters plus the prefetch window);
+   for the live parameters plus the prefetch window), and ``io.reuse_host_memory: "auto"`` is settled
+   (on when the weights and that working set fit in half the available memory);
 3. residency: when every partition fits the budget they are read once into resident DRAM slices
    (no reads per token afterwards); otherwise the tier keeps what the budget holds;
 4. the result as an :class:`InferencePlan` on ``engine.aidaptiv_inference``.
@@ -93,6 +94,9 @@ def setup(module, swapper: AidaptivParamSwapper) -> InferencePlan:
         held = rt.tier.resident_bytes() + rt.tier.cached_bytes()
         rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
     total = swapper.partition_bytes()
+    # io.reuse_host_memory "auto": on when the weights and the working set fit in half the available memory
+    # (streaming at budget 0 otherwise page-faults and unmaps every read buffer, every token)
+    rt.settle_host_memory_reuse(total + 2 * largest + rt.prefetch_bytes(2 * largest))
     resident = 0 < total <= rt.budget and not rt.cfg.from_unpacked  # unpacked regions: the tier caches them
     if resident:
         swapper.make_resident()
