@@ -39,6 +39,10 @@ log = logging.getLogger("aidaptiv_ds")
 
 #: Unrequested bytes a coalesced read may include between two wanted partitions.
 GAP_BYTES = 256 << 10
+#: Most bytes one coalesced read (one host slice) spans, unless a single partition is larger: a read
+#: ahead of many modules is then several slices that complete one after another, so compute starts on
+#: the first module while the rest is still arriving, and each slice is released on its own.
+MAX_RUN_BYTES = 32 << 20
 
 
 def _status():
@@ -349,17 +353,19 @@ class AidaptivParamSwapper:
             self.rt.tier.release(s)
 
     def _runs(self, ids, gap: int) -> list[list[int]]:
-        """Group ids by region, then into runs at most ``gap`` bytes apart (sorted by offset)."""
+        """Group ids by region, then into runs at most ``gap`` bytes apart (sorted by offset), each
+        spanning at most :data:`MAX_RUN_BYTES` (a single larger partition is a run of its own)."""
         runs: list[list[int]] = []
-        last_region, end = None, -1
+        last_region, begin, end = None, -1, -1
         for i in sorted(set(ids), key=lambda i: (id(self._loc[i].region), self._loc[i].start)):
             loc = self._loc[i]
-            if runs and loc.region is last_region and loc.start - end <= gap:
+            if runs and loc.region is last_region and loc.start - end <= gap and \
+                    max(end, loc.end) - begin <= MAX_RUN_BYTES:
                 runs[-1].append(i)
                 end = max(end, loc.end)
             else:
                 runs.append([i])
-                last_region, end = loc.region, loc.end
+                last_region, begin, end = loc.region, loc.start, loc.end
         return runs
 
     def _span(self, run: list[int]) -> tuple[PackedRegion, int, int]:
