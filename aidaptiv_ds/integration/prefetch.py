@@ -37,6 +37,8 @@ def prefetch_nvme_param_partitions(coord) -> None:
     if not coord.is_complete_trace():
         return
     queue = _attr(coord, "param_queue")
+    if not queue:  # the rest of this forward is fetched already: nothing to read ahead (either swapper)
+        return
     swapper = None
     for t in queue:
         sw = getattr(t.param, "nvme_swapper", None)
@@ -51,19 +53,18 @@ def prefetch_nvme_param_partitions(coord) -> None:
         rt.order.set_order([t.param.ds_id for t in order])
         coord._aidaptiv_order_id = id(order)
     rt.order.advance_to(len(order) - len(queue))
-    ids = []
-    seen = set()
-    for t in queue:
-        p = t.param
-        if p.ds_id in seen or getattr(p, "nvme_swapper", None) is not swapper:
-            continue
-        seen.add(p.ds_id)
-        ids.append(p.ds_id)
-    if not ids:
-        return
+
+    def ids():  # lazily: the swapper stops at the window, long before the end of the queue
+        seen = set()
+        for t in queue:
+            p = t.param
+            if p.ds_id not in seen and getattr(p, "nvme_swapper", None) is swapper:
+                seen.add(p.ds_id)
+                yield p.ds_id
+
     window = swapper.prefetch_window()
-    swapper.prefetch(ids, window)
-    mine = [t.param for t in queue if getattr(t.param, "nvme_swapper", None) is swapper]
+    swapper.prefetch(ids(), window)
+    mine = (t.param for t in queue if getattr(t.param, "nvme_swapper", None) is swapper)
     if torch.distributed.is_available() and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size() > 1:
         in_flight = sum(p.ds_numel for p in _attr(coord, "inflight_param_registry"))
