@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--kv_dir", default="/tmp/aidaptiv_ttft", help="KV cache directories (emptied first)")
     p.add_argument("--json", default="ttft.json")
+    p.add_argument("--threads", type=int, default=1, help="torch compute threads (1: on a shared VM two OpenMP "
+                   "threads wait for each other when a neighbour takes a core)")
     p.add_argument("--plot", default=None, help="PNG of TTFT against context length")
     a = p.parse_args(argv)
     model = a.model or smollm2_gguf()
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
     for phase in ("A", "B"):
         spec = {"phase": phase, "model": model, "dolly": a.dolly, "lengths": [int(x) for x in a.lengths.split(",")],
                 "block_tokens": a.block_tokens, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype,
-                "kv_dir": a.kv_dir}
+                "kv_dir": a.kv_dir, "threads": a.threads}
         sp, rp = os.path.join(a.kv_dir, f"spec_{phase}.json"), os.path.join(a.kv_dir, f"result_{phase}.json")
         with open(sp, "w") as f:
             json.dump(spec, f)
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     if a.plot:
         name = os.path.basename(model)
         plot(rows, a.plot, f"TTFT, {name} ({a.dtype}), {a.block_tokens}-token blocks, "
-                           f"{results['A']['threads']} CPU threads")
+                           f"{results['A']['threads']} compute thread(s)")
         print(f"plot: {a.plot}")
     return 0
 

@@ -28,7 +28,11 @@ from aidaptiv_ds.bench.aio import aio_env, preflight  # noqa: E402
 from aidaptiv_ds.bench.ttft import smollm2_gguf  # noqa: E402
 
 LABELS = {"plain": "plain generate (weights in DRAM, no DeepSpeed)", "native": "DeepSpeed native NVMe (compiled aio)",
-          "aidaptiv": "aidaptiv_ds, DRAM budget 0"}
+          "aidaptiv": "aidaptiv_ds, DRAM budget 0 (every partition on the drive)",
+          "aidaptiv_1mib": "aidaptiv_ds, DRAM budget 0, partitions < 1 MiB in DRAM (DeepSpeed's threshold)"}
+#: DeepSpeed's native swapper keeps partitions under max(1 MiB, aio block_size) in CPU memory
+#: (``partitioned_param_swapper.py:100, 136-141``); ``aidaptiv_1mib`` does the same with min_swap_bytes.
+NATIVE_MIN_SWAP = 1 << 20
 
 
 def _run(spec: dict, workdir: str, env: dict, tag: str) -> dict:
@@ -60,9 +64,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt_tokens", type=int, default=64)
     p.add_argument("--max_new_tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2, help="processes per backend (interleaved)")
-    p.add_argument("--backends", default="aidaptiv,native,plain")
+    p.add_argument("--backends", default="aidaptiv,aidaptiv_1mib,native,plain")
     p.add_argument("--cache", default="/tmp/aidaptiv_zi", help="cache directory of the offloaded weights (emptied)")
     p.add_argument("--json", default="zero_inference.json")
+    p.add_argument("--threads", type=int, default=1, help="torch compute threads per run (1: on a shared VM two "
+                   "OpenMP threads wait for each other when a neighbour takes a core)")
     p.add_argument("--torch-extensions-dir", default=None, help="where DeepSpeed's async_io op is built/cached")
     p.add_argument("--libaio-root", default=None, help="an unpacked libaio tree (when libaio-dev is not installed)")
     p.add_argument("--build-aio", action="store_true", help="JIT-build the async_io op first if it is not cached")
@@ -84,9 +90,10 @@ def main(argv=None) -> int:
             cache = os.path.join(a.cache, f"{b}{rep}")
             shutil.rmtree(cache, ignore_errors=True)
             os.makedirs(cache)
-            spec = {"backend": b, "model": model, "dtype": a.dtype, "load": "pretrained", "dram_budget": 0,
+            spec = {"backend": "aidaptiv" if b.startswith("aidaptiv") else b, "model": model, "dtype": a.dtype,
+                    "load": "pretrained", "dram_budget": 0, "min_swap_bytes": NATIVE_MIN_SWAP if b == "aidaptiv_1mib" else 0,
                     "cache_dir": cache, "prompt_tokens": a.prompt_tokens, "seed": 0,
-                    "max_new_tokens": a.max_new_tokens, "repeats": 2, "aio": "compiled"}
+                    "max_new_tokens": a.max_new_tokens, "repeats": 2, "aio": "compiled", "threads": a.threads}
             res = _run(spec, work, env, f"{b}{rep}")
             shutil.rmtree(cache, ignore_errors=True)
             last = (res.get("calls") or [{}])[-1]
@@ -114,7 +121,8 @@ def main(argv=None) -> int:
     for r in rows:
         if r.get("ok") and native:
             r["vs_native"] = r["decode_tokens_per_s"] / native["decode_tokens_per_s"]
-    report = {"model": model, "dtype": a.dtype, "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens,
+    report = {"model": model, "dtype": a.dtype, "threads": a.threads, "prompt_tokens": a.prompt_tokens,
+              "max_new_tokens": a.max_new_tokens,
               "repeats": a.repeats, "aio": aio, "rows": rows, "runs": runs}
     with open(a.json, "w") as f:
         json.dump(report, f, indent=1)

@@ -107,6 +107,8 @@ def worker(spec: dict) -> dict:
     from ..inference import PrefixKVCache
 
     torch.manual_seed(0)
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
     src = resolve_source(spec["model"])
     t0 = time.perf_counter()
     tok = load_tokenizer(src)

@@ -14,9 +14,12 @@ run it; by hand only for debugging::
 * ``load``: ``"pretrained"`` (``from_pretrained`` under ``HfDeepSpeedConfig``, i.e. ``zero.Init``),
   ``"engine"`` (loaded whole, partitioned by ``deepspeed.initialize``) or ``"unpacked"``
   (``from_config`` under ``zero.Init``, weights from ``aidaptiv-ds unpack`` under ``run_name``);
-* ``cache_dir``, ``dram_budget`` (aidaptiv), ``run_name`` (optional), ``aio`` (native);
+* ``cache_dir``, ``dram_budget`` (aidaptiv), ``run_name`` and ``min_swap_bytes`` (aidaptiv, optional: the
+  latter keeps smaller partitions in DRAM, as DeepSpeed's own swapper does below ``max(1 MiB, aio
+  block_size)``), ``aio`` (native);
 * ``prompt_ids`` (list of ints) or ``prompt_tokens`` + ``seed`` (random ids), ``max_new_tokens``,
-  ``repeats`` (generate calls; the first is the warm-up of the prefetch trace), ``scores_path``
+  ``repeats`` (generate calls; the first is the warm-up of the prefetch trace), ``threads`` (torch
+  compute threads, optional), ``scores_path``
   (optional: the logits of the last call as a torch file).
 
 ``RESULT.json``: ``ok``, ``error``, ``output_ids`` (the new tokens of the last call), per call
@@ -50,7 +53,7 @@ def ds_config(backend: str, spec: dict, largest_numel: int) -> dict:
     """
     from ..integration.inference import zero_inference_config
 
-    extra = {k: spec[k] for k in ("run_name",) if spec.get(k)}
+    extra = {k: spec[k] for k in ("run_name", "min_swap_bytes") if spec.get(k)}
     if spec.get("load") == "unpacked":
         extra["from_unpacked"] = True
     cfg = zero_inference_config(spec["cache_dir"], spec.get("dram_budget", 0), spec.get("dtype", "fp32"), **extra)
@@ -110,6 +113,12 @@ def _load(spec: dict, backend: str, torch):
             model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.kwargs())
+        if any(not hasattr(p, "ds_id") for p in model.parameters()):
+            # transformers loads a GGUF checkpoint whole; partition it here, with the config's dtype: DeepSpeed's
+            # own conversion in deepspeed.initialize passes dtype=, which 0.19.8 turns into bf16 on a CPU
+            # accelerator (partition_parameters.py:409), so its native swapper would store fp32 weights as bf16
+            with deepspeed.zero.Init(module=model, config_dict_or_path=cfg):
+                pass
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     engine.module.eval()
     return engine.module, engine, keep
@@ -128,10 +137,14 @@ def run(spec: dict, out: dict, write) -> None:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+
     from ..telemetry import counters
     from .probes import process_peak_rss_bytes
 
     model, engine, _keep = _load(spec, backend, torch)
+    out["threads"] = torch.get_num_threads()
     out["setup_s"] = time.time() - t_start
     swapper = getattr(next(model.parameters()), "nvme_swapper", None)
     out["swapper"] = type(swapper).__name__ if swapper is not None else None
