@@ -88,6 +88,33 @@ class IOConfig(_Model):
         return n
 
 
+class ProfileConfig(_Model):
+    """A timeline of some training steps, per rank (:mod:`aidaptiv_ds.telemetry.timeline`; ``docs/profiling.md``).
+
+    ``steps``: optimizer steps to record (counted from 1): ``3``, ``"3-4"`` or ``[3, 4]``; default
+    none (off). ``dir``: directory of ``timeline-rank<R>.json`` (default: the current directory).
+    ``modules``: ``"blocks"`` (the layers, embeddings and head; default) or ``"all"`` (every module
+    with parameters of its own).
+    """
+    steps: Union[int, str, list[int], None] = None
+    dir: Union[str, None] = None
+    modules: Literal["blocks", "all"] = "blocks"
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _steps(cls, v):
+        from ..telemetry.timeline import parse_steps
+
+        return None if v is None else list(parse_steps(v, f"{SECTION}.profile.steps"))
+
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, v):
+        if v is not None and not v.strip():
+            raise ValueError(f"{SECTION}.profile.dir: {v!r} is empty. Fix: give a directory such as \"output/run\"")
+        return v
+
+
 class AidaptivConfig(_Model):
     """The ``"aidaptiv"`` section.
 
@@ -121,6 +148,7 @@ class AidaptivConfig(_Model):
             filesystem (each save checks again, whatever the directory).
         endurance: the drives' endurance rating.
         io: I/O engine settings.
+        profile: a timeline of some training steps (off by default).
     """
     enabled: bool = True
     cache_paths: Union[list[str], None] = None
@@ -140,6 +168,7 @@ class AidaptivConfig(_Model):
     checkpoint_dir: Union[str, None] = None
     endurance: EnduranceConfig = Field(default_factory=EnduranceConfig)
     io: IOConfig = Field(default_factory=IOConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     @field_validator("dram_budget", "prefetch_bytes", "writeback_bytes", mode="before")
     @classmethod
@@ -228,6 +257,9 @@ _EXAMPLES = {
     "io": 'an object such as {"block_size": "8MiB", "threads_per_drive": 4}',
     "io.block_size": 'a size such as "8MiB"', "io.threads_per_drive": "an integer from 1 to 64 such as 4",
     "io.direct": "true or false", "io.max_retries": "an integer from 0 to 20 such as 3",
+    "profile": 'an object such as {"steps": "3-4", "dir": "output/run"}',
+    "profile.steps": 'a step such as 3, or a range such as "3-4" or [3, 4]',
+    "profile.dir": 'a directory such as "output/run"', "profile.modules": '"blocks" or "all"',
 }
 
 

@@ -16,7 +16,9 @@ DeepSpeed file is edited; ``docs/deepspeed-seams.md`` §8):
   (ZeRO-Inference) on our swapper, settles residency and unpacked weights
   (:mod:`aidaptiv_ds.integration.inference`);
 * ``deepspeed.initialize`` and ``deepspeed.zero.Init`` -> wrappers that validate an enabled section
-  before anything is built, so a bad config fails with its message, not deep inside.
+  before anything is built, so a bad config fails with its message, not deep inside; with
+  ``"profile": {"steps": ...}`` in the section, ``deepspeed.initialize`` then switches the engine's
+  timeline on (:func:`aidaptiv_ds.telemetry.timeline.enable`).
 
 On a DeepSpeed version other than :data:`SUPPORTED_DEEPSPEED`, only the validating wrappers are
 installed, and they raise :class:`UnsupportedDeepSpeedError` for configs that enable aidaptiv_ds.
@@ -63,11 +65,13 @@ def param_swapper_factory(ds_config, model_dtype):
     return rt.param_swapper
 
 
-def _validate_if_enabled(config, training: bool | None = None) -> None:
+def _validate_if_enabled(config, training: bool | None = None):
+    """The validated section of an enabled config (None for a config without one)."""
     ds = load_ds_dict(config)
     if section_enabled(ds):
         _check_version()
-        validate(ds, training=training)
+        return validate(ds, training=training)
+    return None
 
 
 def _wrap_initialize(orig):
@@ -79,8 +83,12 @@ def _wrap_initialize(orig):
             config = getattr(a, "deepspeed_config", None) if a is not None else None
         # deepspeed.initialize(args, model, optimizer, ...): a client optimizer means training
         client_optimizer = kwargs.get("optimizer", args[2] if len(args) > 2 else None)
-        _validate_if_enabled(config, training=True if client_optimizer is not None else None)
-        return orig(*args, **kwargs)
+        cfg = _validate_if_enabled(config, training=True if client_optimizer is not None else None)
+        out = orig(*args, **kwargs)
+        if cfg is not None and cfg.profile.steps is not None:
+            from ..telemetry.timeline import enable
+            enable(out[0], steps=cfg.profile.steps, run_dir=cfg.profile.dir, modules=cfg.profile.modules)
+        return out
     initialize._aidaptiv_wrapped = orig
     return initialize
 

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from .. import spans
 from ..io.buffers import release_free_host_memory, return_freed_host_memory, reuse_freed_host_memory
 from ..io.engine import IOEngine
 from ..io.errors import StorageError
@@ -77,17 +78,20 @@ def auto_dram_budget(working_set_bytes: int = 0) -> int:
 
 
 class Timer:
-    """Accumulates seconds the training thread spends blocked on I/O (``with rt.io_wait(): ...``)."""
+    """Accumulates seconds the training thread spends blocked on I/O (``with rt.io_wait: ...``); each
+    wait is also a span ``aidaptiv::io_wait`` (:mod:`aidaptiv_ds.spans`: the timeline, torch.profiler)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
 
     def __enter__(self):
+        self._span = spans.span("aidaptiv::io_wait", cat="wait").__enter__()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self.seconds += time.perf_counter() - self._t0
+        self._span.__exit__(*exc)
         return False
 
 

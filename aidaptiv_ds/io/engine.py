@@ -12,6 +12,11 @@ Design (cf. DeepSpeed's ``async_io`` op, ``ops/csrc/aio``, which needs libaio an
 * ``EIO``/``EAGAIN``/``EINTR`` are retried ``max_retries`` times with a short back-off, then the
   request fails with a :class:`StorageIOError` naming path, offset and length; ``ENOSPC`` fails at
   once. A future never reports success for bytes that were not transferred.
+
+While a timeline records (:data:`aidaptiv_ds.spans.ACTIVE`), every system call is one span on the
+lane ``"io <drive> #<worker>"`` (category ``"read"``/``"write"``) with its bytes, offset, priority and
+the seconds its chunk waited in the queue; otherwise the hot path pays one global read per request
+and per system call.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import warnings
 
 import torch
 
+from .. import spans
 from ..errors import AidaptivConfigError, AidaptivWarning
 from .buffers import PAGE_BYTES, byte_view
 from .errors import StorageIOError
@@ -119,11 +125,13 @@ class FileHandle:
 
 
 class _Chunk:
-    """One system call's worth of a request: a file offset and its (address, memoryview) pieces."""
-    __slots__ = ("fh", "write", "offset", "segs", "future")
+    """One system call's worth of a request: a file offset and its (address, memoryview) pieces;
+    ``priority`` and ``queued_at`` (perf_counter at submission, 0.0 when no timeline records) for the timeline."""
+    __slots__ = ("fh", "write", "offset", "segs", "future", "priority", "queued_at")
 
-    def __init__(self, fh, write, offset, segs, future):
+    def __init__(self, fh, write, offset, segs, future, priority=READ_DEMAND, queued_at=0.0):
         self.fh, self.write, self.offset, self.segs, self.future = fh, write, offset, segs, future
+        self.priority, self.queued_at = priority, queued_at
 
 
 def _split(segs: list[tuple[int, memoryview]], block: int) -> list[list[tuple[int, memoryview]]]:
@@ -154,6 +162,19 @@ def _advance(segs: list[tuple[int, memoryview]], k: int) -> list[tuple[int, memo
         out.append((addr + k, mv[k:]))
         k = 0
     return out
+
+
+_PRIORITY_NAMES = {READ_DEMAND: "demand", READ_PREFETCH: "prefetch", WRITE_BACK: "write-back"}
+
+
+def _trace_call(drive: str, c: _Chunk, op: str, k: int, off: int, t0: float, dt: float) -> None:
+    """One system call as a timeline span (only called while a timeline records)."""
+    worker = threading.current_thread().name.rsplit("-", 1)[-1]
+    args = {"drive": drive, "bytes": k, "offset": off, "file": os.path.basename(c.fh.path),
+            "priority": _PRIORITY_NAMES.get(c.priority, c.priority)}
+    if c.queued_at:
+        args["queued_s"] = max(t0 - c.queued_at, 0.0)
+    spans.complete(op, t0, t0 + dt, f"io {drive} #{worker}", op, **args)
 
 
 class _Drive:
@@ -268,8 +289,9 @@ class IOEngine:
             seq0 = self._seq
             self._seq += len(chunks)
         pos = offset
+        queued_at = time.perf_counter() if spans.ACTIVE is not None else 0.0
         for i, piece in enumerate(chunks):
-            drive.queue.put((priority, seq0 + i, _Chunk(fh, write, pos, piece, fut)))
+            drive.queue.put((priority, seq0 + i, _Chunk(fh, write, pos, piece, fut, priority, queued_at)))
             pos += sum(len(mv) for _, mv in piece)
         return fut
 
@@ -332,6 +354,8 @@ class IOEngine:
                     drive.stats.bytes_read += k
                     drive.stats.read_ops += 1
                     drive.stats.read_busy_s += dt
+            if spans.ACTIVE is not None:
+                _trace_call(drive.name, c, op, k, off, t0, dt)
             if k <= 0:
                 raise StorageIOError(op, fh.path, off, n - done, None,
                                      detail="end of file reached" if not c.write else "no bytes accepted")

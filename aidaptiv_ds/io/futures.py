@@ -5,6 +5,8 @@ import threading
 import time
 from types import TracebackType
 
+from .. import spans
+
 
 class IOFuture:
     """Completion of one request that the engine may have split into several chunks.
@@ -72,8 +74,16 @@ class IOFuture:
         Raises:
             TimeoutError: if ``timeout`` seconds pass first.
             StorageIOError: the first failed chunk's error.
+
+        A wait that blocks while a timeline records is a span ``aidaptiv::io_blocked`` (category
+        ``"wait"``) on the waiting thread's lane, with the request's bytes.
         """
-        if not self._event.wait(timeout):
+        if spans.ACTIVE is not None and not self._event.is_set():
+            with spans.span("aidaptiv::io_blocked", cat="wait", bytes=self.nbytes):
+                ready = self._event.wait(timeout)
+        else:
+            ready = self._event.wait(timeout)
+        if not ready:
             raise TimeoutError(f"I/O request of {self.nbytes} bytes not complete after {timeout} s")
         if self._error is not None:
             # each raise of one exception object appends the raising frames to its traceback: reset it,
