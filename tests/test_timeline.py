@@ -243,6 +243,27 @@ def test_one_steps_figures_from_fake_spans():
         summarize_step(Trace(to_chrome(ev, 0.0, dict(meta, steps=[]))))
 
 
+def test_timeline_command_draws_one_step(tmp_path, capsys):
+    from aidaptiv_ds.cli.main import main
+
+    ev, meta = _fake_events()
+    timeline_trace.write(str(tmp_path / "timeline-rank3.json"), to_chrome(ev, 0.0, meta))
+    png = tmp_path / "out" / "step.png"
+    assert main(["timeline", str(tmp_path), "--output", str(png)]) == 0
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png) > 20_000  # a drawn figure, not an empty canvas
+    out = capsys.readouterr().out
+    assert "step 1: 10.000 s" in out and str(png) in out
+    assert main(["timeline", str(tmp_path), "--step", "1", "--json", "--no-plot"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["drives"]["/d0"]["read_bytes"] == 2 * 10 ** 9 and "output" not in got
+    assert main(["timeline", str(tmp_path), "--step", "2"]) == 2
+    assert "holds steps 1" in capsys.readouterr().err
+    assert main(["timeline", str(tmp_path / "out")]) == 2
+    assert "no timeline-rank*.json" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- module hooks on a tiny model
 class _Block(torch.nn.Module):
     def __init__(self, h):
