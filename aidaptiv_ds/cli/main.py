@@ -31,6 +31,7 @@ SUBCOMMAND_MODULES = [
     "aidaptiv_ds.cli.compare",
     "aidaptiv_ds.cli.report",
     "aidaptiv_ds.cli.kv_cache",
+    "aidaptiv_ds.cli.timeline",
 ]
 
 
