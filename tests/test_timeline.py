@@ -190,9 +190,13 @@ def _fake_events():
           ("X", "read", "read", "io /d0 #1", 2.0, 4.0, {"drive": "/d0", "bytes": 10 ** 9, "priority": "demand"}),
           ("X", "write", "write", "io /d0 #2", 9.0, 11.0, {"drive": "/d0", "bytes": 2 * 10 ** 9,
                                                          "priority": "write-back"}),
-          ("X", "write", "write", "io /d1 #0", 5.0, 6.0, {"drive": "/d1", "bytes": 10 ** 9, "priority": "write-back"}),
+          ("X", "write", "write", "io /d1 #0", 5.0, 6.0, {"drive": "/d1", "bytes": 10 ** 9,
+                                                         "priority": "write-back"}),
           ("i", "decision", "aidaptiv", "optimizer", 8.0, None, {"n": 1})]
-    meta = {"rank": 3, "steps": [{"step": 1, "start_s": 0.0, "end_s": 10.0}], "requested": [1, 1], "complete": True}
+    ev.append(("X", "read", "read", "io /d1 #1", 10.5, 11.5,  # in the step's tail
+               {"drive": "/d1", "bytes": 10 ** 9, "priority": "prefetch"}))
+    meta = {"rank": 3, "steps": [{"step": 1, "start_s": 0.0, "end_s": 10.0, "until_s": 12.0}], "requested": [1, 1],
+            "complete": True}
     return ev, meta
 
 
@@ -206,14 +210,15 @@ def test_chrome_trace_round_trip_and_format(tmp_path):
     assert raw["displayTimeUnit"] == "ms" and raw["otherData"]["aidaptiv_ds"]["format"] == timeline_trace.FORMAT
     names = {e["tid"]: e["args"]["name"] for e in raw["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
     order = [names[t] for t in sorted(names)]
-    assert order[:3] == ["step", "compute", "optimizer"] and order[-3:] == ["io /d0 #0", "io /d0 #1", "io /d0 #2"] \
-        or order[-4:] == ["io /d0 #0", "io /d0 #1", "io /d0 #2", "io /d1 #0"]
+    assert order[:3] == ["step", "compute", "optimizer"]
+    assert order[-5:] == ["io /d0 #0", "io /d0 #1", "io /d0 #2", "io /d1 #0", "io /d1 #1"]
     xs = [e for e in raw["traceEvents"] if e["ph"] == "X"]
     assert all(e["pid"] == 3 and isinstance(e["tid"], int) and e["dur"] >= 0 for e in xs)
     fwd = next(e for e in xs if e["name"] == "forward layers.1")
     assert fwd["ts"] == pytest.approx(2e6) and fwd["dur"] == pytest.approx(2e6)
     t = timeline_trace.load(path)
     assert len(t.spans) == len(ev) - 1 and len(t.instants) == 1 and t.meta["rank"] == 3
+    assert t.tail_end(1) == 12.0
     assert timeline_trace.find(str(tmp_path)) == path
     assert not _lane_nesting_errors(t.spans)
 
@@ -234,6 +239,9 @@ def test_one_steps_figures_from_fake_spans():
     assert s["drives"]["/d1"]["write_bytes"] == 10 ** 9
     assert s["read_bytes"] == 2 * 10 ** 9 and s["write_bytes"] == 2 * 10 ** 9
     assert s["io_busy_share"] == pytest.approx(0.5)  # 1-4, 5-6, 9-10
+    assert s["tail_s"] == pytest.approx(2.0) and s["tail_write_bytes"] == 10 ** 9  # the write's second half
+    assert s["tail_read_bytes"] == 10 ** 9 and s["drives"]["/d1"]["tail_read_bytes"] == 10 ** 9
+    assert s["drives"]["/d1"]["read_bytes"] == 0 and s["drives"]["/d0"]["tail_write_bytes"] == 10 ** 9
     text = timeline_trace.format_summary(s)
     assert "step 1: 10.000 s" in text and "/d0: read 2.000 GB (1.000 on demand)" in text
     assert union_seconds([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
@@ -328,9 +336,14 @@ def test_timeline_records_only_the_requested_steps_of_a_tiny_model(tmp_path):
     assert [b[0] for b in tl.blocks] == ["emb", "layers.0", "layers.1", "layers.2", "head"]
     written_after = {}
     _train(eng, 5, on_step=lambda k: written_after.setdefault(k, tl.written))
-    assert written_after[2] is None and written_after[3] == str(tmp_path / "run" / "timeline-rank0.json")
+    # written when step 4 begins: step 3's tail (what it left in flight) is in the file
+    assert written_after[3] is None and written_after[4] == str(tmp_path / "run" / "timeline-rank0.json")
     t = timeline_trace.load(tl.written)
     assert [s["step"] for s in t.steps] == [2, 3] and t.meta["complete"] and t.meta["requested"] == [2, 3]
+    s2, s3 = t.steps
+    assert s2["end_s"] <= s2["until_s"] <= s3["start_s"] < s3["end_s"] <= s3["until_s"]
+    assert s3["start_s"] - s2["until_s"] < 0.01
+    assert not any(s["start"] > s3["until_s"] for s in t.spans)  # step 4 is not recorded
     assert t.meta["blocks"] == ["emb", "layers.0", "layers.1", "layers.2", "head"]
     fwd = [s for s in t.spans if s["cat"] == "forward"]
     bwd = [s for s in t.spans if s["cat"] == "backward"]
@@ -374,7 +387,9 @@ def test_parameter_gradients_end_the_backward_of_a_block_whose_inputs_need_none(
     eng = _Engine(_Model(), ga=1)
     tl = timeline.enable(eng, steps=1, run_dir=str(tmp_path))
     _train(eng, 1, ga=1)
-    t = timeline_trace.load(tl.written)
+    assert tl.written is None  # step 1's tail lasts until the next forward or the close
+    t = timeline_trace.load(timeline.disable(eng))
+    assert t.meta["complete"]
     emb = [s for s in t.spans if s["cat"] == "backward" and s["args"]["block"] == 0]
     layer0 = next(s for s in t.spans if s["cat"] == "backward" and s["args"]["block"] == 1)
     assert len(emb) == 1 and emb[0]["start"] >= layer0["end"] - 1e-9 and emb[0]["end"] >= emb[0]["start"]
@@ -394,7 +409,9 @@ def test_recomputed_forward_inside_backward_is_marked(tmp_path):
     eng = _Engine(Ckpt(), ga=1)
     tl = timeline.enable(eng, steps=1, run_dir=str(tmp_path))
     _train(eng, 1, ga=1)
-    t = timeline_trace.load(tl.written)
+    assert tl.written is None  # step 1's tail lasts until the next forward or the close
+    t = timeline_trace.load(timeline.disable(eng))
+    assert t.meta["complete"]
     rec = [s for s in t.spans if s["cat"] == "recompute"]
     assert sorted(s["args"]["block"] for s in rec) == [1, 2, 3]
     assert len([s for s in t.spans if s["cat"] == "forward"]) == 5

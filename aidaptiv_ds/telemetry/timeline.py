@@ -10,8 +10,11 @@ or from the DeepSpeed config, ``"aidaptiv": {"profile": {"steps": "3-4", "dir": 
 ``aidaptiv-ds timeline output/run --output step.png``; open the JSON in Perfetto
 (https://ui.perfetto.dev) or ``chrome://tracing``. ``docs/profiling.md`` says how to read it.
 
-What is recorded, from the first forward of step N to the end of ``engine.step()`` of step M (steps
-count optimizer steps from 1, as ``engine.global_steps``), into a :class:`~aidaptiv_ds.spans.Recorder`:
+What is recorded, into a :class:`~aidaptiv_ds.spans.Recorder`, from the first forward of step N to
+the first forward after step M (or to :meth:`Timeline.close`, also called at interpreter exit);
+steps count optimizer steps from 1, as ``engine.global_steps`` does. A step ends when
+``engine.step()`` returns at its accumulation boundary; the time until the next step's first forward
+is its *tail* (the write-back still in flight, the next step's read-ahead):
 
 * lane ``step``: ``step k`` and its phases ``forward`` (the root module's forward), ``backward``
   (``engine.backward``), ``optimizer step`` (``engine.step``), one per micro-batch;
@@ -146,7 +149,9 @@ def _tensors(x, out: list) -> list:
 
 
 class Timeline:
-    """Records steps ``first..last`` of ``engine`` and writes ``run_dir/timeline-rank<R>.json`` after step ``last``.
+    """Records steps ``first..last`` of ``engine`` into ``run_dir/timeline-rank<R>.json``, written when
+    the step after ``last`` begins (the last step's tail: its write-back, the next read-ahead) or at
+    :meth:`close` (also at interpreter exit).
 
     Args:
         engine: a DeepSpeed engine (``.module``, ``.backward``, ``.step``, ``.global_steps``) or any
@@ -214,6 +219,11 @@ class Timeline:
         return self.rec is not None
 
     def _begin_step(self) -> None:
+        now = time.perf_counter()
+        if self._steps and self._steps[-1]["until"] is None:
+            self._steps[-1]["until"] = now  # the previous step's tail ends here
+        if self.rec is not None and self.step > self.last:
+            self._finish(complete=True)  # the last step's tail ended: step last+1 is not recorded
         if self.rec is None and self.first <= self.step <= self.last and not self.closed:
             self.rec = spans.start()
         self._step_start = time.perf_counter()
@@ -225,14 +235,15 @@ class Timeline:
         if self.rec is not None and self._step_start is not None:
             self._flush_backward()
             self.rec.add(f"step {self.step}", "step", "step", self._step_start, t1, {"step": self.step})
-            self._steps.append({"step": self.step, "start": self._step_start, "end": t1})
+            self._steps.append({"step": self.step, "start": self._step_start, "end": t1, "until": None})
         self._clear_param_hooks()
         self._fwd_start.clear()  # pre-hooks of recomputations stopped early (non-reentrant checkpointing)
         self._step_start = None
         self._in_backward = False
         self.step += 1
-        if self.rec is not None and self.step > self.last:
-            self._finish(complete=True)
+        # [Note: the tail] after the last step the recording goes on until the next forward (or close()):
+        # the step's write-back, which the engine finishes after engine.step() returned, and the
+        # read-ahead for the next step are part of what the step costs, so they are in the file
 
     def _finish(self, complete: bool) -> None:
         rec = self.rec
@@ -242,21 +253,23 @@ class Timeline:
         if rec is None:
             return
         self._flush_backward()
+        stop = time.perf_counter()
         meta = {"rank": self.rank, "pid": os.getpid(), "wall_origin": rec.wall_origin,
                 "requested": [self.first, self.last], "complete": complete,
-                "steps": [{"step": s["step"], "start_s": s["start"] - rec.origin, "end_s": s["end"] - rec.origin}
-                          for s in self._steps],
+                "steps": [{"step": s["step"], "start_s": s["start"] - rec.origin, "end_s": s["end"] - rec.origin,
+                           "until_s": (s["until"] or stop) - rec.origin} for s in self._steps],
                 "blocks": [label for label, _, _ in self.blocks]}
         self.written = timeline_trace.write(self.path, timeline_trace.to_chrome(rec.events, rec.origin, meta))
         log.info("aidaptiv_ds: timeline of steps %d-%d written to %s", self.first, self.last, self.written)
 
     def close(self) -> None:
-        """Remove the hooks; write what was recorded if the window is still open (``complete`` false)."""
+        """Remove the hooks; write what was recorded if the file is not written yet (``complete`` false
+        if a requested step is missing)."""
         if self.closed:
             return
         self.closed = True
         if self.rec is not None:
-            self._finish(complete=False)
+            self._finish(complete=self.step > self.last)
         for h in self._handles:
             h.remove()
         self._handles = []

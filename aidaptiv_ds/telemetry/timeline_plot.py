@@ -14,7 +14,9 @@ Rows, top to bottom, time in seconds from the step's start on the x axis:
   read ahead in blue, writes in green; the row's label gives the bytes, the busy time and the rate
   while busy (GB/s = 1e9 bytes/s).
 
-The title gives the step time, the phases, the time compute waited and the bytes moved
+The x axis runs on past the step's end (dashed line) to the next step's start: the step's *tail*,
+the write-back it left in flight and the read-ahead of the next step. The title gives the step time,
+the phases, the time compute waited, the bytes moved in the step and in its tail
 (:func:`aidaptiv_ds.telemetry.timeline_trace.summarize_step`).
 """
 from __future__ import annotations
@@ -55,7 +57,8 @@ def draw(trace: Trace, output: str, step: int | None = None, title: str | None =
     from matplotlib.patches import Patch
 
     summary = summarize_step(trace, step)
-    k, t0, t1 = trace.step_window(summary["step"])
+    k, t0, end = trace.step_window(summary["step"])
+    t1 = max(trace.tail_end(k), end)  # the step and its tail (what it left in flight)
     inside = trace.within(t0, t1)
     rows: list[tuple[str, list]] = []  # (label, [(bars, color, alpha, y-fraction (lo, hi), labels)])
 
@@ -105,6 +108,7 @@ def draw(trace: Trace, output: str, step: int | None = None, title: str | None =
                      [(_bars(writes, t0, t1), COLORS["write"], 0.35, (0.1, 0.9), None)]))
 
     wall = t1 - t0
+    step_s = end - t0
     fig, ax = plt.subplots(figsize=(width, 0.75 * len(rows) + 1.8), dpi=110)
     n = len(rows)
     for i, (_, layers) in enumerate(rows):
@@ -115,19 +119,26 @@ def draw(trace: Trace, output: str, step: int | None = None, title: str | None =
             ax.broken_barh(bars, (y + lo, hi - lo), facecolors=color, alpha=alpha, linewidth=0)
             if names:
                 for (x, w), name in zip(bars, names, strict=False):
-                    if name and w > wall * 0.025:
+                    if name and w > wall * 0.006 * (len(name) + 1):  # a 6-pt character is ~0.5% of the axis
                         ax.text(x + w / 2, y + 0.5, name, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks([n - 1 - i + 0.5 for i in range(n)])
     ax.set_yticklabels([label for label, _ in rows], fontsize=8)
     ax.set_ylim(0, n)
     ax.set_xlim(0, wall)
+    if wall - step_s > wall * 0.002:
+        ax.axvline(step_s, color="black", linestyle="--", linewidth=0.8)
+        ax.text(step_s, n - 0.02, " step ends", ha="left", va="top", fontsize=7)
     ax.set_xlabel("seconds from the start of the step")
     ax.grid(True, axis="x", alpha=0.3)
     rb, wb = summary["read_bytes"] / 1e9, summary["write_bytes"] / 1e9
+    tail = ""
+    if summary["tail_s"] > 1e-3:
+        tail = (f"\nthen {summary['tail_s']:.2f} s to the next step: {summary['tail_read_bytes'] / 1e9:.2f} GB read, "
+                f"{summary['tail_write_bytes'] / 1e9:.2f} GB written (right of the dashed line)")
     ax.set_title(title or (
-        f"step {k}: {wall:.2f} s (forward {summary['forward_s']:.2f}, backward {summary['backward_s']:.2f}, "
+        f"step {k}: {step_s:.2f} s (forward {summary['forward_s']:.2f}, backward {summary['backward_s']:.2f}, "
         f"optimizer step {summary['optimizer_s']:.2f}); compute waited {waited:.2f} s "
-        f"({(summary['io_wait_share'] or 0):.0%}); read {rb:.2f} GB, written {wb:.2f} GB"), fontsize=10)
+        f"({(summary['io_wait_share'] or 0):.0%}); read {rb:.2f} GB, written {wb:.2f} GB" + tail), fontsize=10)
     legend = [Patch(color=COLORS["forward"], label="forward"), Patch(color=COLORS["backward"], label="backward"),
               Patch(color=COLORS["wait"], label="waiting for I/O")]
     if any(s["cat"] == "recompute" for s in inside):

@@ -15,7 +15,9 @@ open): ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {"aidaptiv
   call; ``args``: ``drive``, ``bytes``, ``offset``, ``file``, ``priority``, ``queued_s``), or
   whatever category the caller of :func:`aidaptiv_ds.spans.span` gave.
 * ``META``: ``format`` (1), ``rank``, ``pid``, ``wall_origin`` (Unix seconds of time 0), ``steps``
-  (``[{"step", "start_s", "end_s"}]``, seconds from time 0; the steps recorded whole), ``requested``
+  (``[{"step", "start_s", "end_s", "until_s"}]``, seconds from time 0, the steps recorded whole;
+  ``end_s``: ``engine.step()`` returned; ``until_s``: the next step began or the recording stopped,
+  the step's *tail* in between), ``requested``
   (``[first, last]``), ``complete`` (every requested step recorded), ``blocks`` (labels in forward
   order), and what the caller adds.
 """
@@ -111,6 +113,11 @@ class Trace:
     def steps(self) -> list[dict]:
         """``[{"step", "start_s", "end_s"}]`` of the steps recorded whole."""
         return list(self.meta.get("steps") or [])
+
+    def tail_end(self, step: int) -> float:
+        """End of ``step``'s tail (``until_s``; its ``end_s`` in files without one)."""
+        s = next(x for x in self.steps if x["step"] == step)
+        return float(s.get("until_s", s["end_s"]))
 
     def step_window(self, step: int | None = None) -> tuple[int, float, float]:
         """``(step, start, end)`` in seconds for ``step`` (None: the last one recorded whole).
@@ -214,7 +221,9 @@ def summarize_step(trace: Trace, step: int | None = None) -> dict:
     ahead), ``read_busy_s`` / ``write_busy_s`` (union of its system calls), ``read_gbps`` /
     ``write_gbps`` (bytes over busy time), ``busy_share`` (reads or writes in flight / wall);
     ``read_bytes``, ``write_bytes`` (all drives). Bytes of a system call that straddles the step's
-    edge count in proportion to its part inside.
+    edge count in proportion to its part inside. ``tail_s``: seconds from the step's end to the next
+    step's start (or the recording's end), ``tail_read_bytes`` / ``tail_write_bytes`` (also per drive):
+    I/O in that tail (write-back the step left in flight, read-ahead for the next step).
     """
     k, t0, t1 = trace.step_window(step)
     wall = t1 - t0
@@ -245,6 +254,21 @@ def summarize_step(trace: Trace, step: int | None = None) -> dict:
             d[f"{op}_gbps"] = d[f"{op}_bytes"] / busy / 1e9 if busy > 0 else None
         d["read_bytes"], d["write_bytes"] = int(round(d["read_bytes"])), int(round(d["write_bytes"]))
         d["demand_read_bytes"] = int(round(d["demand_read_bytes"]))
+    until = trace.tail_end(k)
+    tail = {"read": 0.0, "write": 0.0}
+    for s in trace.within(t1, until):
+        if s["cat"] in IO_CATS:
+            a, b = max(s["start"], t1), min(s["end"], until)
+            dur = s["end"] - s["start"]
+            nbytes = float(s["args"].get("bytes", 0)) * ((b - a) / dur if dur > 0 else 1.0)
+            tail[s["cat"]] += nbytes
+            d = drives.setdefault(drive_of(s), {"read_bytes": 0, "write_bytes": 0, "demand_read_bytes": 0,
+                                                "read_busy_s": 0.0, "write_busy_s": 0.0, "read_gbps": None,
+                                                "write_gbps": None})
+            d[f"tail_{s['cat']}_bytes"] = d.get(f"tail_{s['cat']}_bytes", 0.0) + nbytes
+    for d in drives.values():
+        for op in IO_CATS:
+            d[f"tail_{op}_bytes"] = int(round(d.get(f"tail_{op}_bytes", 0.0)))
     all_io = _clip([s for s in inside if s["cat"] in IO_CATS], t0, t1)
     wait_s = union_seconds(_clip(waits, t0, t1))
     return {"step": k, "wall_s": wall, "forward_s": phases["forward"], "backward_s": phases["backward"],
@@ -253,14 +277,17 @@ def summarize_step(trace: Trace, step: int | None = None) -> dict:
             "io_busy_share": union_seconds(all_io) / wall if wall > 0 else None,
             "read_bytes": sum(d["read_bytes"] for d in drives.values()),
             "write_bytes": sum(d["write_bytes"] for d in drives.values()),
-            "drives": drives}
+            "tail_s": until - t1, "tail_read_bytes": int(round(tail["read"])),
+            "tail_write_bytes": int(round(tail["write"])), "drives": drives}
 
 
 def format_summary(s: dict) -> str:
     """A few lines of :func:`summarize_step` for the terminal."""
     lines = [f"step {s['step']}: {s['wall_s']:.3f} s (forward {s['forward_s']:.3f}, backward {s['backward_s']:.3f}, "
              f"optimizer {s['optimizer_s']:.3f}); compute waited {s['io_wait_s']:.3f} s "
-             f"({(s['io_wait_share'] or 0):.0%}); I/O in flight {(s['io_busy_share'] or 0):.0%} of the step"]
+             f"({(s['io_wait_share'] or 0):.0%}); I/O in flight {(s['io_busy_share'] or 0):.0%} of the step; "
+             f"then {s['tail_s']:.3f} s to the next step, with {s['tail_read_bytes'] / 1e9:.3f} GB read and "
+             f"{s['tail_write_bytes'] / 1e9:.3f} GB written"]
     for drive, d in s["drives"].items():
         def rate(v):
             return "n/a" if v is None else f"{v:.2f} GB/s"
