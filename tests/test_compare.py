@@ -56,6 +56,38 @@ def test_summary_skips_warmup_and_takes_ratios_to_native():
         "bytes written per parameter per step, budget 0"]
 
 
+def test_overlap_efficiency_is_step_over_max_of_compute_and_io():
+    """Issue 15's figure from fake runs: native moves 2+1 GB/step at 1 GB/s read, 2 GB/s write = 2.5 s of
+    I/O, compute (cpu's step) 2 s, step 5 s -> 2.0; aidaptiv0 I/O 1.0 s < compute 2 s, step 3 s -> 1.5; cpu 1.0."""
+    n = 10 ** 6
+    runs = [_run("native", [9.0, 5.0, 5.0], read=2 * 10 ** 9, write=10 ** 9, n=n),
+            _run("aidaptiv0", [9.0, 3.0, 3.0], read=5 * 10 ** 8, write=10 ** 9, n=n),
+            _run("cpu", [9.0, 2.0, 2.0], n=n)]
+    rates = {"read_gbps": 1.0, "write_gbps": 2.0}
+    figs = summarize(runs, ["native", "aidaptiv0", "cpu"], warmup=1, io_rates=rates)
+    assert figs["native"]["io_bound_s"] == pytest.approx(2.5) and figs["native"]["compute_bound_s"] == 2.0
+    assert figs["native"]["overlap_efficiency"] == pytest.approx(2.0)
+    assert figs["aidaptiv0"]["io_bound_s"] == pytest.approx(1.0)
+    assert figs["aidaptiv0"]["overlap_efficiency"] == pytest.approx(1.5)
+    assert figs["cpu"]["overlap_efficiency"] == pytest.approx(1.0)
+    no_cpu = summarize(runs[:2], ["native", "aidaptiv0"], warmup=1, io_rates=rates)
+    assert no_cpu["aidaptiv0"]["overlap_efficiency"] is None and no_cpu["aidaptiv0"]["io_bound_s"] == pytest.approx(1.0)
+    assert summarize(runs, ["native", "aidaptiv0", "cpu"], warmup=1)["aidaptiv0"]["overlap_efficiency"] is None
+    targets = {t["target"]: t for t in check_targets(figs, "fp32")}
+    t = targets["overlap efficiency aidaptiv_ds (budget 0): step / max(compute, I/O)"]
+    assert t["value"] == pytest.approx(1.5) and t["limit"] == 1.15 and not t["met"]
+    assert not any("overlap" in t["target"] for t in check_targets(figs, "bf16"))
+    from aidaptiv_ds.bench.summary import format_table
+
+    io = {"before": {"read_gbps": 0.9, "write_gbps": 2.1}, "after": {"read_gbps": 1.1, "write_gbps": 1.9},
+          "read_gbps": 1.0, "write_gbps": 2.0, "block_bytes": 8 << 20, "status": "measured"}
+    table = format_table({"config": {"model": "m", "dtype": "fp32", "seq": 8, "micro_batch": 1, "steps": 3,
+                                     "warmup": 1, "repeats": 1, "sub_group_size": 10, "backends": ["native"]},
+                          "aio": {"status": "x"}, "io_bench": io, "summary": figs, "targets": []})
+    assert "| overlap eff. |" in table and "| 2.00 |" in table and "| 1.50 |" in table
+    assert "bytes read / 1.00 GB/s + bytes written / 2.00 GB/s" in table and "read 0.90 / 1.10" in table
+
+
 def test_summary_reports_a_failed_backend():
     bad = {"backend": "native", "ok": False, "steps": [], "error": "AssertionError: param 38 already assigned"}
     figs = summarize([bad, _run("aidaptiv0", [1, 1, 1])], ["native", "aidaptiv0"], warmup=1)
@@ -144,16 +176,60 @@ def test_watchdog_stops_a_run_over_the_memory_limit(tmp_path):
 def test_compare_end_to_end_tiny(tmp_path):
     s = TrainSettings(seq=32, sub_group_size=1_000_000)
     res = compare(SMALL, s, backends=["native", "cpu", "aidaptiv0"], steps=3, warmup=1, repeats=1,
-                  work_dir=str(tmp_path), aio="python", timeout_s=300)
+                  work_dir=str(tmp_path), aio="python", timeout_s=300, io_bench_bytes=32 << 20, timeline=(2, 3))
     figs = res["summary"]
     assert all(f["ok"] for f in figs.values()), {b: f.get("errors") for b, f in figs.items()}
     assert figs["native"]["aio"]["aio"] == "python"
     assert figs["aidaptiv0"]["loss_max_abs_diff"] == 0.0 and figs["native"]["loss_max_abs_diff"] == 0.0
-    assert figs["aidaptiv0"]["written_per_param"] > 4 and figs["aidaptiv0"]["cache_written_per_param"] > 4
+    assert figs["aidaptiv0"]["cache_written_per_param"] > 4
+    # /proc counts a write when it completes: the last step's write-back may land after its end (the run's tail)
+    a0 = next(r for r in res["runs"] if r["backend"] == "aidaptiv0")
+    assert (sum(st["proc_write_bytes"] for st in a0["steps"][1:]) + a0["tail"]["proc_write_bytes"]) / (
+        2 * a0["n_params"]) > 4
     assert figs["native"]["written_per_param"] > 1  # the 2 MiB embeddings go through DeepSpeed's swapper
     assert figs["cpu"]["written_per_param"] < 0.5
     assert figs["aidaptiv0"]["ratios"]["step_s"] > 0 and figs["native"]["ratios"]["step_s"] == 1.0
     assert figs["cpu"]["peak_rss_bytes"] > 0 and figs["aidaptiv0"]["first_step_s"] > figs["aidaptiv0"]["setup_s"]
     assert "| aidaptiv_ds, DRAM budget 0 |" in res["table"] and "pure-Python" in res["table"]
+    io = res["io_bench"]
+    assert io["status"] == "measured" and io["read_gbps"] > 0 and io["write_gbps"] > 0
+    assert io["before"]["read_gbps"] > 0 and io["after"]["write_gbps"] > 0
+    assert figs["cpu"]["overlap_efficiency"] == pytest.approx(1.0, abs=0.05)  # its own compute, (almost) no I/O
+    assert figs["aidaptiv0"]["io_bound_s"] > 0 and figs["aidaptiv0"]["overlap_efficiency"] > 0
+    assert "overlap eff." in res["table"] and "Overlap efficiency = step / max(" in res["table"]
+    _check_tiny_timelines(res)
     json.dumps(res)
     assert not any(os.path.exists(os.path.join(r["run_dir"], "cache")) for r in res["runs"])  # cache paths emptied
+
+
+def _check_tiny_timelines(res):
+    """The tiny real run's timelines (issue 15, item 1): every backend recorded steps 2-3; the budget-0 run
+    read and wrote its cache path, per drive, and its compute waited; the command draws a step."""
+    from aidaptiv_ds.cli.main import main
+    from aidaptiv_ds.telemetry import timeline_trace
+
+    blocks = ["embed_tokens", "layers.0", "layers.1", "norm", "lm_head"]
+    for r in res["runs"]:
+        path = r["timeline"]
+        assert path == os.path.join(r["run_dir"], "timeline-rank0.json"), r.get("error")
+        t = timeline_trace.load(path)
+        assert [s["step"] for s in t.steps] == [2, 3] and t.meta["complete"] and t.meta["blocks"] == blocks
+        for cat in ("forward", "backward"):
+            got = sorted(s["args"]["block"] for s in t.spans if s["cat"] == cat)
+            assert got == sorted(list(range(5)) * 2), (r["backend"], cat, got)
+        s = timeline_trace.summarize_step(t, 3)
+        assert 0 < s["wall_s"] and s["forward_s"] > 0 and s["backward_s"] > 0 and s["optimizer_s"] > 0
+        if r["backend"] == "aidaptiv0":
+            step3 = r["steps"][2]
+            cache = os.path.join(r["run_dir"], "cache")
+            assert list(s["drives"]) == [cache]
+            d = s["drives"][cache]
+            # the budget-0 step reads parameters and optimizer state, writes the state: all of it in the trace
+            assert d["read_bytes"] > 0.5 * step3["cache_read_bytes"]
+            assert d["write_bytes"] + d["tail_write_bytes"] > 0  # the write-back may finish after engine.step()
+            assert d["read_bytes"] < 2 * step3["cache_read_bytes"] + (8 << 20)
+            assert s["io_wait_s"] > 0 and any(x["name"] == "aidaptiv::io_wait" for x in t.spans)
+            png = os.path.join(r["run_dir"], "step.png")
+            assert main(["timeline", r["run_dir"], "--output", png]) == 0 and os.path.getsize(png) > 20_000
+        if r["backend"] == "cpu":
+            assert not s["drives"] and s["io_wait_s"] == 0

@@ -7,8 +7,14 @@ is loaded once in a separate process (:func:`.aio.preflight`) so the measured ru
 build; when it cannot be loaded, native runs on aidaptiv_ds's pure-Python handle and the table says
 ``compiled aio unavailable: <reason>``.
 
-The result (also written as JSON) holds the configuration, the machine, the aio status, every run
-(per-step figures) and the per-backend summary with ratios to native (:mod:`.summary`).
+Before the first run and after the last, a short ``bench-io`` of the work directory (the cache
+path's filesystem: :func:`.bench_io.bench_io` at 8 MiB requests) measures the engine's read and write
+GB/s; their means are the rates of each backend's ``overlap_efficiency`` (:mod:`.summary`). With
+``timeline``, every run records those steps into ``<run dir>/timeline-rank0.json``
+(:mod:`aidaptiv_ds.telemetry.timeline`; draw one with ``aidaptiv-ds timeline <run dir>``).
+
+The result (also written as JSON) holds the configuration, the machine, the aio status, the
+bench-io rates, every run (per-step figures) and the per-backend summary with ratios to native.
 """
 from __future__ import annotations
 
@@ -86,12 +92,45 @@ def disk_needed(shape: LlamaShape, dtype: str, backends: list[str]) -> int:
     return int(shape.state_bytes(dtype) * 1.1) if any(b != "cpu" for b in backends) else 0
 
 
+IO_BENCH_BLOCK = 8 << 20
+
+
+def cache_path_rates(work_dir: str, size: int, repeats: int = 2, say=None) -> dict:
+    """The engine's read and write GB/s (1e9 bytes/s) at 8 MiB requests on ``work_dir``: a short
+    :func:`.bench_io.bench_io` (``size`` bytes, ``repeats`` rounds, DeepSpeed's aio not measured).
+
+    Returns ``{"read_gbps", "write_gbps", "raw_read_gbps", "raw_write_gbps", "direct_io", "size_bytes",
+    "status"}``; the rates are None (and ``status`` says why) when the bench could not run (too little
+    free space for the test file, for one), so the comparison still runs.
+    """
+    from ..io.errors import StorageError
+    from .bench_io import bench_io
+
+    say = say or (lambda _m: None)
+    try:
+        r = bench_io(work_dir, size, blocks=[IO_BENCH_BLOCK], repeats=repeats, deepspeed_aio="off")
+    except (StorageError, ValueError, RuntimeError) as e:
+        say(f"bench-io of {work_dir} failed: {e}")
+        return {"read_gbps": None, "write_gbps": None, "size_bytes": size, "status": f"failed: {e}"}
+    say(f"bench-io {work_dir}: engine read {r['engine_read_gbps']:.2f} GB/s, write {r['engine_write_gbps']:.2f} GB/s "
+        f"at 8 MiB")
+    return {"read_gbps": r["engine_read_gbps"], "write_gbps": r["engine_write_gbps"],
+            "raw_read_gbps": r["raw_read_gbps"], "raw_write_gbps": r["raw_write_gbps"],
+            "direct_io": r["engine_direct_io"], "size_bytes": r["file_bytes"], "status": "measured"}
+
+
+def _mean(*xs):
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] | None = None, steps: int = 6,
             warmup: int = 2, repeats: int = 2, work_dir: str = "/tmp/aidaptiv_compare", seed: int = 0,
             aio: str = "compiled", build_aio: bool = False, extensions_dir: str | None = None,
             libaio_root: str | None = None, mem_limit_bytes: int | None = None, timeout_s: float = 3600,
             profile: bool = False, keep_cache: bool = False, native_dedup: bool = True, same_allocator: bool = True,
-            command: str = "", say=None) -> dict:
+            io_bench_bytes: int = 1 << 30, timeline: tuple[int, int] | None = None, command: str = "",
+            say=None) -> dict:
     """Run the comparison; return the result dict (see the module docstring).
 
     Args:
@@ -111,6 +150,9 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
             :func:`.worker.dedup_native_swap_in`); False runs DeepSpeed unmodified.
         same_allocator: give the DeepSpeed backends the glibc allocator settings aidaptiv_ds's runtime
             applies to its own process (:func:`.runner.allocator_env`); False runs each as shipped.
+        io_bench_bytes: test file of the bench-io before and after the runs (:func:`cache_path_rates`);
+            0 skips it (no overlap efficiency then).
+        timeline: ``(first, last)`` optimizer steps each run records into its run directory.
         command: the command line, recorded in the result.
 
     Raises:
@@ -126,6 +168,8 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
         raise ValueError(f"--steps {steps} must exceed --warmup {warmup} (figures come from the steps after warm-up)")
     if repeats < 1:
         raise ValueError("--repeats must be >= 1")
+    if timeline is not None and not (1 <= timeline[0] <= timeline[1] <= steps):
+        raise ValueError(f"--timeline {timeline[0]}-{timeline[1]}: the steps must lie within 1..--steps ({steps})")
     if settings.seq > shape.max_positions:
         shape = dataclasses.replace(shape, max_positions=settings.seq)
     os.makedirs(work_dir, exist_ok=True)
@@ -144,6 +188,9 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = {"shape": dataclasses.asdict(shape), "settings": settings.as_dict(), "steps": steps, "seed": seed,
             "aio": pre["aio"], "profile_after": warmup, "native_dedup": native_dedup}
+    if timeline is not None:
+        base["timeline"] = [int(timeline[0]), int(timeline[1])]
+    io_before = cache_path_rates(work_dir, io_bench_bytes, say=say) if io_bench_bytes else None
     runs = []
     order = run_order(backends, repeats)
     for k, b in enumerate(order):
@@ -156,17 +203,25 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
                          mem_limit_bytes=mem_limit_bytes, keep_cache=keep_cache, say=say)
         res["order"] = k
         runs.append(res)
-    figs = summarize(runs, backends, warmup)
+    io_bench = None
+    if io_before is not None:
+        io_after = cache_path_rates(work_dir, io_bench_bytes, say=say)
+        io_bench = {"before": io_before, "after": io_after, "block_bytes": IO_BENCH_BLOCK, "size_bytes": io_bench_bytes,
+                    "read_gbps": _mean(io_before["read_gbps"], io_after["read_gbps"]),
+                    "write_gbps": _mean(io_before["write_gbps"], io_after["write_gbps"]),
+                    "status": io_after["status"] if io_before["status"] == "measured" else io_before["status"]}
+    figs = summarize(runs, backends, warmup, io_rates=io_bench)
     result = {
         "config": {"model": describe(shape), "shape": shape.as_dict(), **settings.as_dict(), "steps": steps,
                    "warmup": warmup, "repeats": repeats, "seed": seed, "backends": backends, "order": order,
                    "reference": REFERENCE, "profiled": profile, "native_dedup": native_dedup,
-                   "same_allocator": same_allocator,
+                   "same_allocator": same_allocator, "timeline": timeline,
                    "work_dir": work_dir},
         "command": command,
         "machine": machine_info(work_dir),
         "code": code_version(),
         "aio": pre,
+        "io_bench": io_bench,
         "summary": figs,
         "targets": check_targets(figs, settings.dtype),
         "runs": runs,

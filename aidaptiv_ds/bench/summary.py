@@ -14,7 +14,14 @@ first ``warmup`` of each run (the *measured* steps):
 * ``first_step_s``: median time from launching the process to the end of step 1; ``setup_s``: to
   the start of step 1;
 * ``loss_max_abs_diff``: largest difference of any step's loss from DeepSpeed's CPU offload with the
-  same seed and batches (0.0 = identical), when ``cpu`` ran.
+  same seed and batches (0.0 = identical), when ``cpu`` ran;
+* ``overlap_efficiency`` (issue 15): ``step_s / max(compute_bound_s, io_bound_s)``, where
+  ``compute_bound_s`` is the ``cpu`` backend's ``step_s`` in the same run (DeepSpeed's CPU offload of
+  the same model: the step with no I/O) and ``io_bound_s`` = bytes read per step / read GB/s + bytes
+  written per step / write GB/s, the bytes from ``/proc/self/io`` (as ``read_per_param`` /
+  ``written_per_param``) and the GB/s from the short ``bench-io`` of the cache path in the same run
+  (``io_rates``); 1.0 means the step costs max(compute, I/O), 2.0 the sum of two equal halves. None
+  when ``cpu`` did not run or no rates were measured.
 
 Ratios are ``figure(backend) / figure(native)`` for step time, bytes, RSS, I/O wait share and
 launch-to-first-step.
@@ -78,19 +85,41 @@ def _loss_diff(runs: list[dict], ref_losses: list[float]) -> float | None:
     return max(diffs) if diffs else None
 
 
-def summarize(runs: list[dict], backends: list[str], warmup: int) -> dict:
-    """``{backend: figures}`` with ``ratios`` to :data:`REFERENCE` and ``loss_max_abs_diff`` to ``cpu``."""
+def overlap_efficiency(f: dict, compute_bound_s: float | None, io_rates: dict | None) -> dict:
+    """``io_bound_s``, ``compute_bound_s`` and ``overlap_efficiency`` of one backend's figures ``f``
+    (see the module docstring); each None where its inputs are missing.
+
+    Args:
+        f: :func:`backend_figures` of a successful backend.
+        compute_bound_s: the ``cpu`` backend's median step (seconds), or None.
+        io_rates: ``{"read_gbps", "write_gbps"}`` (1e9 bytes/s) of the cache path, or None.
+    """
+    io_bound = None
+    if io_rates and io_rates.get("read_gbps") and io_rates.get("write_gbps"):
+        n = f["n_params"]
+        io_bound = (f["read_per_param"] * n / (io_rates["read_gbps"] * 1e9)
+                    + f["written_per_param"] * n / (io_rates["write_gbps"] * 1e9))
+    bound = max(compute_bound_s, io_bound) if compute_bound_s is not None and io_bound is not None else None
+    return {"io_bound_s": io_bound, "compute_bound_s": compute_bound_s,
+            "overlap_efficiency": f["step_s"] / bound if bound else None}
+
+
+def summarize(runs: list[dict], backends: list[str], warmup: int, io_rates: dict | None = None) -> dict:
+    """``{backend: figures}`` with ``ratios`` to :data:`REFERENCE`, ``loss_max_abs_diff`` to ``cpu`` and
+    ``overlap_efficiency`` (from ``io_rates``, ``{"read_gbps", "write_gbps"}`` of the cache path)."""
     by = {b: [r for r in runs if r.get("backend") == b] for b in backends}
     figs = {b: backend_figures(by[b], warmup) for b in backends}
     ref = figs.get(REFERENCE)
     cpu = figs.get("cpu")
+    cpu_ok = cpu is not None and cpu["ok"]
     for b, f in figs.items():
         if not f["ok"]:
             continue
         if ref is not None and ref["ok"]:
             f["ratios"] = {k: (f[k] / ref[k] if ref[k] else None) for k in RATIO_KEYS}
-        if cpu is not None and cpu["ok"]:
+        if cpu_ok:
             f["loss_max_abs_diff"] = _loss_diff(by[b], cpu["losses"])
+        f.update(overlap_efficiency(f, cpu["step_s"] if cpu_ok else None, io_rates))
     return figs
 
 
@@ -98,10 +127,12 @@ def summarize(runs: list[dict], backends: list[str], warmup: int) -> dict:
 def check_targets(figs: dict, dtype: str) -> list[dict]:
     """The issue's targets that these figures can judge: ``{"target", "value", "limit", "met"}`` each.
 
-    Step-time targets apply to fp32 (a bf16 step on a CPU without bf16 hardware is compute-bound and
-    says little about storage); byte and RSS targets apply to both dtypes. Values are compared after
-    rounding to two decimals (18.0004 bytes per parameter, a few rewritten 4 KiB boundary blocks per
-    step, meets "<= 18"); ``value`` keeps the exact figure.
+    The step-time ratio to native and the overlap efficiency apply to fp32 (a bf16 step on a CPU
+    without bf16 hardware is compute-bound and says little about storage); ``auto`` against CPU
+    offload (nothing read or written: the cost of the cache tier's host-side handling), the byte and
+    the RSS targets apply to both dtypes. Limits: issue 15's (0.65, 1.15, 1.03), the earlier ones for
+    bytes and RSS. Values are compared after rounding to two decimals (18.0004 bytes per parameter, a
+    few rewritten 4 KiB boundary blocks per step, meets "<= 18"); ``value`` keeps the exact figure.
     """
     out = []
 
@@ -113,16 +144,19 @@ def check_targets(figs: dict, dtype: str) -> list[dict]:
                     "met": value is not None and round(value, 2) <= limit})
 
     if dtype == "fp32" and ok("aidaptiv0") and ok("native"):
-        add("step time aidaptiv_ds (budget 0) / DeepSpeed native NVMe", figs["aidaptiv0"]["ratios"]["step_s"], 0.8)
+        add("step time aidaptiv_ds (budget 0) / DeepSpeed native NVMe", figs["aidaptiv0"]["ratios"]["step_s"], 0.65)
+    if dtype == "fp32" and ok("aidaptiv0") and figs["aidaptiv0"].get("overlap_efficiency") is not None:
+        add("overlap efficiency aidaptiv_ds (budget 0): step / max(compute, I/O)",
+            figs["aidaptiv0"]["overlap_efficiency"], 1.15)
     if ok("aidaptiv0"):
         add("bytes written per parameter per step, budget 0", figs["aidaptiv0"]["written_per_param"], 18.0)
     for b in ("aidaptiv_grads", "aidaptiv_auto"):
         if ok(b) and (figs[b].get("plan") or {}).get("grads_resident"):
             add(f"bytes written per parameter per step, gradients in DRAM ({b.split('_')[1]})",
                 figs[b]["written_per_param"], 14.0)
-    if dtype == "fp32" and ok("aidaptiv_auto") and ok("cpu"):
+    if ok("aidaptiv_auto") and ok("cpu"):
         add("step time aidaptiv_ds (auto) / DeepSpeed CPU offload",
-            figs["aidaptiv_auto"]["step_s"] / figs["cpu"]["step_s"], 1.05)
+            figs["aidaptiv_auto"]["step_s"] / figs["cpu"]["step_s"], 1.03)
     if ok("aidaptiv0") and ok("native"):
         add("peak RSS aidaptiv_ds (budget 0) / DeepSpeed native NVMe", figs["aidaptiv0"]["ratios"]["peak_rss_bytes"],
             1.0)
@@ -139,6 +173,17 @@ def _r(f: dict, key: str) -> str:
     return "" if r is None else f" ({r:.2f}x)"
 
 
+def _io_line(result: dict) -> str:
+    io = result["io_bench"]
+    if io.get("read_gbps") is None:
+        return f"Overlap efficiency: n/a (bench-io of the cache path: {io.get('status', 'not run')})."
+    return (f"Overlap efficiency = step / max(CPU offload's step, bytes read / {io['read_gbps']:.2f} GB/s + bytes "
+            f"written / {io['write_gbps']:.2f} GB/s): the engine's rates at {io['block_bytes'] >> 20} MiB on the cache "
+            f"path, bench-io before and after the runs (read {_f(io['before'].get('read_gbps'))} / "
+            f"{_f(io['after'].get('read_gbps'))}, write {_f(io['before'].get('write_gbps'))} / "
+            f"{_f(io['after'].get('write_gbps'))} GB/s).")
+
+
 def format_table(result: dict) -> str:
     """Markdown: a header (model, settings, aio), one row per backend, the targets; ratios are to native."""
     cfg = result["config"]
@@ -153,23 +198,25 @@ def format_table(result: dict) -> str:
                               if cfg.get("same_allocator") else
                               "as shipped (aidaptiv_ds raises glibc's mmap threshold in its process, DeepSpeed "
                               "does not): part of any difference is the allocator's."),
-             *(["Profiled runs (cProfile): step times are inflated."] if cfg.get("profiled") else []), "",
+             *(["Profiled runs (cProfile): step times are inflated."] if cfg.get("profiled") else []),
+             *([_io_line(result)] if result.get("io_bench") else []), "",
              "| backend | step s (median) | written B/param/step | read B/param/step | I/O wait share | "
-             "peak RSS GiB (steps / process) | launch to step 1 s | loss vs CPU offload |",
-             "|---|---|---|---|---|---|---|---|"]
+             "overlap eff. | peak RSS GiB (steps / process) | launch to step 1 s | loss vs CPU offload |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for b, f in result["summary"].items():
         label = LABELS.get(b, b)
         if b == "native" and f.get("aio", {}).get("aio") == "python":
             label += " (pure-Python aio)"
         if not f["ok"]:
-            lines.append(f"| {label} | failed: {'; '.join(f['errors'])[:160]} | | | | | | |")
+            lines.append(f"| {label} | failed: {'; '.join(f['errors'])[:160]} | | | | | | | |")
             continue
         d = f.get("loss_max_abs_diff")
         loss = "n/a" if d is None else ("identical" if d == 0 else f"max diff {d:.2e}")
         lines.append(
             f"| {label} | {_f(f['step_s'])}{_r(f, 'step_s')} | {_f(f['written_per_param'], '{:.1f}')}"
             f"{_r(f, 'written_per_param')} | {_f(f['read_per_param'], '{:.1f}')}{_r(f, 'read_per_param')} | "
-            f"{f['io_wait_share']:.0%}{_r(f, 'io_wait_share')} | {f['peak_rss_bytes'] / GiB:.2f} / "
+            f"{f['io_wait_share']:.0%}{_r(f, 'io_wait_share')} | {_f(f.get('overlap_efficiency'))} | "
+            f"{f['peak_rss_bytes'] / GiB:.2f} / "
             f"{f['peak_rss_process_bytes'] / GiB:.2f}{_r(f, 'peak_rss_bytes')} | {_f(f['first_step_s'], '{:.1f}')}"
             f"{_r(f, 'first_step_s')} | {loss} |")
     if result.get("targets"):

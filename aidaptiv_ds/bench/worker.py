@@ -11,7 +11,8 @@ the model inside ``deepspeed.zero.Init``, for models whose whole fp32 weights wo
 ``zero.Init(dtype=...)`` is given the model dtype then), ``native_dedup`` (native only,
 default true: :func:`dedup_native_swap_in`), ``t_launch`` (``time.time()``
 when the runner started the process), optional ``profile`` (a path: cProfile of the steps after
-``profile_after`` steps) and ``profile_after``.
+``profile_after`` steps) and ``profile_after``, optional ``timeline`` (``[first, last]``: those steps'
+timeline into ``timeline-rank0.json`` beside ``RESULT.json``, :mod:`aidaptiv_ds.telemetry.timeline`).
 
 The model is a HF ``LlamaForCausalLM`` built and initialised (HF init, ``torch.manual_seed(seed)``)
 *before* partitioning, then converted with ``deepspeed.zero.Init(module=model)`` (no ``dtype``
@@ -26,7 +27,8 @@ model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a gener
 ``cache_written_bytes``, ``dram_tier_bytes`` (aidaptiv_ds's DRAM tier after the step), ``rss_bytes``,
 ``peak_rss_bytes`` (peak so far)), ``peak_rss_steps_bytes`` (``VmHWM`` reset before step 1),
 ``peak_rss_process_bytes`` (``ru_maxrss``), ``aio`` (native), ``plan`` and ``budget_bytes``
-(aidaptiv_ds), ``tail`` (aidaptiv_ds: the write-back still in flight after the last step).
+(aidaptiv_ds), ``tail`` (aidaptiv_ds: the write-back still in flight after the last step),
+``timeline`` (the timeline file, when one was asked for).
 """
 from __future__ import annotations
 
@@ -200,6 +202,11 @@ def run(spec: dict, out: ResultFile) -> None:
     engine, settings, shape = build_engine(spec, out, clock)
     out.update(phase="step 1", setup_s=time.time() - t_launch, peak_rss_setup_bytes=peak_rss_bytes(),
                peak_rss_reset=reset_peak_rss(), **_engine_info(engine, backend))
+    tl = None
+    if spec.get("timeline"):
+        from ..telemetry.timeline import enable
+
+        tl = enable(engine, steps=spec["timeline"], run_dir=os.path.dirname(os.path.abspath(out.path)))
     prof = None
     steps = int(spec["steps"])
     for i in range(steps):
@@ -234,6 +241,9 @@ def run(spec: dict, out: ResultFile) -> None:
                             "proc_write_bytes": after["proc_write_bytes"] - before["proc_write_bytes"],
                             "cache_written_bytes": (after["bytes_written"].get("cache", 0)
                                                     - before["bytes_written"].get("cache", 0))}
+    if tl is not None:  # after the flush: a last recorded step's write-back is in its tail
+        tl.close()
+        out.data["timeline"] = tl.written
     out.update(ok=True, phase="done", peak_rss_steps_bytes=peak_rss_bytes(),
                peak_rss_process_bytes=process_peak_rss_bytes(), wait_calls=clock.calls)
 

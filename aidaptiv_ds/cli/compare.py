@@ -4,7 +4,8 @@ The same Llama, seed, batches and number of steps run as separate processes thro
 native NVMe offload (its compiled aio op where it loads), DeepSpeed's CPU offload, and aidaptiv_ds
 with DRAM budget 0 and "auto"; the table shows median step time after warm-up, bytes written and
 read per parameter per step, I/O wait share, peak RSS and launch-to-first-step, each with its ratio
-to native. Examples::
+to native, and each backend's overlap efficiency (step / max(compute-only step, I/O time at the
+cache path's measured GB/s)). Examples::
 
     aidaptiv-ds compare --params 150M --dtype fp32,bf16 --seq 256 --steps 6 --repeats 2 \\
         --cache /tmp/aidaptiv_compare --json compare.json
@@ -141,6 +142,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     r.add_argument("--profile", action="store_true",
                    help="cProfile the measured steps of every run into <run dir>/profile.prof (inflates times)")
     r.add_argument("--keep-cache", action="store_true", help="keep each run's cache files")
+    r.add_argument("--io-bench-size", type=_size, default=1 << 30, metavar="SIZE",
+                   help="test file of the short bench-io of the cache path before and after the runs, whose GB/s "
+                        "give the overlap efficiency (default 1GiB; 0 skips it)")
+    r.add_argument("--timeline", default=None, metavar="N-M",
+                   help="record optimizer steps N..M of every run into <run dir>/timeline-rank0.json (draw one with "
+                        "aidaptiv-ds timeline <run dir>)")
     p.set_defaults(func=run)
 
 
@@ -159,6 +166,11 @@ def run(args) -> int:
         raise ValueError(f"--dtype {args.dtype!r}: use fp32, bf16 or fp32,bf16")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     shape = shape_from_args(args, "150M")
+    timeline = None
+    if args.timeline:
+        from ..telemetry.timeline import parse_steps
+
+        timeline = parse_steps(args.timeline, "--timeline")
     command = " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or sys.argv)
     out = []
     for dtype in dtypes:
@@ -167,8 +179,8 @@ def run(args) -> int:
                       build_aio=args.build_aio, extensions_dir=args.torch_extensions_dir,
                       libaio_root=args.libaio_root, mem_limit_bytes=args.mem_limit, timeout_s=args.timeout,
                       profile=args.profile, keep_cache=args.keep_cache, native_dedup=not args.native_no_dedup,
-                      same_allocator=not args.allocator_as_shipped,
-                      command=command,
+                      same_allocator=not args.allocator_as_shipped, io_bench_bytes=args.io_bench_size,
+                      timeline=timeline, command=command,
                       say=lambda m: print(m, file=sys.stderr, flush=True))
         out.append(res)
         if args.json:
