@@ -20,18 +20,25 @@ STORIES = os.path.join(SHARED, "data", "models", "stories260K", "hf")
 _CACHE: dict[tuple, dict] = {}
 
 
-def run(backend: str, args: list[str], workdir: str, env: dict | None = None, timeout: int = 600) -> dict:
-    """Train with ``backend`` and return the result dict (losses, params, masters, io, ...).
-
-    Raises:
-        AssertionError: with the child's output tail when it fails.
-    """
+def command(backend: str, args: list[str], workdir: str, env: dict | None = None) -> tuple[list[str], dict, str]:
+    """``(argv, environment, result path)`` of one training run of ``backend`` in ``workdir`` (created);
+    what :func:`run` starts, and what ``launch/gpu_check.py`` starts several of at once."""
     os.makedirs(workdir, exist_ok=True)
     out = os.path.join(workdir, f"{backend}.pt")
     e = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=REPO, AIDAPTIV_DS_NO_AUTOINSTALL="")
     e.update(env or {})
     cmd = [sys.executable, SCRIPT, "--backend", backend, "--cache", os.path.join(workdir, "cache"), "--out", out,
            *args]
+    return cmd, e, out
+
+
+def run(backend: str, args: list[str], workdir: str, env: dict | None = None, timeout: int = 600) -> dict:
+    """Train with ``backend`` and return the result dict (losses, params, masters, io, ...).
+
+    Raises:
+        AssertionError: with the child's output tail when it fails.
+    """
+    cmd, e, out = command(backend, args, workdir, env)
     p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{backend} run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return torch.load(out, weights_only=False)
@@ -45,15 +52,34 @@ def oracle(args: list[str], tmp_root: str) -> dict:
     return _CACHE[key]
 
 
+def differences(ref: dict, got: dict) -> list[str]:
+    """What differs between two results, bit for bit: losses, gathered parameters (every name of
+    either), fp32 master partitions; ``[]`` when identical. Each entry names the item and, for a
+    tensor, the largest absolute difference."""
+    out = []
+    if got["losses"] != ref["losses"]:
+        out.append(f"losses differ:\n oracle {ref['losses']}\n ours   {got['losses']}")
+    names = sorted(set(ref["params"]) | set(got["params"]))
+    for name in names:
+        a, b = ref["params"].get(name), got["params"].get(name)
+        if a is None or b is None:
+            out.append(f"parameter {name} missing in {'the oracle' if a is None else 'ours'}")
+        elif a.shape != b.shape:
+            out.append(f"parameter {name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        elif not torch.equal(a, b):
+            out.append(f"parameter {name} differs (max abs diff {(a - b).abs().max().item():.3e})")
+    if len(ref["masters"]) != len(got["masters"]):
+        out.append(f"{len(ref['masters'])} fp32 master partitions in the oracle, {len(got['masters'])} in ours")
+    for i, (a, b) in enumerate(zip(ref["masters"], got["masters"])):
+        if a.shape != b.shape or not torch.equal(a, b):
+            out.append(f"fp32 master partition of sub-group {i} differs")
+    return out
+
+
 def assert_identical(ref: dict, got: dict) -> None:
     """Losses, gathered parameters and fp32 master partitions equal bit for bit."""
-    assert got["losses"] == ref["losses"], f"losses differ:\n oracle {ref['losses']}\n ours   {got['losses']}"
-    for name, t in ref["params"].items():
-        assert torch.equal(t, got["params"][name]), f"parameter {name} differs (max abs diff " \
-            f"{(t - got['params'][name]).abs().max().item():.3e})"
-    assert len(ref["masters"]) == len(got["masters"])
-    for i, (a, b) in enumerate(zip(ref["masters"], got["masters"])):
-        assert torch.equal(a, b), f"fp32 master partition of sub-group {i} differs"
+    diff = differences(ref, got)
+    assert not diff, "\n".join(diff)
 
 
 def written_per_param_per_step(res: dict, skip: int = 1) -> float:

@@ -10,6 +10,11 @@ cache path), ``native`` (DeepSpeed's own NVMe swappers, with our pure-Python aio
 is compiled). The output file holds the per-step losses, the final fp32 parameters (gathered) and
 the per-step I/O counters.
 
+On a GPU (DeepSpeed's CUDA accelerator, chosen by DeepSpeed when CUDA is visible) the engine, the
+model and the batches are on ``cuda:<local rank>``; the result says where (``device``,
+``accelerator``). ``--deterministic --attn eager`` make a CUDA run repeat bit for bit, so two
+backends can be compared there as on CPU (``tests/gpu/test_cuda_oracle.py``, ``launch/gpu_check.sh``).
+
 Test-only options for the multi-rank tests (``tests/test_multirank.py``): ``--rank_out DIR`` makes
 every rank write ``DIR/rank<R>.pt`` (its own losses, fp32 master partitions, namespace, per-path
 cache bytes after the store closed); ``--shadow`` adds, per extent, the SHA-256 of every byte range
@@ -80,6 +85,13 @@ def parse():
     ap.add_argument("--faults_after", type=int, default=-1, help="before this step, arm the fault rules of --faults")
     ap.add_argument("--faults", default="", help="AIDAPTIV_FAULTS-style rules armed at --faults_after")
     ap.add_argument("--no_mkdir", action="store_true", help="do not create the cache paths (startup-error tests)")
+    # GPU runs (tests/gpu, launch/gpu_check.sh): the model, batches and engine live on DeepSpeed's accelerator
+    ap.add_argument("--attn", default="", help="HF attn_implementation of the Llama models (eager, sdpa; default: "
+                    "transformers' choice); eager attention has no nondeterministic CUDA kernels")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True, warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+                    "(CUDA: the same run gives the same bits; ops without a deterministic kernel are listed in the "
+                    "result's nondeterministic_ops)")
     return ap.parse_args()
 
 
@@ -140,9 +152,10 @@ class MLP(torch.nn.Module):
 
 def llama_config(a):
     from transformers import LlamaConfig
+    attn = {"attn_implementation": a.attn} if a.attn else {}
     return LlamaConfig(vocab_size=512, hidden_size=a.hidden, intermediate_size=a.hidden * 2 + 24,
                        num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=128, tie_word_embeddings=True, rms_norm_eps=1e-5)
+                       max_position_embeddings=128, tie_word_embeddings=True, rms_norm_eps=1e-5, **attn)
 
 
 def build(a, cfg):
@@ -158,10 +171,12 @@ def build(a, cfg):
         if a.zinit:
             keep = HfDeepSpeedConfig(cfg)  # noqa: F841 - from_pretrained loads into zero.Init partitions
         if a.model == "stories":
-            model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dt)
+            model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dt,
+                                                         **({"attn_implementation": a.attn} if a.attn else {}))
         else:
             from transformers import AutoConfig
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), torch_dtype=dt)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), torch_dtype=dt,
+                                                     **({"attn_implementation": a.attn} if a.attn else {}))
     elif a.model == "llama":
         model = LlamaForCausalLM(llama_config(a)).to(dt)  # HF init runs (not under zero.Init)
         if a.zinit:  # convert an initialised model through zero.Init(module=...)
@@ -313,8 +328,29 @@ def _hold(path: str, rank: int) -> None:
         time.sleep(0.05)
 
 
+def _deterministic() -> list[str]:
+    """Deterministic kernels from here on (before CUDA initialises); returns the list that collects the
+    names torch warns about (ops with no deterministic implementation)."""
+    import warnings
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS creates its handle
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    seen: list[str] = []
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        first = (str(message).splitlines() or [""])[0][:300]
+        if "deterministic" in first and first not in seen:
+            seen.append(first)
+        return show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    return seen
+
+
 def main():
     a = parse()
+    nondeterministic = _deterministic() if a.deterministic else []
     shadow = StoreShadow() if a.shadow and a.backend == "aidaptiv" else None
     cfg = ds_config(a)
     if a.backend == "native" or not cfg.get("aidaptiv", {}).get("enabled", True):
@@ -347,7 +383,7 @@ def main():
         before = counters.snapshot()
         step_losses = []
         for _ in range(a.ga):
-            x = batch(a, micro, rank, vocab)
+            x = batch(a, micro, rank, vocab).to(eng.device)  # the accelerator's device (cuda:N on GPUs)
             micro += 1
             out = eng(x, labels=x) if a.model in ("llama", "stories", "stories_config") else eng(x)
             loss = out.loss if hasattr(out, "loss") else out
@@ -367,16 +403,16 @@ def main():
     params = {}
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
-            params[name] = p.detach().float().clone()
+            params[name] = p.detach().float().cpu().clone()
     masters = []
     opt = eng.optimizer
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
         if opt._swappable_optimizer_subgroup(i):
             opt._optimizer_states_and_gradient_swap_in(i)
-            masters.append(fp32.detach().clone())
+            masters.append(fp32.detach().cpu().clone())
             opt._release_swap_buffers(i)
         else:
-            masters.append(fp32.detach().clone())
+            masters.append(fp32.detach().cpu().clone())
     nparams = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in eng.module.parameters())
     extra = {}
     if a.backend == "aidaptiv" and cfg["aidaptiv"].get("enabled", True):
@@ -415,6 +451,9 @@ def main():
                          "segment_bytes": dict(shadow.segment_bytes) if shadow is not None else None})
         torch.save(mine, os.path.join(a.rank_out, f"rank{rank}.pt"))
     if rank == 0:
+        from deepspeed.accelerator import get_accelerator
+        extra.update(device=str(eng.device), accelerator=get_accelerator().device_name(),
+                     nondeterministic_ops=nondeterministic)
         torch.save({"losses": losses, "norms": norms, "params": params, "masters": masters, "io": io, "nparams": nparams,
                     "world": eng.world_size, **extra}, a.out)
     print(json.dumps({"losses": losses}))
