@@ -52,6 +52,30 @@ def oracle(args: list[str], tmp_root: str) -> dict:
     return _CACHE[key]
 
 
+def cuda_oracle_args(dtype: str) -> list[str]:
+    """The training arguments of the GPU oracle (``tests/gpu/test_cuda_oracle.py``, ``launch/gpu_check.py``):
+    the small tied Llama, 6 optimizer steps of gradient accumulation 2, clipping at 1.0, sub-groups of
+    2e5 elements (several, so half a budget keeps some in DRAM), eager attention and deterministic
+    kernels (a CUDA run then repeats bit for bit)."""
+    return ["--model", "llama", "--dtype", dtype, "--steps", "6", "--ga", "2", "--clip", "1.0",
+            "--sub_group_size", "2e5", "--attn", "eager", "--deterministic"]
+
+
+def llama_shape(hidden: int = 256, layers: int = 2):
+    """The :class:`~aidaptiv_ds.bench.models.LlamaShape` of ``train_oracle.py --model llama`` (its
+    ``llama_config``: vocabulary 512, MLP 2 x hidden + 24, 4 heads, 2 key/value heads, tied)."""
+    from aidaptiv_ds.bench.models import LlamaShape
+
+    return LlamaShape(hidden, 2 * hidden + 24, layers, 4, 2, vocab=512, tie=True, max_positions=128)
+
+
+def half_state_budget(dtype: str, hidden: int = 256, layers: int = 2) -> int:
+    """Half the ZeRO-3 + Adam training state of that Llama in bytes (parameter + fp32 gradient, master
+    and two moments per parameter, :meth:`LlamaShape.state_bytes`): a DRAM budget that keeps part of
+    the state in DRAM and sends the rest through the cache path."""
+    return llama_shape(hidden, layers).state_bytes(dtype) // 2
+
+
 def differences(ref: dict, got: dict) -> list[str]:
     """What differs between two results, bit for bit: losses, gathered parameters (every name of
     either), fp32 master partitions; ``[]`` when identical. Each entry names the item and, for a
@@ -70,7 +94,7 @@ def differences(ref: dict, got: dict) -> list[str]:
             out.append(f"parameter {name} differs (max abs diff {(a - b).abs().max().item():.3e})")
     if len(ref["masters"]) != len(got["masters"]):
         out.append(f"{len(ref['masters'])} fp32 master partitions in the oracle, {len(got['masters'])} in ours")
-    for i, (a, b) in enumerate(zip(ref["masters"], got["masters"])):
+    for i, (a, b) in enumerate(zip(ref["masters"], got["masters"], strict=False)):  # lengths: above
         if a.shape != b.shape or not torch.equal(a, b):
             out.append(f"fp32 master partition of sub-group {i} differs")
     return out

@@ -130,6 +130,107 @@ def test_grads_budget_and_allocator_env():
     assert os.path.isdir(os.path.join(native["PYTHONPATH"].split(os.pathsep)[0], "aidaptiv_ds"))
 
 
+def test_gpu_backend_has_no_offload_and_no_drive():
+    from aidaptiv_ds.bench.backends import OPTIONAL_BACKENDS, uses_drive
+
+    cfg = ds_config("gpu", TrainSettings(), "/x", 1 << 20)
+    z = cfg["zero_optimization"]
+    assert "gpu" in OPTIONAL_BACKENDS and "gpu" not in BACKENDS
+    assert z["offload_param"]["device"] == z["offload_optimizer"]["device"] == "none"
+    assert "nvme_path" not in z["offload_param"] and "aio" not in cfg and "aidaptiv" not in cfg
+    assert [b for b in BACKENDS + OPTIONAL_BACKENDS if uses_drive(b)] == ["native", "aidaptiv0", "aidaptiv_auto",
+                                                                         "aidaptiv_grads"]
+    from aidaptiv_ds.bench.compare import disk_needed
+    assert disk_needed(SMALL, "bf16", ["gpu", "cpu"]) == 0 and disk_needed(SMALL, "bf16", ["gpu", "native"]) > 0
+
+
+def test_summary_tokens_gpu_memory_and_overlap():
+    runs = [_run("aidaptiv0", [9.0, 2.0, 2.0], write=16000, read=20000, wait=0.25),
+            _run("gpu", [9.0, 0.5, 0.5]), _run("cpu", [9.0, 1.0, 1.0])]
+    for i, st in enumerate(runs[0]["steps"]):
+        st.update(gpu_peak_allocated_bytes=(i + 1) << 30, gpu_peak_reserved_bytes=(i + 2) << 30,
+                  gpu_used_bytes=(i + 3) << 30, pinned_host_bytes=None)
+    rates = {"source": "given", "read_gbps": 20000 / 1e9, "write_gbps": 1.0, "status": "given (--drive-gbps)"}
+    figs = summarize(runs, ["aidaptiv0", "gpu", "cpu"], warmup=1, io_rates=rates, tokens_per_step=4096)
+    a, g = figs["aidaptiv0"], figs["gpu"]
+    assert a["tokens_per_s"] == 2048 and g["tokens_per_s"] == 8192
+    assert a["gpu_peak_allocated_bytes"] == 3 << 30 and a["gpu_used_bytes"] == 5 << 30  # largest measured step
+    assert "pinned_host_bytes" not in a and "gpu_peak_allocated_bytes" not in g
+    # per step: 20000 B read at 20000 B/s = 1 s (+ 16 us of writes) of I/O, 1 s of compute (cpu): 2 s / 1 s
+    assert a["io_bound_s"] == pytest.approx(1.000016) and a["overlap_efficiency"] == pytest.approx(2.0, abs=1e-4)
+    assert g["overlap_efficiency"] is None and g["compute_bound_s"] is None  # no offload: no bound from CPU offload
+    from aidaptiv_ds.bench.summary import format_table
+    res = {"config": {"model": "m", "dtype": "bf16", "seq": 4096, "micro_batch": 1, "steps": 3, "warmup": 1,
+                      "repeats": 1, "sub_group_size": 1, "backends": ["aidaptiv0", "gpu", "cpu"]},
+           "aio": {"status": "x"}, "io_bench": rates, "summary": figs, "targets": []}
+    table = format_table(res)
+    assert "| aidaptiv_ds, DRAM budget 0 | 2048 | 3.00 / 4.00 | 5.00 | n/a |" in table
+    assert "| no offload (all on the accelerator) | 8192 | n/a / n/a | n/a | n/a |" in table
+    assert "the drive's rates as given (--drive-gbps), no bench-io" in table
+
+
+def test_compare_stops_at_its_deadline_and_reports_every_run(tmp_path, monkeypatch):
+    """No process: the runner is replaced; a run is started only with time left, its timeout is cut to
+    the deadline, and the progress callback sees every finished run."""
+    import time
+
+    from aidaptiv_ds.bench import compare as cmp
+
+    monkeypatch.setattr(cmp, "machine_info", lambda _p: {})
+    monkeypatch.setattr(cmp, "code_version", lambda: {})
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(time, "time", lambda: clock["now"])
+    started = []
+
+    def fake_run_worker(spec, run_dir, env, *, timeout_s, **kw):
+        started.append((spec["backend"], timeout_s))
+        clock["now"] += 50  # each run takes 50 s
+        return _run(spec["backend"], [1.0, 1.0, 1.0])
+
+    monkeypatch.setattr(cmp, "run_worker", fake_run_worker)
+    benches = []
+
+    def fake_rates(work_dir, size, say=None):
+        benches.append(clock["now"])
+        return {"read_gbps": 2.0, "write_gbps": 1.0, "size_bytes": size, "status": "measured"}
+
+    monkeypatch.setattr(cmp, "cache_path_rates", fake_rates)
+    seen = []
+    res = cmp.compare(SMALL, TrainSettings(seq=32), backends=["gpu", "cpu", "aidaptiv0"], steps=3, warmup=1,
+                      repeats=1, work_dir=str(tmp_path), aio="python", timeout_s=300, deadline=1000.0 + 80,
+                      progress=lambda r: seen.append(([x["backend"] for x in r["runs"]], r["io_bench"]["read_gbps"])))
+    assert started == [("gpu", 80.0), ("cpu", 30.0)]  # 30 s left >= MIN_RUN_S; then 0 s left: not started
+    assert seen == [(["gpu"], 2.0), (["gpu", "cpu"], 2.0)]  # partial results carry the bench before the runs
+    assert benches == [1000.0]  # the deadline had passed: no bench-io after the runs
+    assert res["io_bench"]["after"] is None and "bench-io before the runs only" in res["table"]
+    last = res["runs"][-1]
+    assert last["backend"] == "aidaptiv0" and not last["ok"] and last["skipped"].startswith("time budget")
+    assert not res["summary"]["aidaptiv0"]["ok"] and res["summary"]["cpu"]["ok"]
+    assert "| aidaptiv_ds, DRAM budget 0 | failed: skipped: time budget" in res["table"]
+
+
+def test_given_drive_rates_replace_the_bench_io(tmp_path, monkeypatch):
+    """``drive_gbps`` (``--drive-gbps``) is an override: no bench-io runs, its rates give the overlap."""
+    from aidaptiv_ds.bench import compare as cmp
+
+    monkeypatch.setattr(cmp, "machine_info", lambda _p: {})
+    monkeypatch.setattr(cmp, "code_version", lambda: {})
+    monkeypatch.setattr(cmp, "cache_path_rates", lambda *a, **k: pytest.fail("bench-io ran despite --drive-gbps"))
+    monkeypatch.setattr(cmp, "run_worker", lambda spec, *a, **k: (
+        _run("cpu", [1.0, 2.0, 2.0], n=10 ** 6) if spec["backend"] == "cpu"
+        else _run(spec["backend"], [1.0, 3.0, 3.0], read=5 * 10 ** 8, n=10 ** 6)))
+    res = cmp.compare(SMALL, TrainSettings(seq=32), backends=["cpu", "aidaptiv0"], steps=3, warmup=1, repeats=1,
+                      work_dir=str(tmp_path), aio="python", drive_gbps=(0.25, 1.0))
+    assert res["io_bench"] == {"source": "given", "read_gbps": 0.25, "write_gbps": 1.0,
+                               "status": "given (--drive-gbps)"}
+    assert res["config"]["drive_gbps"] == [0.25, 1.0]
+    a = res["summary"]["aidaptiv0"]
+    assert a["io_bound_s"] == pytest.approx(2.0) and a["overlap_efficiency"] == pytest.approx(1.5)  # 3 s / max(2, 2)
+    with pytest.raises(ValueError, match="--drive-gbps"):
+        cmp.compare(SMALL, TrainSettings(seq=32), backends=["cpu"], steps=3, warmup=1, work_dir=str(tmp_path),
+                    aio="python", drive_gbps=(0.0, 1.0))
+
+
 def test_shapes():
     from transformers import LlamaForCausalLM
 
@@ -175,7 +276,7 @@ def test_watchdog_stops_a_run_over_the_memory_limit(tmp_path):
 @pytest.mark.subprocess
 def test_compare_end_to_end_tiny(tmp_path):
     s = TrainSettings(seq=32, sub_group_size=1_000_000)
-    res = compare(SMALL, s, backends=["native", "cpu", "aidaptiv0"], steps=3, warmup=1, repeats=1,
+    res = compare(SMALL, s, backends=["native", "cpu", "aidaptiv0", "gpu"], steps=3, warmup=1, repeats=1,
                   work_dir=str(tmp_path), aio="python", timeout_s=300, io_bench_bytes=32 << 20, timeline=(2, 3))
     figs = res["summary"]
     assert all(f["ok"] for f in figs.values()), {b: f.get("errors") for b, f in figs.items()}
@@ -188,6 +289,9 @@ def test_compare_end_to_end_tiny(tmp_path):
         2 * a0["n_params"]) > 4
     assert figs["native"]["written_per_param"] > 1  # the 2 MiB embeddings go through DeepSpeed's swapper
     assert figs["cpu"]["written_per_param"] < 0.5
+    assert figs["gpu"]["losses"][0] == figs["cpu"]["losses"][0]  # no offload: same model, same first batch
+    assert figs["gpu"]["written_per_param"] < 0.5 and figs["gpu"]["tokens_per_s"] > 0
+    assert all(r["device"] == "cpu" for r in res["runs"])  # the batches went to the engine's device
     assert figs["aidaptiv0"]["ratios"]["step_s"] > 0 and figs["native"]["ratios"]["step_s"] == 1.0
     assert figs["cpu"]["peak_rss_bytes"] > 0 and figs["aidaptiv0"]["first_step_s"] > figs["aidaptiv0"]["setup_s"]
     assert "| aidaptiv_ds, DRAM budget 0 |" in res["table"] and "pure-Python" in res["table"]
@@ -196,6 +300,7 @@ def test_compare_end_to_end_tiny(tmp_path):
     assert io["before"]["read_gbps"] > 0 and io["after"]["write_gbps"] > 0
     assert figs["cpu"]["overlap_efficiency"] == pytest.approx(1.0, abs=0.05)  # its own compute, (almost) no I/O
     assert figs["aidaptiv0"]["io_bound_s"] > 0 and figs["aidaptiv0"]["overlap_efficiency"] > 0
+    assert figs["gpu"]["overlap_efficiency"] is None  # no offload: CPU offload's step bounds nothing
     assert "overlap eff." in res["table"] and "Overlap efficiency = step / max(" in res["table"]
     _check_tiny_timelines(res)
     json.dumps(res)

@@ -10,7 +10,10 @@ Backends:
 * ``aidaptiv_auto``: the same with ``dram_budget: "auto"``;
 * ``aidaptiv_grads`` (optional, not in the default set): a budget of the fp32 gradients plus 5%, so
   the residency plan keeps exactly the gradients in DRAM (the "<= 14 bytes written per parameter
-  once the gradients fit" case).
+  once the gradients fit" case);
+* ``gpu`` (optional): ZeRO-3 without any offload: parameters, gradients and optimizer state on the
+  accelerator (DeepSpeed's ``offload_*.device: none``). On a GPU it is the ceiling the offloads are
+  measured against (no host memory or drive in the step); on CPU ranks it trains in host memory.
 
 Shared by all: stage 3, AdamW with ``torch_adam`` (no ``cpu_adam`` compile), the same
 ``sub_group_size``, persistence threshold, gradient clipping, micro batch and dtype.
@@ -21,16 +24,22 @@ import copy
 import dataclasses
 
 BACKENDS = ("native", "cpu", "aidaptiv0", "aidaptiv_auto")
-OPTIONAL_BACKENDS = ("aidaptiv_grads",)
+OPTIONAL_BACKENDS = ("aidaptiv_grads", "gpu")
 LABELS = {
     "native": "DeepSpeed native NVMe",
     "cpu": "DeepSpeed CPU offload",
     "aidaptiv0": "aidaptiv_ds, DRAM budget 0",
     "aidaptiv_auto": "aidaptiv_ds, DRAM budget auto",
     "aidaptiv_grads": "aidaptiv_ds, DRAM budget = gradients",
+    "gpu": "no offload (all on the accelerator)",
 }
 #: The backend every ratio is taken against.
 REFERENCE = "native"
+
+
+def uses_drive(backend: str) -> bool:
+    """True for the backends that keep training state on the cache path (``nvme_path``)."""
+    return backend == "native" or backend.startswith("aidaptiv")
 
 
 @dataclasses.dataclass
@@ -104,7 +113,7 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
     if backend not in BACKENDS + OPTIONAL_BACKENDS:
         raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS + OPTIONAL_BACKENDS)}")
     s = settings
-    dev = "cpu" if backend == "cpu" else "nvme"
+    dev = {"cpu": "cpu", "gpu": "none"}.get(backend, "nvme")
     zero: dict = {
         "stage": 3,
         "sub_group_size": int(s.sub_group_size),

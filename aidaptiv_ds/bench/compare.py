@@ -9,12 +9,16 @@ build; when it cannot be loaded, native runs on aidaptiv_ds's pure-Python handle
 
 Before the first run and after the last, a short ``bench-io`` of the work directory (the cache
 path's filesystem: :func:`.bench_io.bench_io` at 8 MiB requests) measures the engine's read and write
-GB/s; their means are the rates of each backend's ``overlap_efficiency`` (:mod:`.summary`). With
-``timeline``, every run records those steps into ``<run dir>/timeline-rank0.json``
+GB/s; their means are the rates of each backend's ``overlap_efficiency`` (:mod:`.summary`), unless
+the caller gives the drive's rates (``drive_gbps``), which replace the bench. With ``timeline``,
+every run records those steps into ``<run dir>/timeline-rank0.json``
 (:mod:`aidaptiv_ds.telemetry.timeline`; draw one with ``aidaptiv-ds timeline <run dir>``).
 
 The result (also written as JSON) holds the configuration, the machine, the aio status, the
-bench-io rates, every run (per-step figures) and the per-backend summary with ratios to native.
+bench-io rates, every run (per-step figures) and the per-backend summary with ratios to native
+(:mod:`.summary`). A ``progress`` callback gets the same dict after every run (a comparison stopped
+half-way keeps what it measured), and a ``deadline`` bounds the whole comparison: the run in
+progress is stopped then and the runs not started are recorded as skipped.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import time
 from ..telemetry.sysinfo import host_memory
 from ..units import GiB
 from .aio import aio_env, preflight
-from .backends import BACKENDS, OPTIONAL_BACKENDS, REFERENCE, TrainSettings
+from .backends import BACKENDS, OPTIONAL_BACKENDS, REFERENCE, TrainSettings, uses_drive
 from .models import LlamaShape, describe
 from .runner import run_worker, worker_env
 from .summary import check_targets, format_table, summarize
@@ -88,8 +92,17 @@ def run_order(backends: list[str], repeats: int) -> list[str]:
 
 
 def disk_needed(shape: LlamaShape, dtype: str, backends: list[str]) -> int:
-    """Bytes one run may keep on the cache path: the training state plus 10% (0 for CPU offload only)."""
-    return int(shape.state_bytes(dtype) * 1.1) if any(b != "cpu" for b in backends) else 0
+    """Bytes one run may keep on the cache path: the training state plus 10% (0 when no backend uses a drive)."""
+    return int(shape.state_bytes(dtype) * 1.1) if any(uses_drive(b) for b in backends) else 0
+
+
+#: A run is not started with less time than this before the deadline (seconds).
+MIN_RUN_S = 20.0
+
+
+def skipped_run(backend: str, why: str) -> dict:
+    """The record of a run that was not started (``ok`` False, ``skipped`` the reason)."""
+    return {"backend": backend, "ok": False, "skipped": why, "error": f"skipped: {why}", "steps": []}
 
 
 IO_BENCH_BLOCK = 8 << 20
@@ -124,13 +137,34 @@ def _mean(*xs):
     return sum(vals) / len(vals) if vals else None
 
 
+def io_rates(before: dict | None, after: dict | None, size: int,
+             drive_gbps: tuple[float, float] | None) -> dict | None:
+    """The cache path's read and write GB/s that every backend's overlap efficiency uses (``io_bench``
+    of the result): ``drive_gbps`` (``(read, write)`` given by the caller, ``source`` "given") when
+    set, else the means of the bench-io ``before`` and ``after`` the runs (:func:`cache_path_rates`;
+    ``after`` None while the runs are going, or when the deadline left no time for it; ``source``
+    "bench-io"); None when neither (``--io-bench-size 0``).
+    """
+    if drive_gbps:
+        return {"source": "given", "read_gbps": float(drive_gbps[0]), "write_gbps": float(drive_gbps[1]),
+                "status": "given (--drive-gbps)"}
+    if before is None:
+        return None
+    rounds = [before] if after is None else [before, after]
+    status = next((r["status"] for r in rounds if r["status"] != "measured"), "measured")
+    return {"source": "bench-io", "before": before, "after": after, "block_bytes": IO_BENCH_BLOCK, "size_bytes": size,
+            "read_gbps": _mean(*(r["read_gbps"] for r in rounds)),
+            "write_gbps": _mean(*(r["write_gbps"] for r in rounds)), "status": status}
+
+
 def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] | None = None, steps: int = 6,
             warmup: int = 2, repeats: int = 2, work_dir: str = "/tmp/aidaptiv_compare", seed: int = 0,
             aio: str = "compiled", build_aio: bool = False, extensions_dir: str | None = None,
             libaio_root: str | None = None, mem_limit_bytes: int | None = None, timeout_s: float = 3600,
             profile: bool = False, keep_cache: bool = False, native_dedup: bool = True, same_allocator: bool = True,
             io_bench_bytes: int = 1 << 30, timeline: tuple[int, int] | None = None, command: str = "",
-            say=None) -> dict:
+            say=None, deadline: float | None = None, progress=None,
+            drive_gbps: tuple[float, float] | None = None) -> dict:
     """Run the comparison; return the result dict (see the module docstring).
 
     Args:
@@ -151,9 +185,17 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
         same_allocator: give the DeepSpeed backends the glibc allocator settings aidaptiv_ds's runtime
             applies to its own process (:func:`.runner.allocator_env`); False runs each as shipped.
         io_bench_bytes: test file of the bench-io before and after the runs (:func:`cache_path_rates`);
-            0 skips it (no overlap efficiency then).
+            0 skips it (no overlap efficiency then, unless ``drive_gbps`` is given).
         timeline: ``(first, last)`` optimizer steps each run records into its run directory.
         command: the command line, recorded in the result.
+        deadline: ``time.time()`` by which the comparison ends: each run's timeout is cut to it, and a
+            run with less than :data:`MIN_RUN_S` left is not started (recorded by :func:`skipped_run`).
+        progress: ``fn(result)`` called after every run with the result so far (same keys as the
+            return value; the summary covers the runs done).
+        drive_gbps: ``(read, write)`` GB/s (1e9 bytes/s) of the cache path's drive measured elsewhere
+            (e.g. ``aidaptiv-ds bench-io`` on the same path): an override of the bench-io, which is then
+            not run; these rates give each backend's ``overlap_efficiency``
+            (:func:`.summary.overlap_efficiency`, :func:`io_rates`).
 
     Raises:
         ValueError: bad arguments, or the cache path lacks the space for one run's training state.
@@ -170,6 +212,9 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
         raise ValueError("--repeats must be >= 1")
     if timeline is not None and not (1 <= timeline[0] <= timeline[1] <= steps):
         raise ValueError(f"--timeline {timeline[0]}-{timeline[1]}: the steps must lie within 1..--steps ({steps})")
+    if drive_gbps is not None and not (len(drive_gbps) == 2 and all(v > 0 for v in drive_gbps)):
+        raise ValueError(f"--drive-gbps {drive_gbps}: give READ,WRITE, both > 0 GB/s (or leave it out to bench-io "
+                         f"the cache path)")
     if settings.seq > shape.max_positions:
         shape = dataclasses.replace(shape, max_positions=settings.seq)
     os.makedirs(work_dir, exist_ok=True)
@@ -190,41 +235,56 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
             "aio": pre["aio"], "profile_after": warmup, "native_dedup": native_dedup}
     if timeline is not None:
         base["timeline"] = [int(timeline[0]), int(timeline[1])]
-    io_before = cache_path_rates(work_dir, io_bench_bytes, say=say) if io_bench_bytes else None
-    runs = []
+    io_before = None
+    if drive_gbps:
+        say(f"drive rates given: read {drive_gbps[0]:.2f} GB/s, write {drive_gbps[1]:.2f} GB/s (no bench-io)")
+    elif io_bench_bytes:
+        io_before = cache_path_rates(work_dir, io_bench_bytes, say=say)
+    io_bench = io_rates(io_before, None, io_bench_bytes, drive_gbps)
+    runs: list[dict] = []
     order = run_order(backends, repeats)
-    for k, b in enumerate(order):
-        run_dir = os.path.join(work_dir, f"{stamp}-{settings.dtype}", f"{k:02d}-{b}")
-        spec = dict(base, backend=b)
-        if profile:
-            spec["profile"] = os.path.join(run_dir, "profile.prof")
-        say(f"[{k + 1}/{len(order)}] {b} ({settings.dtype}, {describe(shape)})")
-        res = run_worker(spec, run_dir, worker_env(b, env, same_allocator), timeout_s=timeout_s,
-                         mem_limit_bytes=mem_limit_bytes, keep_cache=keep_cache, say=say)
-        res["order"] = k
-        runs.append(res)
-    io_bench = None
-    if io_before is not None:
-        io_after = cache_path_rates(work_dir, io_bench_bytes, say=say)
-        io_bench = {"before": io_before, "after": io_after, "block_bytes": IO_BENCH_BLOCK, "size_bytes": io_bench_bytes,
-                    "read_gbps": _mean(io_before["read_gbps"], io_after["read_gbps"]),
-                    "write_gbps": _mean(io_before["write_gbps"], io_after["write_gbps"]),
-                    "status": io_after["status"] if io_before["status"] == "measured" else io_before["status"]}
-    figs = summarize(runs, backends, warmup, io_rates=io_bench)
-    result = {
+    head = {
         "config": {"model": describe(shape), "shape": shape.as_dict(), **settings.as_dict(), "steps": steps,
                    "warmup": warmup, "repeats": repeats, "seed": seed, "backends": backends, "order": order,
                    "reference": REFERENCE, "profiled": profile, "native_dedup": native_dedup,
                    "same_allocator": same_allocator, "timeline": timeline,
+                   "drive_gbps": list(drive_gbps) if drive_gbps else None, "deadline": deadline,
                    "work_dir": work_dir},
         "command": command,
         "machine": machine_info(work_dir),
         "code": code_version(),
         "aio": pre,
-        "io_bench": io_bench,
-        "summary": figs,
-        "targets": check_targets(figs, settings.dtype),
-        "runs": runs,
     }
-    result["table"] = format_table(result)
-    return result
+
+    def result_so_far() -> dict:
+        figs = summarize(runs, backends, warmup, io_rates=io_bench,
+                         tokens_per_step=settings.micro_batch * settings.seq)
+        res = dict(head, io_bench=io_bench, summary=figs, targets=check_targets(figs, settings.dtype), runs=runs)
+        res["table"] = format_table(res)
+        return res
+
+    for k, b in enumerate(order):
+        left = None if deadline is None else deadline - time.time()
+        if left is not None and left < MIN_RUN_S:
+            say(f"[{k + 1}/{len(order)}] {b}: skipped, {max(left, 0):.0f} s left before the deadline")
+            runs.append(dict(skipped_run(b, f"time budget: {max(left, 0):.0f} s left before the deadline"), order=k))
+            continue
+        run_dir = os.path.join(work_dir, f"{stamp}-{settings.dtype}", f"{k:02d}-{b}")
+        spec = dict(base, backend=b)
+        if profile:
+            spec["profile"] = os.path.join(run_dir, "profile.prof")
+        say(f"[{k + 1}/{len(order)}] {b} ({settings.dtype}, {describe(shape)})")
+        res = run_worker(spec, run_dir, worker_env(b, env, same_allocator),
+                         timeout_s=timeout_s if left is None else min(timeout_s, left),
+                         mem_limit_bytes=mem_limit_bytes, keep_cache=keep_cache, say=say)
+        res["order"] = k
+        runs.append(res)
+        if progress is not None:
+            progress(result_so_far())  # the overlap efficiency so far from the bench-io before the runs
+    if io_before is not None:
+        left = None if deadline is None else deadline - time.time()
+        if left is None or left > 0:
+            io_bench = io_rates(io_before, cache_path_rates(work_dir, io_bench_bytes, say=say), io_bench_bytes, None)
+        else:
+            say("bench-io after the runs skipped: the deadline has passed (the rates are the bench before them)")
+    return result_so_far()

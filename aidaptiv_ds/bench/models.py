@@ -72,6 +72,7 @@ PRESETS: dict[str, LlamaShape] = {
     "20M": LlamaShape(256, 688, 4, 4, 4),                                   # 19.5M
     "40M": LlamaShape(384, 1024, 8, 6, 6),                                  # 38.7M
     "150M": LlamaShape(768, 2560, 12, 12, 12),                              # 148.3M
+    "1.1B": LlamaShape(2048, 5632, 22, 32, 4),                              # 1.10B, TinyLlama-1.1B's shape (GQA)
     "2.7B": LlamaShape(2560, 6912, 32, 20, 20, max_positions=4096),         # 2.70B
 }
 

@@ -14,7 +14,9 @@ spends blocked on an I/O completion.
 
 Memory: ``VmHWM`` (peak resident set) can be reset through ``/proc/self/clear_refs`` (Linux >= 4.0),
 so the worker reports the peak of the training steps apart from the peak of model construction;
-``ru_maxrss`` is the peak of the whole process. All sizes in bytes, times in seconds.
+``ru_maxrss`` is the peak of the whole process. On a CUDA device, :func:`gpu_memory` adds torch's
+peak allocated/reserved device memory, the device's used memory from NVML and the pinned host
+memory torch's host allocator holds. All sizes in bytes, times in seconds.
 """
 from __future__ import annotations
 
@@ -95,3 +97,44 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+# ---------------------------------------------------------------------------- accelerator memory
+def reset_gpu_peaks(device) -> None:
+    """Restart torch's peak counters of ``device`` (a CUDA ``torch.device``; nothing for another kind)."""
+    import torch
+
+    if getattr(device, "type", None) == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def gpu_memory(device) -> dict:
+    """Memory of a CUDA ``device`` for one step record (``{}`` for another kind of device), bytes:
+
+    * ``gpu_peak_allocated_bytes`` / ``gpu_peak_reserved_bytes``: torch's caching allocator, peak since
+      :func:`reset_gpu_peaks` (tensors / what the allocator took from the driver);
+    * ``gpu_used_bytes``: the whole device as NVML reports it now (every process, the CUDA context
+      included), None when NVML is not available;
+    * ``pinned_host_bytes``: page-locked host memory held by torch's pinned (host) allocator, in use
+      or cached for reuse (``torch.cuda.host_memory_stats()["allocated_bytes.current"]``; None where
+      this torch has no such counter). The pinned allocator rounds each block up to a power of two and
+      keeps freed blocks, so this can exceed the bytes the buffers asked for.
+    """
+    import torch
+
+    if getattr(device, "type", None) != "cuda":
+        return {}
+    from ..telemetry.nvml import vram_used_bytes
+
+    used = vram_used_bytes()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pinned = None
+    try:
+        stats = torch.cuda.host_memory_stats()
+        pinned = stats.get("allocated_bytes.current", stats.get("reserved_bytes.current"))
+    except (AttributeError, RuntimeError):
+        pass
+    return {"gpu_peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "gpu_peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "gpu_used_bytes": used[index] if used and index < len(used) else None,
+            "pinned_host_bytes": None if pinned is None else int(pinned)}

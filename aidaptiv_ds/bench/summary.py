@@ -15,13 +15,19 @@ first ``warmup`` of each run (the *measured* steps):
   the start of step 1;
 * ``loss_max_abs_diff``: largest difference of any step's loss from DeepSpeed's CPU offload with the
   same seed and batches (0.0 = identical), when ``cpu`` ran;
-* ``overlap_efficiency`` (issue 15): ``step_s / max(compute_bound_s, io_bound_s)``, where
-  ``compute_bound_s`` is the ``cpu`` backend's ``step_s`` in the same run (DeepSpeed's CPU offload of
-  the same model: the step with no I/O) and ``io_bound_s`` = bytes read per step / read GB/s + bytes
-  written per step / write GB/s, the bytes from ``/proc/self/io`` (as ``read_per_param`` /
-  ``written_per_param``) and the GB/s from the short ``bench-io`` of the cache path in the same run
-  (``io_rates``); 1.0 means the step costs max(compute, I/O), 2.0 the sum of two equal halves. None
-  when ``cpu`` did not run or no rates were measured.
+* ``tokens_per_s``: tokens of one step (micro-batch x sequence) / ``step_s``, when the caller gives
+  the tokens per step;
+* on a GPU (:func:`aidaptiv_ds.bench.probes.gpu_memory`): ``gpu_peak_allocated_bytes`` /
+  ``gpu_peak_reserved_bytes`` (torch's peaks over the run's steps), ``gpu_used_bytes`` (largest NVML
+  reading after a step), ``pinned_host_bytes`` (largest pinned host memory torch's allocator held);
+* ``overlap_efficiency`` (issue 15, :func:`overlap_efficiency`): ``step_s / max(compute_bound_s,
+  io_bound_s)``, where ``compute_bound_s`` is the ``cpu`` backend's ``step_s`` in the same run
+  (DeepSpeed's CPU offload of the same model: the step with no I/O) and ``io_bound_s`` = bytes read
+  per step / read GB/s + bytes written per step / write GB/s, the bytes from ``/proc/self/io`` (as
+  ``read_per_param`` / ``written_per_param``) and the GB/s from the short ``bench-io`` of the cache
+  path in the same run, or the drive's rates the caller gave instead (``io_rates``); 1.0 means the
+  step costs max(compute, I/O), 2.0 the sum of two equal halves. None when ``cpu`` did not run, no
+  rates are known, or for ``gpu`` (no offload: its step is not bounded by CPU offload's compute).
 
 Ratios are ``figure(backend) / figure(native)`` for step time, bytes, RSS, I/O wait share and
 launch-to-first-step.
@@ -40,7 +46,10 @@ def _measured(run: dict, warmup: int) -> list[dict]:
     return [s for s in run.get("steps", []) if s["step"] > warmup]
 
 
-def backend_figures(runs: list[dict], warmup: int) -> dict:
+GPU_KEYS = ("gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "gpu_used_bytes", "pinned_host_bytes")
+
+
+def backend_figures(runs: list[dict], warmup: int, tokens_per_step: int | None = None) -> dict:
     """Figures of one backend from its runs (see module docstring); ``ok`` False when none succeeded."""
     good = [r for r in runs if r.get("ok") and _measured(r, warmup)]
     out: dict = {"runs": len(runs), "ok_runs": len(good), "ok": bool(good),
@@ -69,6 +78,11 @@ def backend_figures(runs: list[dict], warmup: int) -> dict:
         setup_s=statistics.median(r["setup_s"] for r in good),
         losses=[s["loss"] for s in good[0]["steps"]],
     )
+    out["tokens_per_s"] = tokens_per_step / out["step_s"] if tokens_per_step and out["step_s"] > 0 else None
+    for key in GPU_KEYS:
+        values = [s[key] for s in steps if s.get(key) is not None]
+        if values:
+            out[key] = max(values)
     aio = [r["aio"] for r in good if r.get("aio")]
     if aio:
         out["aio"] = aio[0]
@@ -104,11 +118,13 @@ def overlap_efficiency(f: dict, compute_bound_s: float | None, io_rates: dict | 
             "overlap_efficiency": f["step_s"] / bound if bound else None}
 
 
-def summarize(runs: list[dict], backends: list[str], warmup: int, io_rates: dict | None = None) -> dict:
-    """``{backend: figures}`` with ``ratios`` to :data:`REFERENCE`, ``loss_max_abs_diff`` to ``cpu`` and
-    ``overlap_efficiency`` (from ``io_rates``, ``{"read_gbps", "write_gbps"}`` of the cache path)."""
+def summarize(runs: list[dict], backends: list[str], warmup: int, io_rates: dict | None = None,
+              tokens_per_step: int | None = None) -> dict:
+    """``{backend: figures}`` with ``ratios`` to :data:`REFERENCE`, ``loss_max_abs_diff`` to ``cpu``,
+    ``overlap_efficiency`` (from ``io_rates``, ``{"read_gbps", "write_gbps"}`` of the cache path: the
+    bench-io's or the given drive's) and, with ``tokens_per_step``, ``tokens_per_s``."""
     by = {b: [r for r in runs if r.get("backend") == b] for b in backends}
-    figs = {b: backend_figures(by[b], warmup) for b in backends}
+    figs = {b: backend_figures(by[b], warmup, tokens_per_step) for b in backends}
     ref = figs.get(REFERENCE)
     cpu = figs.get("cpu")
     cpu_ok = cpu is not None and cpu["ok"]
@@ -119,7 +135,9 @@ def summarize(runs: list[dict], backends: list[str], warmup: int, io_rates: dict
             f["ratios"] = {k: (f[k] / ref[k] if ref[k] else None) for k in RATIO_KEYS}
         if cpu_ok:
             f["loss_max_abs_diff"] = _loss_diff(by[b], cpu["losses"])
-        f.update(overlap_efficiency(f, cpu["step_s"] if cpu_ok else None, io_rates))
+        # [Note: no offload, no bound] the gpu backend moves nothing through the host or the drive: CPU
+        # offload's step is no lower bound of its step, so its overlap efficiency would say nothing.
+        f.update(overlap_efficiency(f, cpu["step_s"] if cpu_ok and b != "gpu" else None, io_rates))
     return figs
 
 
@@ -177,6 +195,13 @@ def _io_line(result: dict) -> str:
     io = result["io_bench"]
     if io.get("read_gbps") is None:
         return f"Overlap efficiency: n/a (bench-io of the cache path: {io.get('status', 'not run')})."
+    if io.get("source") == "given":
+        return (f"Overlap efficiency = step / max(CPU offload's step, bytes read / {io['read_gbps']:.2f} GB/s + bytes "
+                f"written / {io['write_gbps']:.2f} GB/s): the drive's rates as given (--drive-gbps), no bench-io.")
+    if io.get("after") is None:
+        return (f"Overlap efficiency = step / max(CPU offload's step, bytes read / {io['read_gbps']:.2f} GB/s + bytes "
+                f"written / {io['write_gbps']:.2f} GB/s): the engine's rates at {io['block_bytes'] >> 20} MiB on the "
+                f"cache path, bench-io before the runs only.")
     return (f"Overlap efficiency = step / max(CPU offload's step, bytes read / {io['read_gbps']:.2f} GB/s + bytes "
             f"written / {io['write_gbps']:.2f} GB/s): the engine's rates at {io['block_bytes'] >> 20} MiB on the cache "
             f"path, bench-io before and after the runs (read {_f(io['before'].get('read_gbps'))} / "
@@ -219,9 +244,36 @@ def format_table(result: dict) -> str:
             f"{f['peak_rss_bytes'] / GiB:.2f} / "
             f"{f['peak_rss_process_bytes'] / GiB:.2f}{_r(f, 'peak_rss_bytes')} | {_f(f['first_step_s'], '{:.1f}')}"
             f"{_r(f, 'first_step_s')} | {loss} |")
+    lines += _throughput_table(result)
     if result.get("targets"):
         lines.append("")
         for t in result["targets"]:
             lines.append(f"- {t['target']}: {_f(t['value'], '{:.3f}')} (target <= {t['limit']}): "
                          f"{'met' if t['met'] else 'MISSED'}")
     return "\n".join(lines)
+
+
+def _gib(v) -> str:
+    return "n/a" if v is None else f"{v / GiB:.2f}"
+
+
+def _throughput_table(result: dict) -> list[str]:
+    """Tokens/s and (on a GPU) device and pinned memory per backend; empty when none of these was
+    measured (the overlap efficiency is a column of the main table)."""
+    figs = {b: f for b, f in result["summary"].items() if f.get("ok")}
+    gpu = any(f.get("gpu_peak_allocated_bytes") is not None for f in figs.values())
+    if not figs or not (gpu or any(f.get("tokens_per_s") for f in figs.values())):
+        return []
+    head = "| backend | tokens/s |"
+    rule = "|---|---|"
+    if gpu:
+        head += " GPU peak allocated / reserved GiB | GPU used (NVML) GiB | pinned host GiB |"
+        rule += "---|---|---|"
+    lines = ["", head, rule]
+    for b, f in figs.items():
+        row = f"| {LABELS.get(b, b)} | {_f(f.get('tokens_per_s'), '{:.0f}')} |"
+        if gpu:
+            row += (f" {_gib(f.get('gpu_peak_allocated_bytes'))} / {_gib(f.get('gpu_peak_reserved_bytes'))} | "
+                    f"{_gib(f.get('gpu_used_bytes'))} | {_gib(f.get('pinned_host_bytes'))} |")
+        lines.append(row)
+    return lines

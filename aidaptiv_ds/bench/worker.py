@@ -28,7 +28,12 @@ model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a gener
 ``peak_rss_bytes`` (peak so far)), ``peak_rss_steps_bytes`` (``VmHWM`` reset before step 1),
 ``peak_rss_process_bytes`` (``ru_maxrss``), ``aio`` (native), ``plan`` and ``budget_bytes``
 (aidaptiv_ds), ``tail`` (aidaptiv_ds: the write-back still in flight after the last step),
-``timeline`` (the timeline file, when one was asked for).
+``timeline`` (the timeline file, when one was asked for), ``device`` (the engine's, e.g. ``cuda:0``).
+
+On a GPU the batches go to the engine's device and each step's wall time ends with a device
+synchronize (the step is done on the GPU too, not only queued); each step record then also holds
+:func:`~aidaptiv_ds.bench.probes.gpu_memory` (peak allocated/reserved device memory of the step so
+far, NVML's used device memory, pinned host memory), with torch's peaks reset after setup.
 """
 from __future__ import annotations
 
@@ -194,14 +199,20 @@ def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wa
 
 def run(spec: dict, out: ResultFile) -> None:
     """Build, partition, train ``spec["steps"]`` steps and record everything into ``out``."""
+    import torch
+
+    from . import probes
     from .probes import WaitClock, peak_rss_bytes, process_peak_rss_bytes, reset_peak_rss, rss_bytes
 
     backend = spec["backend"]
     t_launch = float(spec["t_launch"])
     clock = WaitClock()
     engine, settings, shape = build_engine(spec, out, clock)
-    out.update(phase="step 1", setup_s=time.time() - t_launch, peak_rss_setup_bytes=peak_rss_bytes(),
-               peak_rss_reset=reset_peak_rss(), **_engine_info(engine, backend))
+    device = engine.device
+    cuda = device.type == "cuda"
+    probes.reset_gpu_peaks(device)
+    out.update(phase="step 1", device=str(device), setup_s=time.time() - t_launch,
+               peak_rss_setup_bytes=peak_rss_bytes(), peak_rss_reset=reset_peak_rss(), **_engine_info(engine, backend))
     tl = None
     if spec.get("timeline"):
         from ..telemetry.timeline import enable
@@ -214,16 +225,20 @@ def run(spec: dict, out: ResultFile) -> None:
             import cProfile
             prof = cProfile.Profile()
             prof.enable()
-        x = batch(int(spec["seed"]), i, settings.micro_batch, settings.seq, shape.vocab)
+        x = batch(int(spec["seed"]), i, settings.micro_batch, settings.seq, shape.vocab).to(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         before, w0 = _counters(), clock.seconds
         t0 = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
         loss_v = float(loss.detach().float())
+        if cuda:
+            torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
         rec = _step_record(i, wall, loss_v, before, _counters(), clock.seconds - w0)
-        rec.update(rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes())
+        rec.update(rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(), **probes.gpu_memory(device))
         out.data["steps"].append(rec)
         extra = {"first_step_s": time.time() - t_launch} if i == 0 else {}
         out.update(phase=f"step {i + 2}" if i + 1 < steps else "finish", peak_rss_steps_bytes=peak_rss_bytes(),

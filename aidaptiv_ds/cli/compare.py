@@ -19,6 +19,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 
 from ..units import parse_size
 
@@ -82,6 +83,9 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
                         "with them so the comparison is of storage paths, not allocators")
     g.add_argument("--aio-intra-op", type=int, default=1,
                    help="DeepSpeed native: aio.intra_op_parallelism (default 1, DeepSpeed's default)")
+    g.add_argument("--pin-memory", action="store_true",
+                   help="pin_memory in both offload sections (DeepSpeed's CPU offload and native NVMe buffers in "
+                        "page-locked memory; what GPU runs use; aidaptiv_ds pins its buffers whenever CUDA is visible)")
     a = p.add_argument_group("DeepSpeed's compiled aio op (native backend)")
     a.add_argument("--aio", choices=("compiled", "python"), default="compiled",
                    help="compiled: DeepSpeed's async_io op from the torch extensions cache (default); python: "
@@ -105,7 +109,19 @@ def settings_from_args(args, dtype: str):
                          sub_group_size=int(args.sub_group_size), persistence_threshold=int(args.persistence_threshold),
                          max_reuse_distance=int(args.max_reuse_distance),
                          native_pipeline=args.native_pipeline, param_buffer_count=args.param_buffer_count,
-                         aio_intra_op=args.aio_intra_op)
+                         aio_intra_op=args.aio_intra_op, pin_memory=bool(getattr(args, "pin_memory", False)))
+
+
+def _drive_gbps(text: str | None) -> tuple[float, float] | None:
+    if not text:
+        return None
+    try:
+        read, write = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--drive-gbps {text!r}: give READ,WRITE in GB/s, e.g. 3.1,2.4") from None
+    if read <= 0 or write <= 0:
+        raise ValueError(f"--drive-gbps {text!r}: both rates must be > 0")
+    return read, write
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -139,12 +155,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     r.add_argument("--mem-limit", type=_size, default=None,
                    help="kill a run whose RSS exceeds this (default 90%% of RAM)")
     r.add_argument("--timeout", type=float, default=3600, help="kill a run after this many seconds (default 3600)")
+    r.add_argument("--deadline-s", type=float, default=None, metavar="SECONDS",
+                   help="time budget of the whole command: the run in progress is stopped SECONDS after the start "
+                        "and later runs are recorded as skipped (the JSON keeps every run done)")
+    r.add_argument("--drive-gbps", default=None, metavar="READ,WRITE",
+                   help="read,write GB/s of the cache path's drive measured elsewhere (e.g. aidaptiv-ds bench-io on "
+                        "the same path): used for the overlap efficiency instead of the bench-io, which is then "
+                        "not run")
     r.add_argument("--profile", action="store_true",
                    help="cProfile the measured steps of every run into <run dir>/profile.prof (inflates times)")
     r.add_argument("--keep-cache", action="store_true", help="keep each run's cache files")
     r.add_argument("--io-bench-size", type=_size, default=1 << 30, metavar="SIZE",
                    help="test file of the short bench-io of the cache path before and after the runs, whose GB/s "
-                        "give the overlap efficiency (default 1GiB; 0 skips it)")
+                        "give the overlap efficiency (default 1GiB; 0 skips it; not run with --drive-gbps)")
     r.add_argument("--timeline", default=None, metavar="N-M",
                    help="record optimizer steps N..M of every run into <run dir>/timeline-rank0.json (draw one with "
                         "aidaptiv-ds timeline <run dir>)")
@@ -172,7 +195,19 @@ def run(args) -> int:
 
         timeline = parse_steps(args.timeline, "--timeline")
     command = " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or sys.argv)
-    out = []
+    deadline = None if getattr(args, "deadline_s", None) is None else time.time() + float(args.deadline_s)
+    drive = _drive_gbps(getattr(args, "drive_gbps", None))
+    out: list[dict] = []
+
+    def write_json(partial: dict | None = None) -> None:
+        """Rewrite ``--json`` with the comparisons done and ``partial`` (the one in progress, after each
+        of its runs): atomically, so a reader or a kill at any moment sees a whole report, never a part."""
+        if args.json:
+            from ..io.atomic import atomic_write
+
+            report = {"comparisons": out + ([partial] if partial else [])}
+            atomic_write(args.json, json.dumps(report, indent=1).encode())
+
     for dtype in dtypes:
         res = compare(shape, settings_from_args(args, dtype), backends=backends, steps=args.steps, warmup=args.warmup,
                       repeats=args.repeats, work_dir=args.cache, seed=args.seed, aio=args.aio,
@@ -180,12 +215,10 @@ def run(args) -> int:
                       libaio_root=args.libaio_root, mem_limit_bytes=args.mem_limit, timeout_s=args.timeout,
                       profile=args.profile, keep_cache=args.keep_cache, native_dedup=not args.native_no_dedup,
                       same_allocator=not args.allocator_as_shipped, io_bench_bytes=args.io_bench_size,
-                      timeline=timeline, command=command,
+                      timeline=timeline, command=command, deadline=deadline, progress=write_json, drive_gbps=drive,
                       say=lambda m: print(m, file=sys.stderr, flush=True))
         out.append(res)
-        if args.json:
-            from ..io.atomic import atomic_write  # rewritten after each comparison: never a half report
-            atomic_write(args.json, json.dumps({"comparisons": out}, indent=1).encode())
+        write_json()
     m = out[0]["machine"]
     isa = ", ".join(n for n, k in (("AVX2", "avx2"), ("AVX512-BF16", "avx512_bf16"), ("AMX-BF16", "amx_bf16")) if m[k])
     print(f"Machine: {m['cpu']} ({isa or 'no AVX2'}), {m['cores']} cores, {(m['ram_bytes'] or 0) / 2 ** 30:.1f} GiB "
