@@ -191,15 +191,14 @@ class AtomicFile:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "AtomicFile":
+    def __enter__(self) -> AtomicFile:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> None:  # None: an exception in the block propagates
         if exc_type is None:
             self.commit()
         else:
             self.abort()
-        return False
 
 
 def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:

@@ -225,9 +225,10 @@ class Namespace:
         if failed:
             from ..units import format_bytes
             left = ", ".join(f"{p} ({format_bytes(n)})" for p, n, _ in failed[:3]) + (" ..." if len(failed) > 3 else "")
-            e = failed[0][2]
+            first = failed[0][2]
             raise StorageError(
-                f"aidaptiv_ds: could not delete the store's files: {left}: {e.strerror or e}. They stay on the drive. "
+                f"aidaptiv_ds: could not delete the store's files: {left}: {first.strerror or first}. They stay on the "
+                f"drive. "
                 f"Fix: make the directory writable again (chmod u+w, chattr -i, or remount read-write), then run "
                 f"`aidaptiv-ds gc --cache {self.cache_paths[0]} --delete`.")
 

@@ -280,8 +280,8 @@ class SlabStore:
                     cp = self.ns.cache_paths[path]
                     free = min(free_bytes(cp) + self.slabs[path].size, self.phys_caps[path])
                     raise StorageFullError(cp, need, free, what, dead_store_hint(cp, need, free))
-        cp = self.ns.cache_paths[0]
-        raise StorageFullError(cp, logical_end, self.capacity(), what, dead_store_hint(cp, logical_end, self.capacity()))
+        cp, cap = self.ns.cache_paths[0], self.capacity()
+        raise StorageFullError(cp, logical_end, cap, what, dead_store_hint(cp, logical_end, cap))
 
     # ------------------------------------------------------------------ extents
     def allocate(self, key: str, nbytes: int) -> Extent:
