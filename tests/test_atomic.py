@@ -39,6 +39,7 @@ print("done")
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("kind", ["bytes", "json"])
 @pytest.mark.parametrize("step,expect", [("atomic.written", "old"), ("atomic.synced", "old"),
                                          ("atomic.renamed", "new"), ("", "new")])
@@ -114,6 +115,7 @@ def test_a_file_that_came_up_short_is_not_renamed(tmp_path):
     assert not os.path.exists(path) and not os.listdir(tmp_path)
 
 
+@pytest.mark.subprocess
 def test_a_real_full_filesystem(tmp_path):
     """A 1 MiB tmpfs: writing 2 MiB fails with ENOSPC naming the file; the old file stays whole."""
     if os.geteuid() != 0:
