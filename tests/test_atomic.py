@@ -17,12 +17,18 @@ import subprocess
 import sys
 
 import pytest
-
 from _storage_helpers import REPO, child_env
 
 from aidaptiv_ds.io import atomic
-from aidaptiv_ds.io.atomic import AtomicFile, ChecksumMismatch, atomic_write, dumps_checked, loads_checked, \
-    read_json_checked, write_json
+from aidaptiv_ds.io.atomic import (
+    AtomicFile,
+    ChecksumMismatch,
+    atomic_write,
+    dumps_checked,
+    loads_checked,
+    read_json_checked,
+    write_json,
+)
 from aidaptiv_ds.io.errors import FileWriteError
 
 OLD, NEW = b"old content " * 1000, b"NEW CONTENT! " * 3000
