@@ -1,6 +1,7 @@
 """One free TCP port for a rendezvous (``MASTER_PORT``, ``--master_port``)."""
 from __future__ import annotations
 
+import os
 import socket
 
 
@@ -17,3 +18,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def ensure_env() -> dict[str, str]:
+    """Set the single-process defaults of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` (a free local port) for the variables that are absent (what ``deepspeed.init_distributed``
+    reads; a launcher sets them all and they are left alone); returns what was set."""
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    if "MASTER_PORT" not in os.environ:
+        defaults["MASTER_PORT"] = str(free_port())
+    set_now = {k: v for k, v in defaults.items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now

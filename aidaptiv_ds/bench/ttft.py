@@ -103,7 +103,7 @@ def worker(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..finetune.model_io import load_tokenizer, resolve_source
+    from ..checkpoint.hf_source import load_tokenizer, resolve_source
     from ..inference import PrefixKVCache
 
     torch.manual_seed(0)

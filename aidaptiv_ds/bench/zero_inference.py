@@ -86,7 +86,7 @@ class _Clock:
 def _load(spec: dict, backend: str, torch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..finetune.model_io import resolve_source
+    from ..checkpoint.hf_source import resolve_source
 
     src = resolve_source(spec["model"])
     dtype = torch.bfloat16 if spec.get("dtype") == "bf16" else torch.float32

@@ -119,7 +119,7 @@ def resolve_ds_config(path: str, dtype: str, cache_path: str | None, dram_budget
 
 
 def _load(args: GenerateArgs):
-    from ..finetune.model_io import load_tokenizer, resolve_source
+    from ..checkpoint.hf_source import load_tokenizer, resolve_source
 
     src = resolve_source(args.model_name_or_path)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -130,7 +130,7 @@ def _load(args: GenerateArgs):
         model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.kwargs())
         model.eval()
         return model, tok, None, None, None
-    from ..finetune.distributed import ensure_env
+    from ..ports import ensure_env
 
     ensure_env()
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:

@@ -9,17 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..ports import free_port
-
-
-def ensure_env() -> dict[str, str]:
-    """Set the single-process defaults for the variables that are absent; returns what was set."""
-    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    if "MASTER_PORT" not in os.environ:
-        defaults["MASTER_PORT"] = str(free_port())
-    set_now = {k: v for k, v in defaults.items() if k not in os.environ}
-    os.environ.update(set_now)
-    return set_now
+from ..ports import ensure_env  # noqa: F401 (re-exported: distributed.ensure_env())
 
 
 def init() -> None:
