@@ -12,6 +12,9 @@ and keeps the builtin base it had, so ``except ValueError`` / ``except OSError``
     │   ├── StorageIOError (OSError)           a read/write failed after retries: path, offset, errno
     │   ├── StorageFullError                   not enough space: path, bytes needed, bytes free
     │   ├── ChecksumError                      a block read back differs from what was written
+    │   ├── FileWriteError (OSError)           a short or failed write of a file: path and bytes (io/errors.py)
+    │   ├── CheckpointSpaceError               a checkpoint save does not fit (checkpoint/space.py)
+    │   └── CheckpointPreflightError           state + a checkpoint do not fit at start (checkpoint/space.py)
     │   ├── StoreInUseError                    another live process owns the namespace (store/layout.py)
     │   └── CachePathError (ValueError)        missing / not a directory / not writable (store/layout.py)
     ├── OutOfSpace                             the extent allocator is full (store/allocator.py; the
@@ -19,13 +22,19 @@ and keeps the builtin base it had, so ``except ValueError`` / ``except OSError``
     ├── LedgerError (OSError)                  the endurance ledger cannot be written (store/ledger.py)
     ├── IncompleteCheckpointError (RuntimeError)  a checkpoint whose save did not finish
     │                                          (checkpoint/format.py)
+    ├── ChecksumMismatch (ValueError)          a checked JSON file (rank.json, index.json, a manifest)
+    │                                          whose content does not match its CRC (io/atomic.py)
+    ├── KVCacheMismatchError (ValueError)      a KV cache directory written for another model, dtype,
+    │                                          tokenizer or block layout (inference/block_store.py)
     ├── NvmlUnavailable                        NVML cannot be used (telemetry/nvml.py)
     └── DollyFormatError (ValueError)          a bad line of a Dolly JSONL file (finetune/data.py)
 
 Builtin exceptions (``ValueError``, ``KeyError``, ``RuntimeError``) raised by internal APIs mean a
 bug in the caller (a range outside an extent, a released slice released again), not bad input.
 
-Warnings derive from :class:`AidaptivWarning` (``warnings.filterwarnings(..., category=...)``).
+Warnings derive from :class:`AidaptivWarning` (``warnings.filterwarnings(..., category=...)``):
+``BudgetWarning`` (a ``dram_budget`` above the memory available now), ``KVCacheWarning`` (a KV
+cache ignored or a block dropped), ``DirectIOFallbackWarning``, ``LedgerWarning``.
 
 This module imports nothing, so ``import aidaptiv_ds`` stays cheap; the other kinds are reachable as
 ``aidaptiv_ds.<Name>`` on first access (:mod:`aidaptiv_ds` resolves them lazily).
@@ -67,4 +76,11 @@ LOCATIONS = {
     "IncompleteCheckpointError": "aidaptiv_ds.checkpoint.format",
     "NvmlUnavailable": "aidaptiv_ds.telemetry.nvml",
     "DollyFormatError": "aidaptiv_ds.finetune.data",
+    "BudgetWarning": "aidaptiv_ds.integration.config",
+    "KVCacheMismatchError": "aidaptiv_ds.inference.block_store",
+    "KVCacheWarning": "aidaptiv_ds.inference.block_store",
+    "CheckpointSpaceError": "aidaptiv_ds.checkpoint.space",
+    "CheckpointPreflightError": "aidaptiv_ds.checkpoint.space",
+    "FileWriteError": "aidaptiv_ds.io.errors",
+    "ChecksumMismatch": "aidaptiv_ds.io.atomic",
 }

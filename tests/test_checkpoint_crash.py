@@ -39,6 +39,9 @@ from _oracle import REPO, SCRIPT, free_port
 from aidaptiv_ds.checkpoint.format import locate_tag, read_manifest, tag_dir
 from aidaptiv_ds.integration.checkpointing import KILL_POINTS
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
+
 STEPS = 5
 BASE = ["--model", "llama", "--dtype", "bf16", "--budget", "0", "--steps", str(STEPS)]
 TIMEOUT = 600

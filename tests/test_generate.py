@@ -11,7 +11,8 @@ import pytest
 
 from _oracle import REPO, STORIES, free_port
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES}")
+pytestmark = [pytest.mark.subprocess,  # every test here starts a child process (tests/conftest.py)
+              pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES}")]
 SCRIPT = os.path.join(REPO, "launch", "generate.py")
 
 

@@ -291,6 +291,7 @@ kv.generate(m, {b}, max_new_tokens=2)
 
 
 @needs_stories
+@pytest.mark.subprocess
 def test_a_process_killed_mid_commit_leaves_a_usable_cache(stories, tmp_path):
     """Kill the process after a commit's blocks were written but before its indexes were saved (the capacity
     forces evictions into that commit): the reopened cache serves the durable prompt and frees the rest."""

@@ -27,6 +27,8 @@ from aidaptiv_ds.integration import config as config_mod
 from aidaptiv_ds.integration.config import AidaptivConfigError, check_dram_budget, host_memory_limit
 from aidaptiv_ds.store.layout import list_namespaces
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 GiB = 1 << 30
 
 # A process with a real runtime (store, slab, ledger) but no DeepSpeed engine: cheap, and what the
@@ -41,6 +43,7 @@ if mode == "user_handler":
     signal.signal(signal.SIGTERM, mine)
 from aidaptiv_ds.integration.config import parse_section
 from aidaptiv_ds.integration.runtime import get_runtime
+
 rt = get_runtime(parse_section({"cache_paths": [cache], "dram_budget": 0, "run_name": "sig"}))
 rt.store.preflight(64 << 20, "the test state")
 with open(ready, "w") as f:

@@ -24,6 +24,8 @@ import pytest
 
 from _oracle import REPO
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
 SCRIPT = os.path.join(REPO, "tests", "scripts", "no_import_train.py")
 PTH = "aidaptiv_ds_autoload.pth"
 MODULE = "_aidaptiv_ds_autoload.py"
@@ -78,6 +80,7 @@ hook = "_aidaptiv_ds_autoload" in sys.modules
 out = {"loaded_by_hook": loaded, "watchers": [type(f).__name__ for f in sys.meta_path if "DeepSpeed" in type(f).__name__]}
 sys.path.extend(json.loads(sys.argv[2]))  # this environment's packages, without running its .pth files
 import deepspeed
+
 out.update(after_deepspeed=sorted(m for m in sys.modules if m.startswith("aidaptiv_ds")),  # DeepSpeed loads pydantic
            wrapped=getattr(deepspeed.initialize, "_aidaptiv_site", False), hook=hook)
 print("RESULT " + json.dumps(out))

@@ -27,6 +27,9 @@ from aidaptiv_ds.io import IOEngine, StorageFullError
 from aidaptiv_ds.store import Namespace, PathSpec, SlabStore
 from aidaptiv_ds.store.packed import PackedRegion
 
+pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
+
+
 MiB = 1 << 20
 
 

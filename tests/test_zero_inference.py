@@ -14,7 +14,8 @@ import torch
 
 from _oracle import REPO, STORIES, free_port
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES}")
+pytestmark = [pytest.mark.subprocess,  # every test here starts a child process (tests/conftest.py)
+              pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES}")]
 PROMPT = {"prompt_tokens": 40, "seed": 1, "max_new_tokens": 12}
 
 

@@ -41,6 +41,7 @@ import zlib
 
 import torch
 
+from ..errors import AidaptivError, AidaptivWarning
 from ..io.buffers import alloc_aligned, round_up
 from ..io.engine import READ_DEMAND, WRITE_BACK, IOEngine
 from ..io.errors import StorageError, StorageFullError
@@ -63,11 +64,11 @@ VERSION = 1
 KEY_PREFIX = "kv/"
 
 
-class KVCacheMismatchError(ValueError):
+class KVCacheMismatchError(AidaptivError, ValueError):
     """The cache directory was written for another model, dtype, tokenizer or block layout."""
 
 
-class KVCacheWarning(UserWarning):
+class KVCacheWarning(AidaptivWarning):
     """A KV cache directory is ignored, or a block was dropped (corrupt, unreadable, not writable)."""
 
 

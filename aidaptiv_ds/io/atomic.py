@@ -30,6 +30,7 @@ import json
 import os
 import zlib
 
+from ..errors import AidaptivError
 from .errors import FileWriteError
 from .killpoint import kill_point
 
@@ -257,7 +258,7 @@ def dumps_checked(obj: dict, indent: int | None = 1) -> bytes:
     return json.dumps(dict(obj, **{SELF_CRC: zlib.crc32(_canonical(obj))}), indent=indent, sort_keys=True).encode()
 
 
-class ChecksumMismatch(ValueError):
+class ChecksumMismatch(AidaptivError, ValueError):
     """A checked JSON file whose content does not match its ``self_crc32`` (or has none when required)."""
 
 
