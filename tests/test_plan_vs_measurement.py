@@ -13,10 +13,10 @@ from aidaptiv_ds.cli.main import main as cli
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
 
 
-def plan(budget: str, capsys, clip: float = 0.0) -> dict:
+def plan(budget: str, capsys, clip: float = 0.0, dtype: str = "bf16") -> dict:
     cfg = os.path.join(STORIES, "config.json")
     assert cli(["plan", "--model", cfg, "--gpus", "1", "--vram", "80GB", "--dram", "24GiB", "--dram-budget", budget,
-                "--cache", "/tmp:10GB", "--dtype", "bf16", "--micro-batch", "2", "--seq-len", "24", "--cpu-ranks",
+                "--cache", "/tmp:10GB", "--dtype", dtype, "--micro-batch", "2", "--seq-len", "24", "--cpu-ranks",
                 "--gradient-clipping", str(clip), "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
@@ -40,3 +40,20 @@ def test_planned_writes_match_the_ledger(budget, clip, tmp_path, capsys):
     assert res["plan"]["grads_resident"] == p["residency"]["grads_resident"] == (clip == 0 or budget != "0")
     assert res["plan"]["params_resident"] == p["residency"]["params_resident"] == (budget != "0")
     assert measured == pytest.approx(planned, rel=0.05)
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_planned_reads_match_the_ledger(dtype, tmp_path, capsys):
+    """Bytes read per step at budget 0: forward and backward read every parameter (fp32: from the master
+    slots, which are never written on their own) but what the read-ahead window still holds from the
+    forward (here the whole of this small model), plus the optimizer state (``read_bytes_best``)."""
+    p = plan("0", capsys, dtype=dtype)
+    res = run("aidaptiv", ["--model", "stories", "--zinit", "--dtype", dtype, "--steps", "4", "--budget", "0"],
+              str(tmp_path))
+    steps = res["io"][1:]
+    measured = sum(d["bytes_read"].get("cache", 0) for d in steps) / len(steps) / res["nparams"]
+    planned = p["per_step"]["read_bytes_best"] / p["n_params"]
+    print(f"{dtype}: planned read {planned:.3f} B/param/step, measured {measured:.3f}")
+    assert measured == pytest.approx(planned, rel=0.05)
+    assert p["per_step"]["read_bytes"] / p["n_params"] == (20.0 if dtype == "fp32" else 16.0)  # no window

@@ -27,7 +27,7 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 def _shards(reader: CheckpointReader, dtype: torch.dtype, shard_bytes: int) -> list[list[str]]:
     shards, cur, size = [], [], 0
-    elsize = torch.empty((), dtype=dtype).element_size()
+    elsize = dtype.itemsize
     for name, info in reader.params.items():
         n = info.numel * elsize
         if cur and size + n > shard_bytes:
@@ -62,7 +62,7 @@ def export_hf(tag_path: str, out_dir: str, dtype: torch.dtype = torch.float32, s
     reader = CheckpointReader(tag_path)
     os.makedirs(out_dir, exist_ok=True)
     shards = _shards(reader, dtype, shard_bytes)
-    elsize = torch.empty((), dtype=dtype).element_size()
+    elsize = dtype.itemsize
     dname = str(dtype).replace("torch.", "")
     files, weight_map, total = [], {}, 0
     for k, names in enumerate(shards):

@@ -93,7 +93,7 @@ def unpack(model_dir: str, cache_paths: list[str], run_name: str, world_size: in
             regions.append(PackedRegion(st, region_name(dtype)))
             manifests.append({"dtype": str(dtype).replace("torch.", ""), "world_size": world_size, "rank": r,
                               "source": os.path.abspath(model_dir), "tensors": {}})
-        elsize = torch.empty((), dtype=dtype).element_size()
+        elsize = dtype.itemsize
         t0 = time.perf_counter()
         written = n = 0
         inflight: list = []  # (future, bytes): writes are pipelined up to MAX_INFLIGHT bytes

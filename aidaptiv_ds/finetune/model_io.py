@@ -121,7 +121,7 @@ def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str, dtype: tor
     from ..checkpoint.format import atomic_write, safetensors_header
 
     items = _tensors_to_save(model)
-    elsize = torch.empty((), dtype=dtype).element_size()
+    elsize = dtype.itemsize
     dname = str(dtype).replace("torch.", "")
 
     def nbytes(t: torch.Tensor, is_param: bool) -> int:

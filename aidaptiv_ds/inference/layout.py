@@ -63,7 +63,7 @@ class KVLayout:
 
     @property
     def elsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def slab_numel(self) -> int:

@@ -32,6 +32,7 @@ from ..io.buffers import alloc_aligned, round_up
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..planner.residency import ResidencyPlan
 from ..tiers.host_tier import Slice
+from .errors import DeepSpeedContractError
 from .gradients import GradientStore
 from .runtime import Runtime
 
@@ -79,7 +80,7 @@ class AidaptivOptimizerSwapper:
         self.rt = runtime
         self.optimizer = optimizer
         self.dtype = dtype
-        self.elsize = torch.empty((), dtype=dtype).element_size()
+        self.elsize = dtype.itemsize
         self.engine_id = engine_id
         self.groups: dict[str, _Group] = {}
         self.order: list[str] = []
@@ -95,7 +96,7 @@ class AidaptivOptimizerSwapper:
     def _group(self, parameter) -> _Group:
         g = self.groups.get(str(parameter.ds_id))
         if g is None:
-            raise KeyError(f"aidaptiv_ds: optimizer sub-group {parameter.ds_id} was never initialised")
+            raise DeepSpeedContractError(f"aidaptiv_ds: optimizer sub-group {parameter.ds_id} was never initialised")
         return g
 
     def _extent_key(self, g: _Group) -> str:

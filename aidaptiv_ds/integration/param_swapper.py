@@ -33,6 +33,8 @@ from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..io.futures import wait_all
 from ..store.packed import PackedRegion
 from ..tiers.host_tier import Slice
+from ..errors import AidaptivConfigError
+from .errors import DeepSpeedContractError
 from .runtime import Runtime
 
 log = logging.getLogger("aidaptiv_ds")
@@ -107,12 +109,12 @@ class AidaptivParamSwapper:
         loc = self._loc.get(param.ds_id)
         if loc is None:
             dtype = param.dtype
-            elsize = torch.empty((), dtype=dtype).element_size()
+            elsize = dtype.itemsize
             region = self._region(dtype)
             start = region.append(numel * elsize, align=elsize)
             loc = self._loc[param.ds_id] = _Loc(region, start, int(numel), dtype, elsize)
         elif loc.numel != numel:
-            raise RuntimeError(f"aidaptiv_ds: parameter ds_id={param.ds_id} was partitioned with {loc.numel} elements "
+            raise DeepSpeedContractError(f"aidaptiv_ds: parameter ds_id={param.ds_id} was partitioned with {loc.numel} elements "
                                f"and now {numel}; re-partitioning with another size is not supported")
         return loc
 
@@ -192,7 +194,7 @@ class AidaptivParamSwapper:
             if p.ds_id in seen or p.ds_tensor.status != S.NOT_AVAILABLE:
                 continue
             if p.ds_id not in self._loc:
-                raise RuntimeError(f"aidaptiv_ds: parameter ds_id={p.ds_id} was never swapped out; nothing to read")
+                raise DeepSpeedContractError(f"aidaptiv_ds: parameter ds_id={p.ds_id} was never swapped out; nothing to read")
             seen.add(p.ds_id)
             todo.append(p)
         missing = [p.ds_id for p in todo if p.ds_id not in self._slice_of]
@@ -494,12 +496,12 @@ class AidaptivParamSwapper:
 
         man = read_manifest(self.rt.namespace.rank_dir(0))
         if man["world_size"] != self.rt.world:
-            raise ValueError(f"aidaptiv.from_unpacked: the store was unpacked for world size {man['world_size']}, "
+            raise AidaptivConfigError(f"aidaptiv.from_unpacked: the store was unpacked for world size {man['world_size']}, "
                              f"this run has {self.rt.world}. Fix: unpack again with --world-size {self.rt.world}")
         dtype = getattr(torch, man["dtype"])
         region = PackedRegion(self.rt.store, region_name(dtype))
         region.reopen(man["region_size"])
-        elsize = torch.empty((), dtype=dtype).element_size()
+        elsize = dtype.itemsize
         problems, adopted = [], 0
         for name, p in module.named_parameters():
             if getattr(p, "ds_tensor", None) is None or p.ds_id not in self._loc:
@@ -523,7 +525,7 @@ class AidaptivParamSwapper:
         if self._unadopted and not problems:
             problems.append(f"{len(self._unadopted)} partitions were created but belong to no parameter of the model")
         if problems:
-            raise ValueError(f"aidaptiv.from_unpacked: the store unpacked from {man['source']} does not match this "
+            raise AidaptivConfigError(f"aidaptiv.from_unpacked: the store unpacked from {man['source']} does not match this "
                              f"model:\n  " + "\n  ".join(problems[:10]) + "\nFix: unpack the model you train "
                              f"(`aidaptiv-ds unpack MODEL_DIR ...`), or remove \"from_unpacked\"")
         return adopted
@@ -539,7 +541,7 @@ class AidaptivParamSwapper:
         for p in params:
             loc = self._loc.get(p.ds_id)
             if loc is None or loc.dtype != torch.float32:
-                raise ValueError(f"aidaptiv_ds: parameter ds_id={p.ds_id} cannot alias an fp32 master slot")
+                raise DeepSpeedContractError(f"aidaptiv_ds: parameter ds_id={p.ds_id} cannot alias an fp32 master slot")
             old = self._slice_of.pop(p.ds_id, None)
             if old is not None:
                 old.members = tuple(m for m in old.members if m != p.ds_id)
@@ -547,7 +549,7 @@ class AidaptivParamSwapper:
             self._unadopted.discard(p.ds_id)
             off += loc.nbytes
         if off != view.size:
-            raise ValueError(f"aidaptiv_ds: partitions of {view.name} cover {off} bytes, its master slot {view.size}")
+            raise DeepSpeedContractError(f"aidaptiv_ds: partitions of {view.name} cover {off} bytes, its master slot {view.size}")
         return off
 
     def write_partitions(self, items: list) -> None:

@@ -85,6 +85,9 @@ from .auto import (
 from .model_size import ModelShape
 from .residency import ResidencyPlan, StateSizes, plan_residency
 
+#: the read-ahead window's floor (``integration/runtime.py``, ``prefetch_bytes: "auto"``)
+PREFETCH_FLOOR_BYTES = 256 << 20
+
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MOMENT_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4}
 RULE_OF_THUMB_BYTES_PER_PARAM = 20
@@ -659,7 +662,11 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     write_redone = write_step + (res.write_bytes_per_step - grads_written) * ranks \
         if c["step_in_backward"] and inp.gradient_clipping > 0 else write_step
     read_step = (res.read_bytes_per_step + (inp.grad_accum - 1) * 2 * p_nonres) * ranks
-    hits = min(res.cache_bytes, p_nonres) * inp.grad_accum * ranks
+    # the backward of each micro-step finds the end of its forward still read ahead: the runtime's default
+    # read-ahead window (integration/runtime.py prefetch_bytes: max(2 x the largest slice, 256 MiB)),
+    # besides what the budget caches
+    window = max(2 * c["slice_part"], PREFETCH_FLOOR_BYTES)
+    hits = min(res.cache_bytes + window, p_nonres) * inp.grad_accum * ranks
     read_best = max(read_step - hits, 0)
     tokens_step = inp.micro_batch * inp.seq_len * inp.grad_accum * dp
 

@@ -114,8 +114,9 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     backward: their slice is charged with the sub-group); parameters as one block; sub-groups one by one in step order (a
     sub-group that does not fit is skipped and a later, smaller one may still fit). Bytes written per
     step = non-resident parameters (with ``alias_params``: only those of resident sub-groups) +
-    non-resident gradient slices + non-resident sub-groups; bytes read per step = 2 x non-resident
-    parameters + non-resident gradient slices + non-resident sub-groups.
+    non-resident gradient slices + non-resident sub-groups; bytes read per step = 2 x the parameters
+    unless they are resident (forward and backward; with ``alias_params`` from the master slots) +
+    non-resident gradient slices + non-resident sub-groups.
     """
     left = max(int(budget), 0)
     slices = sizes.grad_slices()
@@ -153,11 +154,14 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     else:
         p_w = sizes.param_bytes
     g_w = 0 if sizes.grads_transient else sum(b for i, b in enumerate(slices) if i not in grad_res)
+    # forward and backward each read every parameter not in DRAM: with alias_params from the fp32 master
+    # slot (never written on its own), so reads follow the parameters' bytes, not their writes
+    p_r = 0 if params else sizes.param_bytes
     return ResidencyPlan(
         budget=int(budget), grads_resident=sizes.grads_transient or len(grad_res) == len(slices),
         resident_grad_subgroups=grad_res,
         params_resident=params, resident_subgroups=resident,
         resident_bytes=max(int(budget), 0) - left, cache_bytes=left,
         write_bytes_per_step=p_w + g_w + opt_written,
-        read_bytes_per_step=2 * p_w + g_w + opt_written,
+        read_bytes_per_step=2 * p_r + g_w + opt_written,
     )
