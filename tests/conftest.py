@@ -16,6 +16,12 @@ system probes some libraries run (``ldconfig`` for ``ctypes.util.find_library``,
 compilers probed by DeepSpeed's op builders) are allowed, see :data:`PROBES`. So
 ``python -m pytest -m unit`` is the fast tier (in-process, no DeepSpeed engine), whoever wrote the test.
 
+**The default run stays under CI's half hour.** ``python -m pytest -m "not slow"`` is what CI runs on a
+2-core machine. The heavier variants of cases that a lighter variant already covers in the default
+run (another world size, another clipping mode, another launcher) are moved to ``slow`` here, by
+node id in :data:`SLOW_VARIANTS` with the covering test named; ``python -m pytest -m slow`` runs them
+(``tests/test_tiers.py`` checks that every listed test still exists).
+
 **Tools of child processes.** Child processes (training runs, launchers) find the venv's tools
 first: DeepSpeed JIT-builds a small comm op per process into the shared torch-extensions cache, and
 two ``ninja`` versions (the venv's and the system's) treat each other's build log as stale and
@@ -136,12 +142,105 @@ def pytest_configure(config):
     sys.meta_path.insert(0, _EngineGuard())
 
 
+#: node id -> the default-run test that covers the same behaviour (see the module docstring)
+SLOW_VARIANTS = {
+    "tests/test_checkpoint.py::test_resume_is_bit_identical[2]": "test_resume_is_bit_identical[1]",
+    "tests/test_checkpoint.py::test_resume_with_another_world_size[2-1]": "test_multirank.py world-size reads",
+    "tests/test_checkpoint.py::test_resume_with_another_world_size[1-2]": "test_resume_with_another_world_size "
+                                                                        "in the slow tier only (2 x 80 s)",
+    "tests/test_deepspeed_cases.py::test_fp32_with_default_buffer_settings": "test_unaligned_element_counts",
+    "tests/test_deepspeed_cases.py::test_second_engine_on_the_same_path_leaves_the_first_intact":
+        "test_store.py::test_second_owner_is_refused_*",
+    "tests/test_deepspeed_cases.py::test_partition_larger_than_buffer_size": "test_unaligned_element_counts",
+    "tests/test_deepspeed_cases.py::test_parameter_requested_again_while_resident[ckpt_reentrant]":
+        "test_parameter_requested_again_while_resident[tied]",
+    "tests/test_deepspeed_cases.py::test_parameter_requested_again_while_resident[called_twice]":
+        "test_duplicate_parameters_in_one_swap_in",
+    "tests/test_deepspeed_cases.py::test_parameter_requested_again_while_resident[ckpt_nonreentrant]":
+        "test_parameter_requested_again_while_resident[tied]",
+    "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ws2-ga1-noclip]":
+        "[ws2-ga2-clip]",
+    "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga2-noclip]": "[ga2-clip]",
+    "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga2-clip-after-backward]":
+        "test_step_in_backward.py::test_step_after_backward_when_switched_off",
+    "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga2-clip-subgroups-budget]":
+        "[ws2-ga2-clip] (sub-groups)",
+    "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga1-noclip]": "[ga2-clip]",
+    "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga1-clip]": "[ga2-clip]",
+    "tests/test_gradient_semantics.py::test_deepspeeds_own_handling_differs": "docs/gradients.md (what it shows)",
+    "tests/test_finetune_e2e.py::test_bf16_run_saves_bf16_safetensors_that_reload":
+        "test_stories260k_on_dolly_saves_a_model_that_reproduces_the_eval_loss",
+    "tests/test_finetune_e2e.py::test_deepspeed_launcher_single_rank_matches_the_single_process_run":
+        "test_finetune_accounting.py (both launchers, 2 ranks)",
+    "tests/test_finetune_e2e.py::test_aidaptiv_configs_train_like_dram_offload[aidaptiv_zero3_multi.json-2]":
+        "test_finetune_accounting.py (2 ranks)",
+    "tests/test_finetune_e2e.py::test_aidaptiv_configs_train_like_dram_offload[aidaptiv_zero3.json-1]":
+        "test_stories260k_on_dolly_saves_a_model_that_reproduces_the_eval_loss",
+    "tests/test_finetune_e2e.py::test_native_nvme_config_trains_through_the_python_aio_handle_like_dram_offload":
+        "test_aio_handle.py",
+    "tests/test_finetune_resume.py::test_killed_after_step_4_resumes_from_latest":
+        "test_resume_from_checkpoint_3_continues_bit_for_bit",
+    "tests/test_generate.py::test_generate_with_zero_inference_weights_on_the_cache_path":
+        "test_zero_inference.py",
+    "tests/test_generate.py::test_generate_reuses_the_prefix_from_dram_then_from_the_drive_after_a_restart":
+        "test_kv_cache.py (the same flow in process) and test_bad_prompt_file_and_foreign_kv_cache_are_named",
+    "tests/test_checkpoint_crash.py::test_kill_9_during_a_resave_of_a_tag[after_deepspeed-old-True]":
+        "test_kill_9_during_a_resave_of_a_tag[after_switch-new-False]",
+    "tests/test_deepspeed_cases.py::test_parameter_requested_again_while_resident[tied]":
+        "test_duplicate_parameters_in_one_swap_in",
+    "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ws2-ga2-clip]": "[ga2-clip]",
+    "tests/test_multirank.py::test_two_runs_at_once_with_auto_names_both_train_correctly":
+        "test_store.py owner locks",
+    "tests/test_multirank.py::test_second_run_with_the_same_name_refuses_and_the_first_is_unaffected":
+        "test_store.py::test_second_owner_is_refused_*",
+    "tests/test_multirank.py::test_two_nodes_with_the_deepspeed_launcher_and_a_hostfile":
+        "test_two_nodes_with_torchrun_c10d_on_localhost",
+    "tests/test_multirank.py::test_write_back_of_one_rank_does_not_starve_another_ranks_reads":
+        "test_oracle_world_size_2_torchrun",
+    "tests/test_multirank.py::test_oracle_world_size_2_deepspeed_launcher": "test_oracle_world_size_2_torchrun",
+    "tests/test_oracle.py::test_real_stories260k_from_pretrained_under_zero3[bf16-1]":
+        "test_bit_identical_with_cpu_offload[llama-tied-bf16-ga2-budget0]",
+    "tests/test_oracle.py::test_real_stories260k_from_pretrained_under_zero3[fp32-2]":
+        "test_multirank.py::test_oracle_world_size_2_torchrun",
+    "tests/test_oracle.py::test_bit_identical_with_cpu_offload[llama-tied-bf16-zinit-half]":
+        "test_step_in_backward.py (half the state)",
+    "tests/test_oracle.py::test_bit_identical_with_cpu_offload[mlp-fp32-ga2-subgroups]":
+        "test_step_in_backward.py (sub-groups)",
+    "tests/test_oracle.py::test_bit_identical_with_cpu_offload[mlp-zinit-bf16-unused-param]":
+        "test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga2-clip]",
+    "tests/test_oracle.py::test_bytes_written_per_param_gradient_sized_budget":
+        "test_plan_vs_measurement.py (a budget holding the parameters)",
+    "tests/test_oracle.py::test_bytes_written_per_param_half_state": "test_plan_vs_measurement.py",
+    "tests/test_step_in_backward.py::test_step_in_backward_is_bit_identical[fp32-noclip-ga1-budget0]":
+        "test_no_gradient_written_when_stepped_in_backward",
+    "tests/test_step_in_backward.py::test_step_in_backward_is_bit_identical[bf16-clip-always-triggers-ga2]":
+        "[fp32-clip-some-steps]",
+    "tests/test_step_in_backward.py::test_step_in_backward_is_bit_identical[fp32-noclip-ga4-half]":
+        "[bf16-noclip-ga2-budget0]",
+    "tests/test_step_in_backward.py::test_step_in_backward_is_bit_identical[fp32-clip-never-triggers]":
+        "test_plan_vs_measurement.py[0-1000000.0]",
+    "tests/test_training_faults.py::test_filesystem_without_fallocate_filled_mid_run_stops_and_the_checkpoint_resumes":
+        "test_enospc_mid_run_stops_and_the_earlier_checkpoint_resumes",
+    "tests/test_training_faults.py::test_transient_eio_within_the_retry_budget_recovers[read]": "[write]",
+    "tests/test_training_faults.py::test_eio_fails_after_the_retries_naming_slab_offset_and_drive[read]": "[write]",
+    "tests/test_training_faults.py::test_drive_filled_by_another_writer_mid_run_does_not_stop_training":
+        "test_enospc_mid_run_stops_and_the_earlier_checkpoint_resumes",
+    "tests/test_unpack.py::test_training_starts_from_the_unpacked_store":
+        "test_zero_inference.py::test_weights_from_an_unpacked_store_are_never_written",
+    "tests/test_plan_vs_measurement.py::test_planned_writes_match_the_ledger[524160-0.0]": "[0-0.0]",
+    "tests/test_plan_vs_measurement.py::test_planned_reads_match_the_ledger[bf16]": "[fp32]",
+}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Tier ``unit`` for every test without another tier marker (before ``-m`` selects)."""
+    """Tier ``unit`` for every test without another tier marker (before ``-m`` selects); ``slow`` for
+    :data:`SLOW_VARIANTS`."""
     for item in items:
         if not any(item.get_closest_marker(t) for t in TIERS):
             item.add_marker(pytest.mark.unit)
+        if item.nodeid in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -295,7 +295,13 @@ kv.generate(m, {b}, max_new_tokens=2)
 def test_a_process_killed_mid_commit_leaves_a_usable_cache(stories, tmp_path):
     """Kill the process after a commit's blocks were written but before its indexes were saved (the capacity
     forces evictions into that commit): the reopened cache serves the durable prompt and frees the rest."""
-    model, tok = stories
+    from transformers import AutoModelForCausalLM
+
+    # a fresh copy of the weights, as the killed child loaded them: with the module's shared model (used by
+    # the earlier tests of this file) the fingerprint differed from the child's when the whole file ran
+    # (not when this test ran alone); open question, see the issue-13 note
+    _, tok = stories
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
     lay = KVLayout.from_model_config(model.config, torch.float32, B)
     ext = -(-lay.block_nbytes // 4096) * 4096
     a = prompts(n_ctx=150, n=1, seed=1)[1][0]

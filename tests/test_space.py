@@ -122,7 +122,8 @@ def test_checkpoints_on_the_cache_drive_fit_beside_the_slab(tmp_path, launch):
         ckpt_mib = sum(f["bytes"] for f in man["files"].values()) / MiB
         slab = _slab_mib(cache)
         print(f"slab {slab:.1f} MiB, checkpoint {ckpt_mib:.1f} MiB on a 64 MiB tmpfs")
-        assert slab < 32 and slab + ckpt_mib < 62
+        # the state, its second copy for the optimizer steps inside backward, and the 1/32 margin
+        assert slab < 48 and slab + ckpt_mib < 62
 
 
 def test_state_plus_checkpoint_over_the_drive_is_refused_at_start(tmp_path, launch):

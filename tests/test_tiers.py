@@ -44,3 +44,22 @@ def test_a_deepspeed_engine_from_a_unit_test_fails_with_the_marker_to_add():
 def test_a_marked_test_may_start_a_child_process():
     out = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "42"
+
+
+def test_every_slow_variant_still_exists():
+    """Each node id of conftest.SLOW_VARIANTS names a test function (and, for a parametrized id, a
+    parameter id) that is still in its file: a renamed test must not fall back into the default run."""
+    import pathlib
+    import re
+
+    from conftest import SLOW_VARIANTS
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for nodeid in SLOW_VARIANTS:
+        path, name = nodeid.split("::")
+        func, _, param = name.partition("[")
+        text = (root / path).read_text()
+        assert re.search(rf"^def {re.escape(func)}\(", text, re.M), f"{nodeid}: no function {func} in {path}"
+        for part in param.rstrip("]").split("-") if param else []:
+            if any(ch.isalpha() for ch in part):  # computed numeric ids (a budget) are not spelled in the file
+                assert part in text, f"{nodeid}: parameter {part!r} not found in {path}"

@@ -94,9 +94,12 @@ def setup(module, swapper: AidaptivParamSwapper) -> InferencePlan:
         held = rt.tier.resident_bytes() + rt.tier.cached_bytes()
         rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
     total = swapper.partition_bytes()
-    # io.reuse_host_memory "auto": on when the weights and the working set fit in half the available memory
-    # (streaming at budget 0 otherwise page-faults and unmaps every read buffer, every token)
-    rt.settle_host_memory_reuse(total + 2 * largest + rt.prefetch_bytes(2 * largest))
+    # io.reuse_host_memory "auto": on. Streaming at budget 0 otherwise page-faults and unmaps every read
+    # buffer, every token; and without an optimizer, gradients or a backward pass, what the heap keeps
+    # for reuse is those read buffers themselves, at most the read-ahead window and the two partitions
+    # in use: the working set outside the budget, so it takes nothing from the budget
+    window = 2 * largest + rt.prefetch_bytes(2 * largest)
+    rt.settle_host_memory_reuse(window, budget_free_bytes=window)
     resident = 0 < total <= rt.budget and not rt.cfg.from_unpacked  # unpacked regions: the tier caches them
     if resident:
         swapper.make_resident()
