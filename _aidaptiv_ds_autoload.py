@@ -26,15 +26,21 @@ class _DeepSpeedWatcher:
     :func:`_wrap_deepspeed` runs once the module has executed."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "deepspeed":
+        if fullname != "deepspeed" or getattr(self, "_searching", False):
+            # [Note: two watchers] the site hook's watcher and the package's each ask the other finders;
+            # without this guard each asks the other again, without end (RecursionError at `import deepspeed`)
             return None
         spec = None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
+        self._searching = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._searching = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module

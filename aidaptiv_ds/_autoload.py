@@ -14,15 +14,21 @@ import sys
 
 class _DeepSpeedWatcher(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != "deepspeed":
+        if fullname != "deepspeed" or getattr(self, "_searching", False):
+            # [Note: two watchers] the site hook's watcher and the package's each ask the other finders;
+            # without this guard each asks the other again, without end (RecursionError at `import deepspeed`)
             return None
         spec = None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
+        self._searching = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._searching = False
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader

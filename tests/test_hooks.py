@@ -88,3 +88,22 @@ def test_site_hook_activates_an_unmodified_process(tmp_path, monkeypatch):
     assert out == "DeepSpeedZeroOptimizer_Stage3 AidaptivZeroOptimizer_Stage3 True"
     assert cli(["site-hook", "remove"]) == 0
     assert not (tmp_path / site_hook.PTH_NAME).exists()
+
+
+def test_the_site_hook_and_the_package_watchers_find_deepspeed_together():
+    """Both deepspeed watchers on sys.meta_path (the site hook of a fresh install and the package's own):
+    each asks the other finders, so without the reentrancy guard finding ``deepspeed`` recursed without end
+    (the first CI run after the site hook landed: RecursionError in collection)."""
+    import sys
+
+    import _aidaptiv_ds_autoload
+    from aidaptiv_ds import _autoload
+
+    saved = list(sys.meta_path)
+    try:
+        sys.meta_path[:0] = [_aidaptiv_ds_autoload._DeepSpeedWatcher(), _autoload._DeepSpeedWatcher()]
+        spec = sys.meta_path[0].find_spec("deepspeed", None)
+        assert spec is not None and spec.name == "deepspeed"
+        assert sys.meta_path[1].find_spec("deepspeed", None) is not None
+    finally:
+        sys.meta_path[:] = saved
