@@ -162,7 +162,7 @@ SLOW_VARIANTS = {
         "[ws2-ga2-clip]",
     "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga2-noclip]": "[ga2-clip]",
     "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga2-clip-after-backward]":
-        "test_step_in_backward.py::test_step_after_backward_when_switched_off",
+        "test_step_in_backward.py [fp32-clip-some-steps] (its steps after a clipped one run after backward)",
     "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga2-clip-subgroups-budget]":
         "[ws2-ga2-clip] (sub-groups)",
     "tests/test_gradient_semantics.py::test_no_gradient_means_zero_never_stale[ga1-noclip]": "[ga2-clip]",
@@ -229,6 +229,33 @@ SLOW_VARIANTS = {
         "test_zero_inference.py::test_weights_from_an_unpacked_store_are_never_written",
     "tests/test_plan_vs_measurement.py::test_planned_writes_match_the_ledger[524160-0.0]": "[0-0.0]",
     "tests/test_plan_vs_measurement.py::test_planned_reads_match_the_ledger[bf16]": "[fp32]",
+    "tests/test_training_faults.py::test_a_failed_write_waited_for_several_times_keeps_one_traceback":
+        "test_after_a_failed_write_the_run_can_neither_go_on_nor_checkpoint",
+    "tests/test_training_faults.py::test_transient_eio_within_the_retry_budget_recovers[write]":
+        "test_io_engine.py retries (in process)",
+    "tests/test_training_faults.py::test_store_directory_removed_mid_run":
+        "test_a_store_removed_and_re_created_by_another_owner_is_not_deleted_at_close",
+    "tests/test_training_faults.py::test_filesystem_turning_read_only_mid_run":
+        "test_enospc_mid_run_stops_and_the_earlier_checkpoint_resumes",
+    "tests/test_training_faults.py::test_filesystem_without_o_direct_falls_back_with_one_warning":
+        "test_io_engine.py::test_direct_io_used_when_aligned_and_buffered_otherwise",
+    "tests/test_space.py::test_a_dead_store_that_fills_the_drive_is_named_with_gc": "test_gc.py",
+    "tests/test_space.py::test_checkpoints_on_the_cache_drive_fit_beside_the_slab":
+        "test_the_slab_is_the_state_plus_the_stated_margin[32]",
+    "tests/test_zero_inference.py::test_weights_that_fit_the_budget_are_read_once":
+        "test_budget0_streams_the_weights_and_matches_the_plain_model",
+    "tests/test_zero_inference.py::test_model_partitioned_by_deepspeed_initialize":
+        "test_budget0_streams_the_weights_and_matches_the_plain_model",
+    "tests/test_multirank.py::test_affinity_is_oracle_equal": "test_striped_is_oracle_equal",
+    "tests/test_multirank.py::test_affinity_fills_the_primary_then_spills_to_the_others":
+        "test_striping.py (affinity placement, in process)",
+    "tests/test_multirank.py::test_affinity_every_rank_reads_back_after_a_restart":
+        "test_striped_every_rank_reads_back_after_a_restart",
+    "tests/test_multirank.py::test_two_nodes_with_torchrun_c10d_on_localhost": "test_oracle_world_size_2_torchrun",
+    "tests/test_hooks.py::test_deepspeed_classes_without_an_enabled_section[absent]": "[disabled]",
+    "tests/test_step_in_backward.py::test_step_after_backward_when_switched_off":
+        "[fp32-clip-some-steps] (its steps after a clipped one run after backward, bit-identical)",
+    "tests/test_plan_vs_measurement.py::test_planned_writes_match_the_ledger[0-1000000.0]": "[0-0.0]",
 }
 
 
