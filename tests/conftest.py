@@ -256,6 +256,13 @@ SLOW_VARIANTS = {
     "tests/test_step_in_backward.py::test_step_after_backward_when_switched_off":
         "[fp32-clip-some-steps] (its steps after a clipped one run after backward, bit-identical)",
     "tests/test_plan_vs_measurement.py::test_planned_writes_match_the_ledger[0-1000000.0]": "[0-0.0]",
+    "tests/test_compare.py::test_compare_end_to_end_tiny":
+        "the summary, table and watchdog tests of test_compare.py (in process); the GPU check's CPU smoke run",
+    "tests/test_checkpoint.py::test_a_refused_checkpoint_is_named_and_only_complete_ones_are_offered":
+        "test_checkpoint_format.py::test_the_refused_tag_is_not_offered_and_the_previous_one_is",
+    "tests/test_unpack.py::test_world_size_mismatch_is_named": "test_unpack_streams_one_tensor_at_a_time",
+    "tests/test_deepspeed_cases.py::test_duplicate_parameters_in_one_swap_in":
+        "test_param_swapper_unit.py (duplicates in a request)",
 }
 
 
