@@ -370,6 +370,10 @@ def parse_section(section: Any) -> AidaptivConfig:
         return AidaptivConfig.model_validate(section)
     except ValidationError as e:
         raise AidaptivConfigError("invalid \"aidaptiv\" section:\n  " + _explain(e, section)) from None
+    except UnicodeError as e:  # a path with a lone surrogate reaches the filesystem checks (os.stat encodes it)
+        bad = e.object[max(e.start - 20, 0):e.end + 20] if isinstance(e.object, str) else e.object
+        raise AidaptivConfigError(f"{SECTION}: a string is not valid UTF-8 text ({e.reason}, near {bad!r}). "
+                                  f"Fix: give paths and names as plain UTF-8 text") from None
 
 
 def load_ds_dict(config: Any) -> dict | None:
