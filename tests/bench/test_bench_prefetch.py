@@ -24,15 +24,12 @@ timeline (:mod:`aidaptiv_ds.spans`): ``serial`` reads only on demand and never d
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from aidaptiv_ds import spans
-from aidaptiv_ds.integration.config import AidaptivConfig
 from aidaptiv_ds.integration.param_swapper import AidaptivParamSwapper
-from aidaptiv_ds.integration.runtime import Runtime
 from aidaptiv_ds.telemetry.timeline_trace import union_seconds
 
 pytestmark = pytest.mark.benchmark
@@ -40,21 +37,6 @@ pytestmark = pytest.mark.benchmark
 HIDDEN, MLP = 768, 2560
 BLOCKS = 4
 TOKENS = 256
-
-
-def _disabled(config) -> bool:
-    return config.getoption("benchmark_disable", False) and not config.getoption("benchmark_enable", False)
-
-
-@pytest.fixture
-def runtime(tmp_path):
-    """A budget-0 runtime on its own cache directory (closed and deleted afterwards)."""
-    base = os.environ.get("AIDAPTIV_BENCH_DIR") or str(tmp_path)
-    d = os.path.join(base, f"aidaptiv-bench-prefetch-{os.getpid()}")
-    os.makedirs(d, exist_ok=True)
-    rt = Runtime(AidaptivConfig(cache_paths=[d], dram_budget=0, run_name="bench-prefetch"))
-    yield rt
-    rt.close()
 
 
 def _status():
@@ -116,9 +98,9 @@ def _mats(params, h: int, m: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("path", ["serial", "overlap", "io_only", "compute_only"])
-def test_block_prefetch_overlap(benchmark, runtime, request, path):
-    h, m = (HIDDEN, MLP) if not _disabled(request.config) else (256, 688)
-    tokens = TOKENS if not _disabled(request.config) else 64
+def test_block_prefetch_overlap(benchmark, runtime, timing, path):
+    h, m = (HIDDEN, MLP) if timing else (256, 688)
+    tokens = TOKENS if timing else 64
     sw = AidaptivParamSwapper(runtime)
     blocks, truth = _make_blocks(sw, h, m)
     S = _status()
@@ -202,7 +184,7 @@ def test_block_prefetch_overlap(benchmark, runtime, request, path):
     benchmark.group = "block swap-in with and without overlap (fp32, budget 0)"
     benchmark.extra_info.update(bytes_per_pass=BLOCKS * block_bytes if path != "compute_only" else 0,
                                 blocks=BLOCKS, tokens=tokens, hidden=h, mlp=m)
-    benchmark.pedantic(fn, rounds=5 if not _disabled(request.config) else 1, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(fn, rounds=5 if timing else 1, iterations=1, warmup_rounds=1)
     assert runtime.tier.held_bytes == 0  # budget 0: every release left DRAM
     if benchmark.stats is not None and path != "compute_only":
         benchmark.extra_info["gbps"] = BLOCKS * block_bytes / benchmark.stats.stats.median / 1e9

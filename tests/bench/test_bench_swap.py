@@ -22,16 +22,13 @@ default pytest's tmp dir under /tmp).
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from aidaptiv_ds.integration.config import AidaptivConfig
 from aidaptiv_ds.integration.gradients import GradientStore
 from aidaptiv_ds.integration.optimizer_swapper import AidaptivOptimizerSwapper
 from aidaptiv_ds.integration.param_swapper import AidaptivParamSwapper
-from aidaptiv_ds.integration.runtime import Runtime
 from aidaptiv_ds.io import alloc_aligned
 from aidaptiv_ds.io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 
@@ -40,21 +37,6 @@ pytestmark = pytest.mark.benchmark
 HIDDEN, MLP = 768, 2560
 BLOCKS = 4
 GROUPS = 4
-
-
-def _disabled(config) -> bool:
-    return config.getoption("benchmark_disable", False) and not config.getoption("benchmark_enable", False)
-
-
-@pytest.fixture
-def runtime(tmp_path):
-    """A budget-0 runtime on its own cache directory (closed and deleted afterwards)."""
-    base = os.environ.get("AIDAPTIV_BENCH_DIR") or str(tmp_path)
-    d = os.path.join(base, f"aidaptiv-bench-swap-{os.getpid()}")
-    os.makedirs(d, exist_ok=True)
-    rt = Runtime(AidaptivConfig(cache_paths=[d], dram_budget=0, run_name="bench"))
-    yield rt
-    rt.close()
 
 
 # ---------------------------------------------------------------------------- block swap-in
@@ -106,8 +88,8 @@ def _make_blocks(sw: AidaptivParamSwapper, dtype: torch.dtype, hidden: int, mlp:
 
 @pytest.mark.parametrize("path", ["swapper", "region_read"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_block_swap_in(benchmark, runtime, request, dtype, path):
-    hidden, mlp = (HIDDEN, MLP) if not _disabled(request.config) else (256, 688)
+def test_block_swap_in(benchmark, runtime, timing, dtype, path):
+    hidden, mlp = (HIDDEN, MLP) if timing else (256, 688)
     sw = AidaptivParamSwapper(runtime)
     blocks, truth = _make_blocks(sw, dtype, hidden, mlp)
     S = _status()
@@ -177,8 +159,8 @@ def _reference(masters, grads, passes: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("path", ["swapper", "io_only", "adam_only"])
-def test_optimizer_pipeline(benchmark, runtime, request, path):
-    numel = (1 << 20) if _disabled(request.config) else (4 << 20)
+def test_optimizer_pipeline(benchmark, runtime, timing, path):
+    numel = (1 << 20) if not timing else (4 << 20)
     masters, grads = _groups(numel)
     group_bytes = numel * 4 * 3  # master + exp_avg + exp_avg_sq, fp32
     benchmark.group = "optimizer sub-group pipeline"
