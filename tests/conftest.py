@@ -26,20 +26,68 @@ node id in :data:`SLOW_VARIANTS` with the covering test named; ``python -m pytes
 first: DeepSpeed JIT-builds a small comm op per process into the shared torch-extensions cache, and
 two ``ninja`` versions (the venv's and the system's) treat each other's build log as stale and
 rebuild it in turn (about a minute each), so every process must see the same one.
+
+**One torch-extensions directory, built before the first test.** On the CPU accelerator every
+``deepspeed.initialize`` (in ``init_distributed``) JIT-builds ``deepspeed_shm_comm`` into
+``$TORCH_EXTENSIONS_DIR`` under torch's ``FileBaton``: a ``lock`` file that a second process waits on
+*forever* while it exists. A build killed half-way (a test's subprocess timeout, a session ended
+mid-build) leaves that file behind, and every later DeepSpeed process of every later run then hangs
+until its test's timeout (seen: a CI run that did not finish in 90 minutes). So the session exports one
+directory per venv (:data:`EXT_DIR`, inherited by every child), and before the first test, holding an
+``flock`` that concurrent sessions share, removes a left-over ``lock`` and builds the op once in a
+child process of its own (about a minute the first time; a no-op after). No test then builds under
+a timeout.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import importlib.abc
 import multiprocessing.util
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 _BIN = os.path.dirname(sys.executable)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
+
+#: the session's torch-extensions directory, exported to every child (see the module docstring)
+EXT_DIR = os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+    tempfile.gettempdir(), "aidaptiv_ds_torch_extensions_" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]))
+#: DeepSpeed's op that every CPU-accelerator process JIT-builds at ``deepspeed.initialize``
+_PREBUILD = """
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+b = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if b is not None and deepspeed.ops.__compatible_ops__.get(b.NAME, False):
+    b.load(verbose=False)
+"""
+
+
+def _prebuild_extensions() -> None:
+    """Remove left-over FileBaton locks in :data:`EXT_DIR` and build DeepSpeed's comm op once."""
+    os.makedirs(EXT_DIR, exist_ok=True)
+    with open(os.path.join(EXT_DIR, ".aidaptiv_tests.flock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)        # other sessions build here only while holding it
+        for op in os.listdir(EXT_DIR):
+            stale = os.path.join(EXT_DIR, op, "lock")
+            if os.path.exists(stale):
+                print(f"tests/conftest.py: removing a left-over torch build lock {stale}", file=sys.stderr)
+                os.unlink(stale)
+        try:
+            r = subprocess.run([sys.executable, "-c", _PREBUILD], capture_output=True, text=True, timeout=1200)
+        except subprocess.TimeoutExpired:
+            print("tests/conftest.py: building deepspeed_shm_comm took over 20 minutes; tests that start "
+                  "DeepSpeed will build it themselves", file=sys.stderr)
+            return
+        if r.returncode != 0:
+            print(f"tests/conftest.py: building deepspeed_shm_comm failed (rc {r.returncode}); tests that start "
+                  f"DeepSpeed will report it:\n{r.stderr[-2000:]}", file=sys.stderr)
+
 
 TIERS = ("engine", "subprocess", "multirank", "benchmark")
 #: programs a library may run as a short probe inside a unit test (basename of argv[0])
@@ -132,6 +180,11 @@ class _EngineGuard(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def pytest_sessionstart(session):
+    if not session.config.option.collectonly:
+        _prebuild_extensions()
 
 
 def pytest_configure(config):

@@ -45,8 +45,7 @@ pytestmark = pytest.mark.subprocess  # every test here starts a child process (t
 STEPS = 5
 BASE = ["--model", "llama", "--dtype", "bf16", "--budget", "0", "--steps", str(STEPS)]
 TIMEOUT = 600
-EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-    "/tmp", "aidaptiv_ds_torch_extensions_" + __import__("hashlib").sha1(sys.prefix.encode()).hexdigest()[:10])
+from conftest import EXT_DIR  # noqa: E402  (one per venv, built before the first test)
 
 
 def _cmd(ws: int, args: list[str]) -> list[str]:

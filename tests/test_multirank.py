@@ -50,8 +50,7 @@ _ORACLE: dict[tuple, dict] = {}
 # without the venv on PATH rebuild the op in turn in the shared ~/.cache/torch_extensions (about a
 # minute each time on 2 cores). Our children get the venv's bin first on PATH and a build cache of
 # their own: built once, then reused.
-EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-    "/tmp", "aidaptiv_ds_torch_extensions_" + __import__("hashlib").sha1(sys.prefix.encode()).hexdigest()[:10])
+from conftest import EXT_DIR  # noqa: E402  (one per venv, built before the first test)
 BIN_DIR = os.path.dirname(sys.executable)
 
 

@@ -29,8 +29,7 @@ pytestmark = pytest.mark.subprocess  # every test here starts a child process (t
 SCRIPT = os.path.join(REPO, "tests", "scripts", "no_import_train.py")
 PTH = "aidaptiv_ds_autoload.pth"
 MODULE = "_aidaptiv_ds_autoload.py"
-EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-    "/tmp", "aidaptiv_ds_torch_extensions_" + __import__("hashlib").sha1(sys.prefix.encode()).hexdigest()[:10])
+from conftest import EXT_DIR  # noqa: E402  (one per venv, built before the first test)
 
 
 def _env(**extra) -> dict:

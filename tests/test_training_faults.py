@@ -64,8 +64,7 @@ ALIGN = 4096
 # DeepSpeed JIT-builds its shared-memory comm op in every process; the default cache is shared by every
 # Python environment of the user, which rebuild it in turn (minutes on 2 cores). One cache per environment,
 # the same as tests/test_multirank.py uses.
-EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-    "/tmp", "aidaptiv_ds_torch_extensions_" + __import__("hashlib").sha1(sys.prefix.encode()).hexdigest()[:10])
+from conftest import EXT_DIR  # noqa: E402  (one per venv, built before the first test)
 FIRST_CHUNK = 4 * MiB  # PackedRegion's first chunk; each next one a quarter of the capacity so far (>= 4 MiB)
 STEPS = 4
 ARGS = ["--model", "llama", "--dtype", "fp32", "--budget", "0", "--steps", str(STEPS)]
