@@ -68,16 +68,26 @@ if b is not None and deepspeed.ops.__compatible_ops__.get(b.NAME, False):
 """
 
 
+def clear_stale_build_locks(ext_dir: str) -> list[str]:
+    """Remove torch's ``FileBaton`` files (``<ext_dir>/<op>/lock``) and return their paths. Only safe
+    while no build runs there: the caller holds the session's ``flock`` and every build of the test
+    session happens under it (see the module docstring)."""
+    removed = []
+    for op in sorted(os.listdir(ext_dir)):
+        stale = os.path.join(ext_dir, op, "lock")
+        if os.path.isfile(stale):
+            os.unlink(stale)
+            removed.append(stale)
+    return removed
+
+
 def _prebuild_extensions() -> None:
     """Remove left-over FileBaton locks in :data:`EXT_DIR` and build DeepSpeed's comm op once."""
     os.makedirs(EXT_DIR, exist_ok=True)
     with open(os.path.join(EXT_DIR, ".aidaptiv_tests.flock"), "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)        # other sessions build here only while holding it
-        for op in os.listdir(EXT_DIR):
-            stale = os.path.join(EXT_DIR, op, "lock")
-            if os.path.exists(stale):
-                print(f"tests/conftest.py: removing a left-over torch build lock {stale}", file=sys.stderr)
-                os.unlink(stale)
+        for stale in clear_stale_build_locks(EXT_DIR):
+            print(f"tests/conftest.py: removed a left-over torch build lock {stale}", file=sys.stderr)
         try:
             r = subprocess.run([sys.executable, "-c", _PREBUILD], capture_output=True, text=True, timeout=1200)
         except subprocess.TimeoutExpired:

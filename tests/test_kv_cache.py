@@ -2,6 +2,7 @@
 DRAM and from the drive after a reopen, budgets and eviction, ledger, checksums, fingerprints, crashes."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -10,8 +11,8 @@ import warnings
 
 import pytest
 import torch
-
 from _oracle import REPO, SHARED, STORIES
+
 from aidaptiv_ds.inference import KVCacheMismatchError, KVCacheWarning, KVLayout, PrefixKVCache
 from aidaptiv_ds.inference.block_store import KVBlockStore, namespace
 from aidaptiv_ds.inference.hashing import block_hashes, chain_root
@@ -110,7 +111,8 @@ def test_greedy_output_identical_with_the_cache(stories, tmp_path, dtype):
     full blocks (144 tokens) from DRAM; after a reopen the first loads them from the drive. Every output is
     token-identical to plain ``generate`` of the same model in the same dtype."""
     model, tok = stories
-    model = model.to(dtype)
+    # nn.Module.to converts in place: a copy, or the module's shared model stays bf16 for the later tests
+    model = copy.deepcopy(model).to(dtype)
     try:
         _, ps = prompts()
         refs = [plain(model, p) for p in ps]
@@ -295,13 +297,7 @@ kv.generate(m, {b}, max_new_tokens=2)
 def test_a_process_killed_mid_commit_leaves_a_usable_cache(stories, tmp_path):
     """Kill the process after a commit's blocks were written but before its indexes were saved (the capacity
     forces evictions into that commit): the reopened cache serves the durable prompt and frees the rest."""
-    from transformers import AutoModelForCausalLM
-
-    # a fresh copy of the weights, as the killed child loaded them: with the module's shared model (used by
-    # the earlier tests of this file) the fingerprint differed from the child's when the whole file ran
-    # (not when this test ran alone); open question, see the issue-13 note
-    _, tok = stories
-    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    model, tok = stories
     lay = KVLayout.from_model_config(model.config, torch.float32, B)
     ext = -(-lay.block_nbytes // 4096) * 4096
     a = prompts(n_ctx=150, n=1, seed=1)[1][0]

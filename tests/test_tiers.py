@@ -63,3 +63,18 @@ def test_every_slow_variant_still_exists():
         for part in param.rstrip("]").split("-") if param else []:
             if any(ch.isalpha() for ch in part):  # computed numeric ids (a budget) are not spelled in the file
                 assert part in text, f"{nodeid}: parameter {part!r} not found in {path}"
+
+
+def test_a_left_over_build_lock_is_removed_and_a_build_is_kept(tmp_path):
+    """A torch build killed half-way leaves ``<op>/lock``, on which every later build of that op waits
+    forever; the session removes it before its own build and leaves the build's outputs alone."""
+    from conftest import EXT_DIR, clear_stale_build_locks
+
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == EXT_DIR  # exported to every child of the session
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").write_text("")
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"\0")
+    (tmp_path / "async_io").mkdir()
+    assert clear_stale_build_locks(str(tmp_path)) == [str(tmp_path / "deepspeed_shm_comm" / "lock")]
+    assert sorted(os.listdir(tmp_path / "deepspeed_shm_comm")) == ["deepspeed_shm_comm.so"]
+    assert clear_stale_build_locks(str(tmp_path)) == []
