@@ -8,6 +8,8 @@ and keeps the builtin base it had, so ``except ValueError`` / ``except OSError``
     │   └── UnsupportedDeepSpeedError          another DeepSpeed than 0.19.8   (integration/hooks.py)
     ├── DeepSpeedContractError (RuntimeError)  DeepSpeed called us outside docs/deepspeed-seams.md
     │                                          (integration/errors.py)
+    ├── StaleBuildLockError (RuntimeError)     a torch build lock left by a killed build, on which
+    │                                          DeepSpeed would wait forever (integration/build_locks.py)
     ├── StorageError (RuntimeError)            cache drives                         (io/errors.py)
     │   ├── StorageIOError (OSError)           a read/write failed after retries: path, offset, errno
     │   ├── StorageFullError                   not enough space: path, bytes needed, bytes free
@@ -34,7 +36,8 @@ bug in the caller (a range outside an extent, a released slice released again), 
 
 Warnings derive from :class:`AidaptivWarning` (``warnings.filterwarnings(..., category=...)``):
 ``BudgetWarning`` (a ``dram_budget`` above the memory available now), ``KVCacheWarning`` (a KV
-cache ignored or a block dropped), ``DirectIOFallbackWarning``, ``LedgerWarning``.
+cache ignored or a block dropped), ``DirectIOFallbackWarning``, ``LedgerWarning``,
+``BuildLockWarning`` (an old build lock whose owner could not be checked).
 
 This module imports nothing, so ``import aidaptiv_ds`` stays cheap; the other kinds are reachable as
 ``aidaptiv_ds.<Name>`` on first access (:mod:`aidaptiv_ds` resolves them lazily).
@@ -63,6 +66,8 @@ LOCATIONS = {
     "AidaptivConfigError": "aidaptiv_ds.errors",
     "UnsupportedDeepSpeedError": "aidaptiv_ds.integration.hooks",
     "DeepSpeedContractError": "aidaptiv_ds.integration.errors",
+    "StaleBuildLockError": "aidaptiv_ds.integration.build_locks",
+    "BuildLockWarning": "aidaptiv_ds.integration.build_locks",
     "StorageError": "aidaptiv_ds.io.errors",
     "StorageIOError": "aidaptiv_ds.io.errors",
     "StorageFullError": "aidaptiv_ds.io.errors",

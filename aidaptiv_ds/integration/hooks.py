@@ -70,7 +70,10 @@ def _validate_if_enabled(config, training: bool | None = None):
     ds = load_ds_dict(config)
     if section_enabled(ds):
         _check_version()
-        return validate(ds, training=training)
+        cfg = validate(ds, training=training)
+        from .build_locks import check_build_locks
+        check_build_locks()  # before DeepSpeed's JIT builds wait on a left-over lock forever
+        return cfg
     return None
 
 
@@ -122,7 +125,6 @@ def install() -> bool:
         if active:
             import deepspeed.runtime.zero.parameter_offload as po
             import deepspeed.runtime.zero.stage3 as s3
-
             from deepspeed.runtime.engine import DeepSpeedEngine
 
             from . import checkpointing, inference, prefetch
@@ -155,7 +157,6 @@ def uninstall() -> None:
         if _STATE.get("active"):
             import deepspeed.runtime.zero.parameter_offload as po
             import deepspeed.runtime.zero.stage3 as s3
-
             from deepspeed.runtime.engine import DeepSpeedEngine
 
             from . import checkpointing, inference, prefetch
