@@ -118,3 +118,14 @@ def test_deepspeed_initialize_with_the_section_refuses_before_building(tmp_path,
     m = torch.nn.Linear(4, 4)
     with pytest.raises(StaleBuildLockError, match="deepspeed_shm_comm"):
         deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+
+
+def test_a_lock_released_while_checking_is_not_refused(tmp_path, monkeypatch):
+    """The build that owned an old lock can end between the scan and the refusal (its ninja exits
+    milliseconds before the lock goes): the check looks once more before it raises."""
+    from aidaptiv_ds.integration import build_locks
+
+    root = tmp_path / "ext"
+    path = _lock(root, "deepspeed_shm_comm", 3600)
+    monkeypatch.setattr(build_locks.time, "sleep", lambda _s: os.unlink(path))
+    check_build_locks(str(root), proc=_proc(tmp_path, {"1": "/"}))

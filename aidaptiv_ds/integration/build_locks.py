@@ -33,6 +33,8 @@ from ..errors import AidaptivError, AidaptivWarning
 
 #: a lock this old (seconds) with no build running in its directory is left over from a killed build
 STALE_AFTER_S = 120.0
+#: seconds to wait before looking at a stale-looking lock again
+RECHECK_S = 0.5
 
 
 class StaleBuildLockError(AidaptivError, RuntimeError):
@@ -106,7 +108,8 @@ def _working_dirs(proc: str = "/proc") -> tuple[set[str], bool]:
             continue
         except OSError:
             argv0 = b""
-        if not argv0 or os.path.basename(os.fsdecode(argv0)).split()[0] in BUILD_TOOLS:
+        name = os.path.basename(os.fsdecode(argv0)).split(maxsplit=1)[:1]
+        if not name or name[0] in BUILD_TOOLS:
             complete = False
     return dirs, complete
 
@@ -146,6 +149,10 @@ def check_build_locks(root: str | None = None, older_than_s: float = STALE_AFTER
     """
     for lock in find_build_locks(root, proc=proc):
         if lock.age_s < older_than_s or lock.building:
+            continue
+        # a build that just ended releases its lock milliseconds after ninja exits: look once more
+        time.sleep(RECHECK_S)
+        if not os.path.exists(lock.path):
             continue
         what = (f"torch extension build lock {lock.path} is {lock.age_s / 60:.0f} minutes old and no build of "
                 f"{lock.op} is running")
