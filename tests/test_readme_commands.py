@@ -46,8 +46,8 @@ RULES = [
      "cache drive"),
     (r"^launch/gpu_wheels\.sh$", "skip", "downloads wheels and .debs from the package index (network) for the "
      "GPU machine"),
-    (r"^python launch/(compare|large_model|memory_sweep)\.py ", "skip", "a benchmark (minutes to hours, DeepSpeed's aio built) "
-     "whose figures the README quotes"),
+    (r"^python launch/(compare|large_model|memory_sweep|bench_ttft|bench_zero_inference)\.py ", "skip",
+     "a benchmark (minutes to hours, DeepSpeed's aio built) whose figures the README quotes"),
 ]
 
 
