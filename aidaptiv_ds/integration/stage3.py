@@ -22,7 +22,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..io.buffers import round_up
-from ..planner.auto import RANK_OVERHEAD_BYTES, host_working_set
+from ..planner.auto import RANK_OVERHEAD_BYTES, deepspeed_cpu_rank_bytes, host_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
@@ -143,6 +143,18 @@ def make_stage3_class(base: type) -> type:
                         return s
             return None
 
+        def _aidaptiv_deepspeed_cpu_bytes(self, module_params) -> int:
+            """DeepSpeed's own working set in host memory on a CPU rank (0 on an accelerator, where it is
+            VRAM): :func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes` from this engine's knobs."""
+            if get_accelerator().device_name() != "cpu":
+                return 0
+            offload = getattr(self, "parameter_offload", None)
+            max_live = getattr(offload, "_max_available_parameters_in_numel", 0) or 0
+            model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
+            return deepspeed_cpu_rank_bytes(max_live, model_numel, self.dtype.itemsize,
+                                            int(getattr(self, "reduce_bucket_size", 0) or 0),
+                                            self.gradient_accumulation_dtype.itemsize)
+
         def _aidaptiv_plan(self) -> None:
             """Choose what stays in DRAM, build the gradient store, preflight the store for the rest,
             load resident parameters.
@@ -177,6 +189,7 @@ def make_stage3_class(base: type) -> type:
                 largest_subgroup_numel=max(numels, default=0),
                 moment_bytes_per_param=sw.elsize * sw.expected_states,
                 local_ranks=1, grad_window_bytes=grad_window)
+            ws += self._aidaptiv_deepspeed_cpu_bytes(module_params)
             if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
                 held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
                 rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))

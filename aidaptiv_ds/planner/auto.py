@@ -22,6 +22,12 @@ host's), so what the plan promises is what the runtime does:
   The 3 sub-group buffers are the optimizer pipeline of design.md step 4 (read i+1, update i,
   write i-1); the 3 GiB overhead is an allowance for the torch/CUDA/DeepSpeed process itself;
   check it against the peak RSS that the metrics record and pass the measured figure.
+* on CPU ranks also DeepSpeed's own working set (:func:`deepspeed_cpu_rank_bytes`), which a GPU
+  would hold in VRAM: the gathered parameters DeepSpeed keeps live (``stage3_max_live_parameters``,
+  at most the model) and its gradient reduce bucket (``reduce_bucket_size``). With DeepSpeed's
+  defaults (1e9 and 5e8 elements) that is up to 6 GB in fp32, outside any budget of ours: left out,
+  a 2.7B fp32 Llama at ``"auto"`` took an 8.8 GiB budget on this 23.5 GiB machine and ran out of
+  memory in step 2 (peak RSS 20.7 GiB).
 * what stays in DRAM: :func:`aidaptiv_ds.planner.residency.plan_residency` (gradients, then
   parameters, then optimizer sub-groups), unchanged;
 * prefetch (:func:`prefetch_bytes_from_budget`): the budget left after residency
@@ -153,6 +159,25 @@ def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel:
     per_rank = (rank_overhead_bytes + PARAM_STAGING_SLICES * largest_slice_partition_bytes
                 + OPTIMIZER_PIPELINE_DEPTH * per_sg + int(grad_window_bytes))
     return int(local_ranks) * int(per_rank)
+
+
+def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_per_elem: int,
+                             reduce_bucket_numel: int, grad_bytes_per_elem: int) -> int:
+    """Host bytes of DeepSpeed's own ZeRO-3 working set on a CPU rank (module docstring).
+
+    Args:
+        max_live_numel: ``stage3_max_live_parameters`` (elements gathered at once, DeepSpeed's bound
+            on ``__n_available_params``, ``partitioned_param_coordinator.py:453``).
+        model_numel: parameters of the model (no more than the model can be live).
+        param_bytes_per_elem: bytes of a gathered parameter element (the model dtype).
+        reduce_bucket_numel: ``reduce_bucket_size`` (elements of the gradient bucket, ``stage3.py:387``).
+        grad_bytes_per_elem: bytes of a bucket element (the gradient dtype).
+
+    Returns:
+        ``min(max_live, model) x param bytes + reduce_bucket x grad bytes``.
+    """
+    return (min(int(max_live_numel), int(model_numel)) * int(param_bytes_per_elem)
+            + int(reduce_bucket_numel) * int(grad_bytes_per_elem))
 
 
 @dataclasses.dataclass
