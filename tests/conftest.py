@@ -69,15 +69,16 @@ if b is not None and deepspeed.ops.__compatible_ops__.get(b.NAME, False):
 
 
 def clear_stale_build_locks(ext_dir: str) -> list[str]:
-    """Remove torch's ``FileBaton`` files (``<ext_dir>/<op>/lock``) and return their paths. Only safe
-    while no build runs there: the caller holds the session's ``flock`` and every build of the test
-    session happens under it (see the module docstring)."""
+    """Remove torch's ``FileBaton`` files in ``ext_dir`` that no running build owns (found by the product's
+    own scan, :func:`aidaptiv_ds.integration.build_locks.find_build_locks`, at any age: the session holds
+    the ``flock`` under which all its builds run) and return their paths."""
+    from aidaptiv_ds.integration.build_locks import find_build_locks
+
     removed = []
-    for op in sorted(os.listdir(ext_dir)):
-        stale = os.path.join(ext_dir, op, "lock")
-        if os.path.isfile(stale):
-            os.unlink(stale)
-            removed.append(stale)
+    for lock in find_build_locks(ext_dir):
+        if lock.building is not True:
+            os.unlink(lock.path)
+            removed.append(lock.path)
     return removed
 
 
