@@ -294,4 +294,3 @@ def test_deepspeed_refuses_malformed_configs_in_process(cache, data):
     with pytest.raises(AidaptivConfigError) as e2:
         deepspeed.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(ds))
     assert str(e1.value) == str(e2.value) == msg
-

@@ -113,24 +113,21 @@ def test_greedy_output_identical_with_the_cache(stories, tmp_path, dtype):
     model, tok = stories
     # nn.Module.to converts in place: a copy, or the module's shared model stays bf16 for the later tests
     model = copy.deepcopy(model).to(dtype)
-    try:
-        _, ps = prompts()
-        refs = [plain(model, p) for p in ps]
-        with open_cache(tmp_path, model, tok) as kv:
-            got = [kv.generate(model, p, max_new_tokens=12) for p in ps]
-        assert [g.kv_source for g in got] == ["computed", "dram", "dram"]
-        assert [g.prefix_tokens_reused for g in got] == [0, 144, 144]
-        assert got[0].blocks_written == len(ps[0]) // B
-        for r, g in zip(refs, got):
-            assert torch.equal(r, g.sequences)
-        with open_cache(tmp_path, model, tok) as kv:  # a new process sees the same directory
-            again = kv.generate(model, ps[0], max_new_tokens=12)
-            st = kv.stats()
-        assert again.kv_source == "drive" and again.prefix_tokens_reused == (len(ps[0]) - 1) // B * B
-        assert torch.equal(refs[0], again.sequences)
-        assert st.blocks_from_drive == (len(ps[0]) - 1) // B and st.bytes_written == 0  # a hit writes nothing
-    finally:
-        model.float()
+    _, ps = prompts()
+    refs = [plain(model, p) for p in ps]
+    with open_cache(tmp_path, model, tok) as kv:
+        got = [kv.generate(model, p, max_new_tokens=12) for p in ps]
+    assert [g.kv_source for g in got] == ["computed", "dram", "dram"]
+    assert [g.prefix_tokens_reused for g in got] == [0, 144, 144]
+    assert got[0].blocks_written == len(ps[0]) // B
+    for r, g in zip(refs, got):
+        assert torch.equal(r, g.sequences)
+    with open_cache(tmp_path, model, tok) as kv:  # a new process sees the same directory
+        again = kv.generate(model, ps[0], max_new_tokens=12)
+        st = kv.stats()
+    assert again.kv_source == "drive" and again.prefix_tokens_reused == (len(ps[0]) - 1) // B * B
+    assert torch.equal(refs[0], again.sequences)
+    assert st.blocks_from_drive == (len(ps[0]) - 1) // B and st.bytes_written == 0  # a hit writes nothing
 
 
 @needs_stories
