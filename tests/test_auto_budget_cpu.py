@@ -1,20 +1,61 @@
 """``dram_budget: "auto"`` on a CPU rank leaves room for DeepSpeed's own working set (gathered parameters up
-to ``stage3_max_live_parameters``, the ``reduce_bucket_size`` gradient bucket), which a GPU would hold in VRAM
-(aidaptiv_ds/planner/auto.py, ``deepspeed_cpu_rank_bytes``)."""
+to ``stage3_max_live_parameters``, the ``reduce_bucket_size`` gradient bucket and the two copies of it its
+reduce-scatter makes), which a GPU would hold in VRAM (aidaptiv_ds/planner/auto.py, ``deepspeed_cpu_rank_bytes``)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from aidaptiv_ds.planner.auto import deepspeed_cpu_rank_bytes
+from aidaptiv_ds.planner.auto import REDUCE_PATH_COPIES, deepspeed_cpu_rank_bytes
 from aidaptiv_ds.ports import free_port
+from conftest import EXT_DIR
 
 
 def test_the_formula_caps_live_parameters_at_the_model():
-    # DeepSpeed's defaults on a 2.7B fp32 model: 1e9 live elements (4 GB) + a 5e8-element fp32 bucket (2 GB)
-    assert deepspeed_cpu_rank_bytes(10**9, 2_700_000_000, 4, 5 * 10**8, 4) == 6 * 10**9
-    # a model smaller than the live bound: all of it, once
-    assert deepspeed_cpu_rank_bytes(10**9, 1000, 2, 10, 2) == 2020
+    # DeepSpeed's defaults on a 2.7B fp32 model: 1e9 live elements (4 GB) + three 5e8-element fp32 buckets (6 GB)
+    assert deepspeed_cpu_rank_bytes(10**9, 2_700_000_000, 4, 5 * 10**8, 4) == 10 * 10**9
+    # a model smaller than the live bound: all of it, once; a bucket smaller than the model: three of it
+    assert deepspeed_cpu_rank_bytes(10**9, 1000, 2, 10, 2) == 2000 + 3 * 10 * 2
+    # a bucket larger than the model holds the model's gradients at most (torch.empty pages never touched)
+    assert deepspeed_cpu_rank_bytes(10, 1000, 2, 10**6, 2) == 20 + 3 * 1000 * 2
+
+
+_REDUCE_PROBE = r"""
+import os, sys, torch
+import deepspeed.comm as dist
+from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+dist.init_distributed("gloo", rank=0, world_size=1, auto_mpi_discovery=False)
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+n = int(sys.argv[1])
+bucket = torch.ones(n)                   # DeepSpeed's ipg bucket, filled by backward
+grads = [bucket[i * (n // 4):(i + 1) * (n // 4)] for i in range(4)]   # the parameters' gradients: views of it
+open("/proc/self/clear_refs", "w").write("5")  # peak RSS := RSS now
+before = hwm()
+out = reduce_scatter_coalesced(grads, dist.get_world_group())
+print((hwm() - before) / (n * 4))
+"""
+
+
+@pytest.mark.subprocess
+def test_deepspeeds_cpu_reduce_path_holds_two_more_buckets(tmp_path):
+    """The constant behind ``REDUCE_PATH_COPIES``: on a CPU rank DeepSpeed's ``reduce_scatter_coalesced`` (what
+    ``__avg_scatter_grads`` calls for each full bucket) raises the peak RSS by two buckets beyond the bucket
+    itself (its ``torch.cat`` of the interleaved partitions, and gloo's reduce-scatter buffer). Measured with
+    the kernel's peak-RSS counter reset just before the call, so it is a count of touched pages, not a timing."""
+    import subprocess
+    import sys
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TORCH_EXTENSIONS_DIR=EXT_DIR)
+    n = 64 << 20  # a 256 MiB fp32 bucket: large against the allocator's noise
+    out = subprocess.run([sys.executable, "-c", _REDUCE_PROBE, str(n)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    extra_buckets = float(out.stdout.strip().splitlines()[-1])
+    assert extra_buckets == pytest.approx(REDUCE_PATH_COPIES - 1, abs=0.1)
 
 
 @pytest.mark.engine
@@ -29,8 +70,10 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
     real = stage3.auto_dram_budget
     monkeypatch.setattr(stage3, "auto_dram_budget", lambda working_set_bytes=0: seen.append(working_set_bytes)
                         or real(working_set_bytes=working_set_bytes))
-    # our own working set out of the way (0), so what the budget is cut by is DeepSpeed's alone
-    monkeypatch.setattr(stage3, "host_working_set", lambda **_kw: 0)
+    # our own windows out of the way (0), so what the budget is cut by is DeepSpeed's alone
+    monkeypatch.setattr(stage3, "cpu_rank_working_set",
+                        lambda **kw: {"baseline": 0, "backward": kw["deepspeed_bytes"], "optimizer": 0,
+                                      "total": kw["deepspeed_bytes"]})
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)
@@ -50,7 +93,7 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
         numel = sum(p.ds_numel for p in engine.module.parameters())
         mine = engine.optimizer._aidaptiv_deepspeed_cpu_bytes(list(engine.module.parameters()))
         assert mine == deepspeed_cpu_rank_bytes(max_live, numel, 4, bucket, 4)
-        assert mine == (numel * 4 + bucket * 4 if max_live >= numel else max_live * 4 + bucket * 4)
+        assert mine == min(max_live, numel) * 4 + 3 * min(bucket, numel) * 4
         assert seen == [mine]  # nothing held in DRAM yet when the budget is cut: exactly DeepSpeed's share
     finally:
         rt = engine.optimizer._aidaptiv_rt

@@ -22,12 +22,31 @@ host's), so what the plan promises is what the runtime does:
   The 3 sub-group buffers are the optimizer pipeline of design.md step 4 (read i+1, update i,
   write i-1); the 3 GiB overhead is an allowance for the torch/CUDA/DeepSpeed process itself;
   check it against the peak RSS that the metrics record and pass the measured figure.
+* a CPU rank (:func:`cpu_rank_working_set`) has no CUDA context and holds what a GPU would hold, so
+  its working set is measured by phase instead::
+
+      per rank = baseline (0.8 GiB) + max(forward/backward, optimizer)
+      forward/backward = read-ahead window + gradient window + DeepSpeed's working set + activations
+      optimizer        = the 3 largest sub-groups x (4 B master + moment B + 4 B gradient) per element
+
+  The baseline is the measured RSS of a CPU rank once ``deepspeed.initialize`` has returned with all
+  state offloaded (0.73 GiB here: interpreter, torch, DeepSpeed, transformers, the module objects).
+  The phases do not stack: the read-ahead and DeepSpeed's gathered parameters and reduce buckets
+  are released as backward ends, before the optimizer pipeline fills (measured on three fp32 Llama
+  sizes, 42M-169M parameters, budget 0: the sum over-counts by 40-55 %, the maximum is within
+  15 %; ``launch/memory_sweep.py --plan``, ``tests/test_plan_host_vs_rss.py``).
 * on CPU ranks also DeepSpeed's own working set (:func:`deepspeed_cpu_rank_bytes`), which a GPU
   would hold in VRAM: the gathered parameters DeepSpeed keeps live (``stage3_max_live_parameters``,
-  at most the model) and its gradient reduce bucket (``reduce_bucket_size``). With DeepSpeed's
-  defaults (1e9 and 5e8 elements) that is up to 6 GB in fp32, outside any budget of ours: left out,
-  a 2.7B fp32 Llama at ``"auto"`` took an 8.8 GiB budget on this 23.5 GiB machine and ran out of
-  memory in step 2 (peak RSS 20.7 GiB).
+  at most the model) and its gradient reduce path: the ``reduce_bucket_size`` bucket and, while a
+  bucket is reduced, two transient copies of it (``reduce_scatter_coalesced`` interleaves the
+  bucket's partitions into a new flat tensor with ``torch.cat``, and gloo's reduce-scatter works
+  on a buffer of its own; measured: a 1 GiB bucket raises the peak RSS by 2.00 GiB,
+  ``tests/test_auto_budget_cpu.py``), so ``REDUCE_PATH_COPIES`` = 3 buckets. With DeepSpeed's
+  defaults (1e9 and 5e8 elements) that is up to 10 GB in fp32, outside any budget of ours: the
+  gathered parameters and the bucket left out, a 2.7B fp32 Llama at ``"auto"`` took an 8.8 GiB
+  budget on this 23.5 GiB machine and ran out of memory in step 2 (peak RSS 20.7 GiB); with one
+  bucket counted instead of three, it peaked 4-5 GiB above step 1 inside the reduce-scatter of
+  step 2's backward.
 * what stays in DRAM: :func:`aidaptiv_ds.planner.residency.plan_residency` (gradients, then
   parameters, then optimizer sub-groups), unchanged;
 * prefetch (:func:`prefetch_bytes_from_budget`): the budget left after residency
@@ -46,9 +65,13 @@ from .residency import ResidencyPlan, StateSizes, plan_residency
 MIN_FREE_BYTES = 4 * GiB
 FREE_FRACTION = 0.10
 RANK_OVERHEAD_BYTES = 3 * GiB
+#: RSS of a CPU rank after ``deepspeed.initialize`` with every state offloaded (module docstring)
+CPU_RANK_BASELINE_BYTES = int(0.8 * GiB)
 OPTIMIZER_PIPELINE_DEPTH = 3
 PARAM_STAGING_SLICES = 2
 GRAD_BYTES_PER_PARAM = 4
+#: reduce buckets live at once on a CPU rank while DeepSpeed reduces one (module docstring)
+REDUCE_PATH_COPIES = 3
 MASTER_BYTES_PER_PARAM = 4
 
 
@@ -161,6 +184,30 @@ def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel:
     return int(local_ranks) * int(per_rank)
 
 
+def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
+                         activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
+                         baseline_bytes: int = CPU_RANK_BASELINE_BYTES) -> dict:
+    """Host memory (bytes) one CPU rank needs besides the DRAM budget, by phase (module docstring).
+
+    Args:
+        readahead_bytes: the parameter read-ahead window (``Runtime.prefetch_bytes``: at least 256 MiB).
+        grad_window_bytes: gradient accumulation slices open at once (2 x the largest sub-group's slice).
+        deepspeed_bytes: DeepSpeed's own ZeRO-3 working set on a CPU rank (:func:`deepspeed_cpu_rank_bytes`).
+        activation_bytes: activations of one micro-batch (0 where the sequence length is not known yet).
+        subgroup_numels: elements of each of the rank's optimizer sub-groups (the pipeline holds the 3 largest).
+        moment_bytes_per_param: optimizer state bytes per element (8 for Adam's two fp32 moments).
+        baseline_bytes: the process itself (:data:`CPU_RANK_BASELINE_BYTES`).
+
+    Returns:
+        ``{"baseline", "backward", "optimizer", "total"}``, bytes; ``total = baseline + max(backward, optimizer)``.
+    """
+    backward = int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
+    in_flight = sorted((int(n) for n in subgroup_numels), reverse=True)[:OPTIMIZER_PIPELINE_DEPTH]
+    optimizer = sum(in_flight) * (MASTER_BYTES_PER_PARAM + int(moment_bytes_per_param) + GRAD_BYTES_PER_PARAM)
+    return {"baseline": int(baseline_bytes), "backward": backward, "optimizer": optimizer,
+            "total": int(baseline_bytes) + max(backward, optimizer)}
+
+
 def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_per_elem: int,
                              reduce_bucket_numel: int, grad_bytes_per_elem: int) -> int:
     """Host bytes of DeepSpeed's own ZeRO-3 working set on a CPU rank (module docstring).
@@ -174,10 +221,11 @@ def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_
         grad_bytes_per_elem: bytes of a bucket element (the gradient dtype).
 
     Returns:
-        ``min(max_live, model) x param bytes + reduce_bucket x grad bytes``.
+        ``min(max_live, model) x param bytes + REDUCE_PATH_COPIES x min(reduce_bucket, model) x grad bytes``
+        (a bucket never holds more than the model's gradients).
     """
     return (min(int(max_live_numel), int(model_numel)) * int(param_bytes_per_elem)
-            + int(reduce_bucket_numel) * int(grad_bytes_per_elem))
+            + REDUCE_PATH_COPIES * min(int(reduce_bucket_numel), int(model_numel)) * int(grad_bytes_per_elem))
 
 
 @dataclasses.dataclass
