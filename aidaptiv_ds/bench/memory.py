@@ -43,6 +43,23 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: int | None = None) -> dict:
+    """What ``aidaptiv-ds plan --cpu-ranks`` says one CPU rank of this run needs besides a DRAM budget of 0
+    (:func:`aidaptiv_ds.planner.plan.cpu_rank_host_bytes`: the baseline plus the larger of the backward
+    and optimizer phases), for the shape and DeepSpeed knobs the sweep's worker runs with; bytes by part."""
+    from ..planner.model_size import shape_from_config
+    from ..planner.plan import DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_REDUCE_BUCKET_SIZE, CacheDrive, PlanInput, make_plan
+    hf = shape.hf_config().to_dict()
+    inp = PlanInput(shape=shape_from_config(hf, describe(shape)), gpus=1, vram=0, dram=int(ram_bytes or 64 * GiB),
+                    drives=[CacheDrive(capacity=1 << 50)], dram_budget=0, micro_batch=settings.micro_batch,
+                    seq_len=settings.seq, dtype=settings.dtype, activation_checkpointing=False,
+                    sub_group_size=int(settings.sub_group_size), cpu_ranks=True,
+                    gradient_clipping=float(settings.clip),
+                    max_live_parameters=int(settings.max_live_parameters or DEEPSPEED_MAX_LIVE_PARAMETERS),
+                    reduce_bucket_size=int(settings.reduce_bucket_size or DEEPSPEED_REDUCE_BUCKET_SIZE))
+    return dict(make_plan(inp).cpu_rank_host)
+
+
 def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[str], steps: int = 3,
           work_dir: str = "/tmp/aidaptiv_memory", seed: int = 0, aio: str = "python", build_aio: bool = False,
           extensions_dir: str | None = None, timeout_s: float = 3600, build_under_zero_init: bool = False,
@@ -78,6 +95,7 @@ def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[s
                            "dram_tier_peak_bytes": max((s.get("dram_tier_bytes") or 0 for s in res.get("steps", [])),
                                                        default=None),
                            "median_step_s": _median([s["wall_s"] for s in res.get("steps", [])[1:]]),
+                           "planned_host": planned_host_bytes(shape, settings) if b == "aidaptiv0" else None,
                            "error": None if res.get("ok") else res.get("error")})
     fits = {}
     for b in backends:
@@ -116,6 +134,12 @@ def format_table(result: dict) -> str:
             else:
                 cells.append(f"{p['peak_rss_steps_bytes'] / GiB:.2f} GiB")
         lines.append(f"| {n / 1e6:.1f}M | " + " | ".join(cells) + " |")
+    planned = [p for p in result["points"] if p.get("planned_host") and p["ok"]]
+    if planned:
+        lines.append("| planned (budget 0) | " + " | ".join(
+            ", ".join(f"{p['n_params'] / 1e6:.0f}M {p['planned_host']['total'] / GiB:.2f} GiB "
+                      f"({p['peak_rss_steps_bytes'] / p['planned_host']['total'] - 1:+.0%})" for p in planned)
+            if b == "aidaptiv0" else "" for b in backends) + " |")
     fits = result["fits"]
     lines.append("| **slope, B/param** | " + " | ".join(
         f"**{fits[b]['bytes_per_param']:.2f}**" if b in fits else "n/a" for b in backends) + " |")

@@ -19,6 +19,8 @@ import os
 from ..planner.model_size import load_model_shape, nearest_preset
 from ..planner.plan import (
     DEFAULT_READ_GBPS,
+    DEEPSPEED_MAX_LIVE_PARAMETERS,
+    DEEPSPEED_REDUCE_BUCKET_SIZE,
     DEFAULT_SUB_GROUP_SIZE,
     DEFAULT_WRITE_GBPS,
     MOMENT_BYTES,
@@ -122,6 +124,12 @@ def register(subparsers) -> None:
                    help="the ranks train on the CPU (DeepSpeed's CPU accelerator), N per node (default: --gpus if "
                         "given, else 1); no GPU flags needed: activations and gathered slices are host memory, and "
                         "there is no VRAM check")
+    p.add_argument("--max-live-parameters", type=float, default=DEEPSPEED_MAX_LIVE_PARAMETERS,
+                   help="DeepSpeed's stage3_max_live_parameters in elements (default 1e9, DeepSpeed's): host memory "
+                        "on CPU ranks")
+    p.add_argument("--reduce-bucket-size", type=float, default=DEEPSPEED_REDUCE_BUCKET_SIZE,
+                   help="DeepSpeed's reduce_bucket_size in elements (default 5e8, DeepSpeed's): three buckets of "
+                        "host memory on CPU ranks while one is reduced")
     p.add_argument("--gradient-clipping", type=float, default=0.0,
                    help="DeepSpeed's gradient_clipping (default 0: off; HF Trainer's default is 1.0): with it on, "
                         "steps inside backward keep their gradients until the norm is known")
@@ -202,7 +210,8 @@ def plan_input_from_args(args) -> PlanInput:
         dropout=args.dropout, sub_group_size=int(args.sub_group_size),
         gpu_flops=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
-        step_time_s=args.step_time, cpu_ranks=cpu_ranks, gradient_clipping=args.gradient_clipping,
+        step_time_s=args.step_time, cpu_ranks=cpu_ranks,
+        max_live_parameters=int(args.max_live_parameters), reduce_bucket_size=int(args.reduce_bucket_size), gradient_clipping=args.gradient_clipping,
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward], assumed=assumed)
 
 
@@ -251,7 +260,10 @@ def format_plan(p: CapacityPlan) -> str:
            f"{_dec(d['working_set_bytes'])}"
     if cpu:
         c = p.cpu_rank_host
-        host += f" (incl. gathered slices and activations {_dec(c['compute'] * p.local_ranks)})"
+        host += (f" (per CPU rank: baseline {_dec(c['baseline'])} + the larger of backward {_dec(c['backward'])} "
+                 f"[DeepSpeed's gathered parameters and reduce buckets {_dec(c['deepspeed'])}, activations "
+                 f"{_dec(c['activations'])}, read-ahead {_dec(c['readahead'])}, gradient window] and optimizer "
+                 f"pipeline {_dec(c['optimizer'])})")
     host += f", budget {_dec(d['budget_bytes'])} ({_dec(d['per_rank_bytes'])}/rank)"
     sib = (f"inside backward (a second copy of the state on the drives, {_dec(r['shadow_bytes'])}"
            + ("; gradients consumed at once, never written)" if not i.get("gradient_clipping")

@@ -22,7 +22,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..io.buffers import round_up
-from ..planner.auto import RANK_OVERHEAD_BYTES, deepspeed_cpu_rank_bytes, host_working_set
+from ..planner.auto import (RANK_OVERHEAD_BYTES, cpu_rank_working_set, deepspeed_cpu_rank_bytes,
+                            host_working_set)
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
@@ -184,12 +185,21 @@ def make_stage3_class(base: type) -> type:
                                                      for group in self.fp16_groups],
                                subgroup_grad_bytes=grad_slices)
             grad_window = 2 * max(grad_slices, default=0)
-            ws = host_working_set(
-                largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
-                largest_subgroup_numel=max(numels, default=0),
-                moment_bytes_per_param=sw.elsize * sw.expected_states,
-                local_ranks=1, grad_window_bytes=grad_window)
-            ws += self._aidaptiv_deepspeed_cpu_bytes(module_params)
+            if get_accelerator().device_name() == "cpu":  # what a GPU holds is host memory here, by phase
+                parts = cpu_rank_working_set(
+                    readahead_bytes=psw.prefetch_window() if psw is not None else 0, grad_window_bytes=grad_window,
+                    deepspeed_bytes=self._aidaptiv_deepspeed_cpu_bytes(module_params),
+                    activation_bytes=0,  # the sequence length is not known yet: the safety margin holds them
+                    subgroup_numels=numels, moment_bytes_per_param=sw.elsize * sw.expected_states)
+                ws, overhead = parts["total"], parts["baseline"]
+            else:
+                ws = host_working_set(
+                    largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
+                    largest_subgroup_numel=max(numels, default=0),
+                    moment_bytes_per_param=sw.elsize * sw.expected_states,
+                    local_ranks=1, grad_window_bytes=grad_window)
+                overhead = RANK_OVERHEAD_BYTES
+            self.aidaptiv_working_set_bytes = ws
             if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
                 held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
                 rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
@@ -217,7 +227,7 @@ def make_stage3_class(base: type) -> type:
                         log.warning("aidaptiv_ds: the cache paths lack room for a second copy of the optimizer "
                                     "state, so optimizer steps run after backward (step_in_backward: \"auto\")")
             sw.plan = plan
-            rt.settle_host_memory_reuse(ws - RANK_OVERHEAD_BYTES, plan.cache_bytes)
+            rt.settle_host_memory_reuse(ws - overhead, plan.cache_bytes)
             device_sync = None
             if not get_accelerator().is_synchronized_device() and self.reduce_and_partition_stream is not None:
                 device_sync = self.reduce_and_partition_stream.synchronize  # gradient copies run on that stream

@@ -127,6 +127,11 @@ class ModelShape:
         return max(self.slice_params())
 
     @property
+    def largest_param_numel(self) -> int:
+        """Elements of the largest single parameter (a ZeRO-3 partition is one parameter's share)."""
+        return max((t.numel for t in self.tensors()), default=0)
+
+    @property
     def kv_dim(self) -> int:
         """Width of the K (and of the V) projection output: ``num_kv_heads x head_dim``."""
         return self.num_kv_heads * self.head_dim

@@ -73,11 +73,14 @@ from ..store.ledger import SECONDS_PER_DAY, EnduranceRating, projection
 from ..store.striping import StripeLayout
 from ..units import GiB, format_bytes
 from .auto import (
+    CPU_RANK_BASELINE_BYTES,
     FREE_FRACTION,
     MASTER_BYTES_PER_PARAM,
     MIN_FREE_BYTES,
     RANK_OVERHEAD_BYTES,
     DramBudget,
+    cpu_rank_working_set,
+    deepspeed_cpu_rank_bytes,
     explain_dram_budget,
     host_working_set,
     prefetch_bytes_from_budget,
@@ -92,6 +95,9 @@ PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MOMENT_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4}
 RULE_OF_THUMB_BYTES_PER_PARAM = 20
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+#: DeepSpeed 0.19.8's defaults of ``stage3_max_live_parameters`` and ``reduce_bucket_size`` (elements)
+DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
+DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
 VRAM_OVERHEAD_BYTES = 2 * GiB
 STRIPE_UNIT = 1 << 20
 DEFAULT_READ_GBPS = 7.0
@@ -155,10 +161,13 @@ class PlanInput:
         gpu_flops: peak FLOP/s per GPU for the compute bound (None: no compute bound).
         dataset_tokens / epochs: for writes per epoch and per run (None: not computed).
         step_time_s: a measured step time for the endurance pace (None: the lower bound).
-        rank_overhead / vram_overhead: allowances (bytes) per rank in DRAM and per GPU.
+        rank_overhead / vram_overhead: allowances (bytes) per GPU rank in DRAM and per GPU.
+        cpu_rank_baseline: a CPU rank's process baseline (bytes, measured: :data:`CPU_RANK_BASELINE_BYTES`).
+        max_live_parameters / reduce_bucket_size: DeepSpeed's ``stage3_max_live_parameters`` and
+            ``reduce_bucket_size`` (elements; DeepSpeed's defaults), host memory on CPU ranks.
         cpu_ranks: the ranks compute on the CPU (DeepSpeed's CPU accelerator; ``gpus`` then counts
-            ranks): what a GPU would hold (gathered slices, their gradients, activations, the reduce
-            bucket) is host memory too; there is no VRAM check (see :func:`cpu_rank_host_bytes`).
+            ranks): what a GPU would hold (gathered parameters, reduce buckets, activations) is host
+            memory too; there is no VRAM check (see :func:`cpu_rank_host_bytes`).
         gradient_clipping: DeepSpeed's ``gradient_clipping`` (0: off). With clipping on, a step run
             inside backward must keep its gradients until the norm is known (they are stored like
             after backward); off, they are consumed at once and never written.
@@ -190,6 +199,9 @@ class PlanInput:
     epochs: float = 1.0
     step_time_s: float | None = None
     rank_overhead: int = RANK_OVERHEAD_BYTES
+    cpu_rank_baseline: int = CPU_RANK_BASELINE_BYTES
+    max_live_parameters: int = DEEPSPEED_MAX_LIVE_PARAMETERS
+    reduce_bucket_size: int = DEEPSPEED_REDUCE_BUCKET_SIZE
     vram_overhead: int = VRAM_OVERHEAD_BYTES
     shape_source: str = "exact"
     cpu_ranks: bool = False
@@ -430,16 +442,18 @@ def _core(inp: PlanInput) -> dict:
     # gradients accumulate in per-sub-group slices in the tiers (integration/gradients.py); the open window
     # (two of the largest slice partitions, in the accumulation dtype) is working set
     grad_window = 2 * -(-slice_numel // dp) * grad_accum_bytes(inp.dtype)
-    ws = host_working_set(slice_part, largest_sg, mb, ranks, inp.rank_overhead, grad_window_bytes=grad_window)
     act = activation_bytes(shape, inp.seq_len, inp.micro_batch, inp.activation_checkpointing, inp.flash_attention,
                            inp.dropout)
     vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
             "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
             "overhead": inp.vram_overhead}
     vram["total"] = sum(vram.values())
-    # CPU ranks: the "GPU" working set is host memory outside the budget
-    cpu = cpu_rank_host_bytes(inp, sizes, vram) if inp.cpu_ranks else None
-    ws += cpu["total"] * ranks if cpu else 0
+    if inp.cpu_ranks:  # the "GPU" working set is host memory outside the budget (integration/stage3.py: the same)
+        cpu = cpu_rank_host_bytes(inp, sizes, act["total"])
+        ws = cpu["total"] * ranks
+    else:
+        cpu = None
+        ws = host_working_set(slice_part, largest_sg, mb, ranks, inp.rank_overhead, grad_window_bytes=grad_window)
     auto = explain_dram_budget(inp.dram, ws, total_host_bytes=inp.dram, local_ranks=ranks)
     if inp.dram_budget is not None:
         dram = DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
@@ -474,15 +488,36 @@ def grad_accum_bytes(dtype: str) -> int:
     return PARAM_BYTES[dtype]
 
 
-def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, vram: dict) -> dict:
-    """Host bytes one CPU rank needs beyond :func:`~aidaptiv_ds.planner.auto.host_working_set`
-    (``--cpu-ranks``): what a GPU would hold (gathered slices, their gradients, the reduce bucket,
-    activations; item 3 of the module docstring, without the CUDA allowance). DeepSpeed's flat host
-    gradient buffer (``stage3.py:786-800``) is not allocated on our backend: gradients live in the tiers
-    like the rest of the state (:mod:`aidaptiv_ds.integration.grad_path`).
-    Keys: ``compute``, ``total``."""
-    compute = vram["total"] - vram["overhead"]
-    return {"compute": compute, "total": compute}
+def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> dict:
+    """Host bytes one CPU rank needs besides the DRAM budget (``--cpu-ranks``), as the runtime counts them
+    for ``dram_budget: "auto"`` (``integration/stage3.py``): :func:`~aidaptiv_ds.planner.auto.cpu_rank_working_set`
+    with the runtime's read-ahead window (``max(4 x the largest parameter partition, 256 MiB)``), its
+    gradient window (two sub-groups' accumulation slices), DeepSpeed's own working set from its knobs
+    (:func:`~aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`: ``--max-live-parameters``,
+    ``--reduce-bucket-size``) and the activations of one micro-batch. DeepSpeed's flat host gradient
+    buffer (``stage3.py:786-800``) is not allocated on our backend: gradients live in the tiers like the
+    rest of the state (:mod:`aidaptiv_ds.integration.grad_path`).
+
+    Keys: ``baseline``, ``backward``, ``optimizer``, ``deepspeed``, ``activations``, ``readahead``, ``total``.
+    """
+    shape, N, dp = inp.shape, inp.params, inp.dp
+    pb = PARAM_BYTES[inp.dtype]
+    largest_param = max(shape.largest_param_numel, 1)
+    if inp.n_params is not None and shape.n_params:
+        largest_param = int(largest_param * N / shape.n_params)
+    readahead = max(4 * -(-largest_param // dp) * pb, PREFETCH_FLOOR_BYTES)
+    per_rank = -(-N // dp)
+    largest_sg = min(inp.sub_group_size, per_rank)
+    numels = [inp.sub_group_size] * (per_rank // inp.sub_group_size) + (
+        [per_rank % inp.sub_group_size] if per_rank % inp.sub_group_size else [])
+    ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, N, pb, inp.reduce_bucket_size, grad_accum_bytes(inp.dtype))
+    parts = cpu_rank_working_set(readahead_bytes=readahead,
+                                 grad_window_bytes=2 * largest_sg * grad_accum_bytes(inp.dtype),
+                                 deepspeed_bytes=ds, activation_bytes=activations,
+                                 subgroup_numels=numels,
+                                 moment_bytes_per_param=MOMENT_BYTES[inp.optimizer],
+                                 baseline_bytes=inp.cpu_rank_baseline)
+    return {**parts, "deepspeed": ds, "activations": int(activations), "readahead": readahead}
 
 
 def _checks(inp: PlanInput, c: dict) -> dict:
@@ -713,8 +748,8 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
         problems.append(
             f"dram: the host needs {_dec(c['dram_need'])} (safety margin {_dec(dram.margin_bytes)} + working set "
             f"{_dec(dram.working_set_bytes)} of {ranks} rank(s)"
-            + (f", of which gathered slices and activations {_dec(cpu['compute'] * ranks)} on the CPU ranks"
-               if cpu else "")
+            + (f", of which DeepSpeed's gathered parameters and reduce buckets {_dec(cpu['deepspeed'] * ranks)} and "
+               f"activations {_dec(cpu['activations'] * ranks)} on the CPU ranks" if cpu else "")
             + (f" + budget {_dec(dram.budget_bytes)}" if inp.dram_budget is not None else "")
             + f") but has {_dec(inp.dram)}")
     if not checks["cache"]:

@@ -1,0 +1,33 @@
+"""The planner's host memory per CPU rank is within 15% of the measured peak RSS (issue 16, item 4).
+
+Three fp32 Llama sizes (hidden 1024, 2 / 6 / 12 blocks, vocab 8192: 42M-169M parameters) each train 3
+optimizer steps at ``dram_budget`` 0 in a worker of their own (:func:`aidaptiv_ds.bench.memory.sweep`, the
+sweep behind ``launch/memory_sweep.py``; DeepSpeed's working-set knobs 2e7 elements, clipping 1.0). The peak
+RSS of the steps (``VmHWM`` reset once the engine is built) is compared with what
+``aidaptiv-ds plan --cpu-ranks`` says the rank needs besides the budget
+(:func:`aidaptiv_ds.planner.plan.cpu_rank_host_bytes`). Slow (about 3 minutes on 2 cores): ``pytest -m slow``.
+"""
+from __future__ import annotations
+
+import pytest
+
+from aidaptiv_ds.bench.backends import TrainSettings
+from aidaptiv_ds.bench.memory import sweep
+from aidaptiv_ds.bench.models import LlamaShape
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+
+def test_planned_host_memory_matches_the_peak_rss(tmp_path):
+    knob = int(2e7)
+    settings = TrainSettings(dtype="fp32", seq=128, sub_group_size=knob, reduce_bucket_size=knob,
+                             prefetch_bucket_size=knob, max_live_parameters=knob)
+    shapes = [LlamaShape(hidden=1024, intermediate=2752, layers=n, heads=16, kv_heads=16, vocab=8192)
+              for n in (2, 6, 12)]
+    res = sweep(shapes, settings, backends=["aidaptiv0"], steps=3, work_dir=str(tmp_path), timeout_s=1200)
+    print(res["table"])
+    for p in res["points"]:
+        assert p["ok"], p["error"]
+        planned, measured = p["planned_host"]["total"], p["peak_rss_steps_bytes"]
+        print(f"{p['n_params'] / 1e6:.1f}M: planned {planned / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB")
+        assert measured == pytest.approx(planned, rel=0.15)
