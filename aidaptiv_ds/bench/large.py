@@ -23,6 +23,7 @@ from ..units import GiB
 from .aio import aio_env, preflight
 from .backends import LABELS, TrainSettings
 from .compare import code_version, machine_info
+from .memory import planned_host_bytes
 from .models import LlamaShape, describe, state_vs_ram
 from .runner import run_worker, worker_env
 
@@ -44,6 +45,7 @@ def outcome(res: dict) -> dict:
         "read_per_param": (sum(s["proc_read_bytes"] for s in steps) / (len(steps) * n)) if steps and n else None,
         "io_wait_share": (sum(s["io_wait_s"] for s in steps) / sum(s["wall_s"] for s in steps)) if steps else None,
         "peak_rss_bytes": max(res.get("peak_rss_process_bytes") or 0, res.get("watch_peak_rss_bytes") or 0),
+        "peak_rss_steps_bytes": res.get("peak_rss_steps_bytes"),
         "failure": None if res.get("ok") else (res.get("killed") or res.get("error")),
         "losses": [s["loss"] for s in steps],
     }
@@ -95,6 +97,9 @@ def large_run(shape: LlamaShape, settings: TrainSettings, *, steps: int = 3, bac
                          say=say)
         runs.append(res)
         outcomes.append(outcome(res))
+        if b.startswith("aidaptiv") and res.get("budget_bytes") is not None:
+            # what aidaptiv-ds plan --cpu-ranks says this rank needs besides the budget, plus the budget it ran with
+            outcomes[-1]["planned_host_bytes"] = planned_host_bytes(shape, settings, ram)["total"] + res["budget_bytes"]
     result = {
         "config": {"model": describe(shape), "shape": shape.as_dict(), **settings.as_dict(), "steps": steps,
                    "seed": seed, "backends": backends, "state_bytes": state, "ram_bytes": ram,
@@ -126,6 +131,12 @@ def format_table(result: dict) -> str:
                      f"{f(o.get('total_s'), '{:.0f}')} | {f(o.get('written_per_param'))} | "
                      f"{f(o.get('io_wait_share'), '{:.0%}')} | {f((o.get('peak_rss_bytes') or 0) / GiB, '{:.1f}')} | "
                      f"{(o.get('failure') or '') + (' (in ' + o['phase'] + ')' if o.get('failure') else '')} |")
+    for o in result["outcomes"]:
+        if o.get("planned_host_bytes") and o.get("peak_rss_steps_bytes"):
+            lines.append(f"\n{LABELS.get(o['backend'], o['backend'])}: peak RSS of the steps "
+                         f"{o['peak_rss_steps_bytes'] / GiB:.2f} GiB against the plan's "
+                         f"{o['planned_host_bytes'] / GiB:.2f} GiB (its CPU-rank working set + the budget, "
+                         f"{o['peak_rss_steps_bytes'] / o['planned_host_bytes'] - 1:+.0%}).")
     if (cfg.get("state_over_ram") or 0) < MIN_STATE_OVER_RAM:
         lines.append(f"\nNote: the state is only {(cfg['state_over_ram'] or 0):.2f} x RAM (< {MIN_STATE_OVER_RAM}); "
                      f"this run does not show training beyond RAM.")
