@@ -3,12 +3,13 @@ to ``stage3_max_live_parameters``, the ``reduce_bucket_size`` gradient bucket an
 reduce-scatter makes), which a GPU would hold in VRAM (aidaptiv_ds/planner/auto.py, ``deepspeed_cpu_rank_bytes``)."""
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
 import torch
 
-from aidaptiv_ds.planner.auto import REDUCE_PATH_COPIES, deepspeed_cpu_rank_bytes
+from aidaptiv_ds.planner.auto import CPU_REDUCE_BUCKET_NUMEL, REDUCE_PATH_COPIES, deepspeed_cpu_rank_bytes
 from aidaptiv_ds.ports import free_port
 from conftest import EXT_DIR
 
@@ -59,8 +60,11 @@ def test_deepspeeds_cpu_reduce_path_holds_two_more_buckets(tmp_path):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("max_live,bucket", [(10**9, 5 * 10**8), (4096, 4096)], ids=["defaults", "capped"])
-def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch, max_live, bucket):
+@pytest.mark.parametrize("max_live,bucket", [(10**9, 5 * 10**8), (4096, 4096), (10**9, None)],
+                         ids=["defaults", "capped", "bucket-unset"])
+def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch, max_live, bucket, caplog):
+    """The budget is cut by exactly DeepSpeed's share; a bucket the config sets is kept, one it leaves out runs
+    at ``CPU_REDUCE_BUCKET_NUMEL`` on a CPU rank (instead of DeepSpeed's 5e8), and the log says so."""
     import deepspeed
 
     import aidaptiv_ds  # noqa: F401  (installs the hooks)
@@ -84,12 +88,19 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
            "zero_optimization": {"stage": 3, "offload_param": {**nvme, "max_in_cpu": 0}, "offload_optimizer": nvme,
                                  "stage3_param_persistence_threshold": 0, "sub_group_size": 4096,
-                                 "stage3_max_live_parameters": max_live, "reduce_bucket_size": bucket},
+                                 "stage3_max_live_parameters": max_live,
+                                 **({} if bucket is None else {"reduce_bucket_size": bucket})},
            "aidaptiv": {"enabled": True, "cache_paths": [str(cache)], "dram_budget": "auto"}}
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    with caplog.at_level(logging.INFO, logger="aidaptiv_ds"):
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    said = "reduce_bucket_size not set on a CPU rank" in caplog.text
+    assert said == (bucket is None)
+    if bucket is None:
+        bucket = CPU_REDUCE_BUCKET_NUMEL
     try:
+        assert engine.optimizer.reduce_bucket_size == bucket
         numel = sum(p.ds_numel for p in engine.module.parameters())
         mine = engine.optimizer._aidaptiv_deepspeed_cpu_bytes(list(engine.module.parameters()))
         assert mine == deepspeed_cpu_rank_bytes(max_live, numel, 4, bucket, 4)

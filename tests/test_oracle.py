@@ -25,6 +25,14 @@ CASES = [
     ("mlp-fp32-ga2-subgroups", ["--model", "unused", "--dtype", "fp32", "--hidden", "512", "--layers", "3",
                                 "--steps", "5", "--ga", "2", "--sub_group_size", "3e5"], "2MiB"),
 ]
+#: cases where our run's config differs from the reference's only in ``reduce_bucket_size`` (a setting that
+#: changes no arithmetic): a bucket smaller than most parameters (each reduced alone, without a copy) and one
+#: holding a few; the reference keeps DeepSpeed's 5e8 (``integration/stage3.py``, ``auto_reduce_bucket_size``)
+BUCKET_CASES = [
+    ("llama-fp32-clip-bucket5000", ["--model", "llama", "--dtype", "fp32", "--steps", "5", "--clip", "1.0"], "5000"),
+    ("llama-bf16-ga2-bucket70000", ["--model", "llama", "--dtype", "bf16", "--steps", "4", "--ga", "2",
+                                    "--clip", "1.0"], "70000"),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -34,6 +42,17 @@ def test_bit_identical_with_cpu_offload(case, tmp_path_factory):
     ref = oracle(args, str(tmp_path_factory.getbasetemp()))
     got = run("aidaptiv", args + ["--budget", budget], root)
     assert got["swapper"] == "AidaptivParamSwapper" and got["optimizer_swapper"] == "AidaptivOptimizerSwapper"
+    assert_identical(ref, got)
+
+
+@pytest.mark.parametrize("case", BUCKET_CASES, ids=[c[0] for c in BUCKET_CASES])
+def test_reduce_bucket_size_changes_no_arithmetic(case, tmp_path_factory):
+    """Why a CPU rank may run with a 2e7-element bucket where the config leaves it out: any bucketing gives
+    bit-identical losses, parameters and master weights to DeepSpeed's CPU offload with its own 5e8."""
+    name, args, bucket = case
+    ref = oracle(args, str(tmp_path_factory.getbasetemp()))
+    got = run("aidaptiv", args + ["--budget", "0", "--reduce_bucket_size", bucket],
+              str(tmp_path_factory.mktemp(name)))
     assert_identical(ref, got)
 
 

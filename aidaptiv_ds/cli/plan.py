@@ -16,11 +16,11 @@ import argparse
 import json
 import os
 
+from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL
 from ..planner.model_size import load_model_shape, nearest_preset
 from ..planner.plan import (
     DEFAULT_READ_GBPS,
     DEEPSPEED_MAX_LIVE_PARAMETERS,
-    DEEPSPEED_REDUCE_BUCKET_SIZE,
     DEFAULT_SUB_GROUP_SIZE,
     DEFAULT_WRITE_GBPS,
     MOMENT_BYTES,
@@ -127,9 +127,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-live-parameters", type=float, default=DEEPSPEED_MAX_LIVE_PARAMETERS,
                    help="DeepSpeed's stage3_max_live_parameters in elements (default 1e9, DeepSpeed's): host memory "
                         "on CPU ranks")
-    p.add_argument("--reduce-bucket-size", type=float, default=DEEPSPEED_REDUCE_BUCKET_SIZE,
-                   help="DeepSpeed's reduce_bucket_size in elements (default 5e8, DeepSpeed's): three buckets of "
-                        "host memory on CPU ranks while one is reduced")
+    p.add_argument("--reduce-bucket-size", type=float, default=None,
+                   help="DeepSpeed's reduce_bucket_size in elements, if your config sets it (three buckets of host "
+                        "memory on CPU ranks while one is reduced; left out, a CPU rank runs with 2e7)")
     p.add_argument("--gradient-clipping", type=float, default=0.0,
                    help="DeepSpeed's gradient_clipping (default 0: off; HF Trainer's default is 1.0): with it on, "
                         "steps inside backward keep their gradients until the norm is known")
@@ -211,7 +211,8 @@ def plan_input_from_args(args) -> PlanInput:
         gpu_flops=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
         step_time_s=args.step_time, cpu_ranks=cpu_ranks,
-        max_live_parameters=int(args.max_live_parameters), reduce_bucket_size=int(args.reduce_bucket_size), gradient_clipping=args.gradient_clipping,
+        max_live_parameters=int(args.max_live_parameters),
+        reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else CPU_REDUCE_BUCKET_NUMEL, gradient_clipping=args.gradient_clipping,
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward], assumed=assumed)
 
 

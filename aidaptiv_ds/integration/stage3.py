@@ -22,7 +22,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..io.buffers import round_up
-from ..planner.auto import (RANK_OVERHEAD_BYTES, cpu_rank_working_set, deepspeed_cpu_rank_bytes,
+from ..planner.auto import (CPU_REDUCE_BUCKET_NUMEL, RANK_OVERHEAD_BYTES, cpu_rank_working_set, deepspeed_cpu_rank_bytes,
                             host_working_set)
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
@@ -66,6 +66,25 @@ def auto_sub_group_size(ds_config: dict, module, runtime) -> int | None:
     return int(max(min(10 ** 9, by_memory, per_rank // 4), 10 ** 6))
 
 
+def auto_reduce_bucket_size(ds_config: dict) -> int | None:
+    """``zero_optimization.reduce_bucket_size`` to use on a CPU rank when the config leaves it out, else None.
+
+    On a GPU DeepSpeed's bucket (5e8 elements by default) is VRAM; on a CPU rank it is host memory
+    outside the DRAM budget, three times over while a bucket is reduced (the bucket, the interleaved
+    copy ``reduce_scatter_coalesced`` makes, gloo's reduce-scatter buffer: ``docs/gradients.md``): 6 GB
+    in fp32, a quarter of a 24 GiB machine. A bucket batches collectives; on a CPU rank 2e7 elements
+    (80 MB in fp32) already makes each one long against its fixed cost, and the 5.8 GB saved go to
+    the budget. A gradient larger than the bucket is reduced on its own, without a copy (DeepSpeed
+    leaves it out of the contiguous buffer, ``stage3.py:1626``). The reduction of every element is the
+    same for any bucketing (a division by the world size, one sum per element), so the arithmetic is
+    DeepSpeed's: the oracle tests run with it.
+    """
+    zo = (ds_config or {}).get("zero_optimization", {}) if isinstance(ds_config, dict) else {}
+    if "reduce_bucket_size" in zo or get_accelerator().device_name() != "cpu":
+        return None
+    return CPU_REDUCE_BUCKET_NUMEL
+
+
 def make_stage3_class(base: type) -> type:
     """Subclass DeepSpeed's Stage-3 optimizer class ``base`` (kept as ``AidaptivStage3.__base__``)."""
 
@@ -91,6 +110,14 @@ def make_stage3_class(base: type) -> type:
                              "DeepSpeed's 1e9 (so the optimizer's read, update and write-back of sub-groups overlap "
                              "and its working set stays small); set it in the config to choose", auto)
                 kwargs["sub_group_size"] = auto
+            bucket = auto_reduce_bucket_size(ds_config)
+            if bucket is not None and int(kwargs.get("reduce_bucket_size", bucket)) > bucket:
+                if self._aidaptiv_rt.rank == 0:
+                    log.info("aidaptiv_ds: zero_optimization.reduce_bucket_size not set on a CPU rank: using %.3g "
+                             "elements instead of DeepSpeed's %.3g (its reduce path holds three buckets of host "
+                             "memory outside the DRAM budget); set it in the config to choose", bucket,
+                             float(kwargs["reduce_bucket_size"]))
+                kwargs["reduce_bucket_size"] = bucket
             super().__init__(*args, **kwargs)
 
         def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):

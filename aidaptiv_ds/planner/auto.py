@@ -72,6 +72,9 @@ PARAM_STAGING_SLICES = 2
 GRAD_BYTES_PER_PARAM = 4
 #: reduce buckets live at once on a CPU rank while DeepSpeed reduces one (module docstring)
 REDUCE_PATH_COPIES = 3
+#: ``reduce_bucket_size`` (elements) a CPU rank runs with when the config leaves it out
+#: (``integration/stage3.py``, ``auto_reduce_bucket_size``; DeepSpeed's own default is 5e8)
+CPU_REDUCE_BUCKET_NUMEL = 20_000_000
 MASTER_BYTES_PER_PARAM = 4
 
 

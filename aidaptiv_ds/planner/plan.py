@@ -74,6 +74,7 @@ from ..store.striping import StripeLayout
 from ..units import GiB, format_bytes
 from .auto import (
     CPU_RANK_BASELINE_BYTES,
+    CPU_REDUCE_BUCKET_NUMEL,
     FREE_FRACTION,
     MASTER_BYTES_PER_PARAM,
     MIN_FREE_BYTES,
@@ -164,7 +165,8 @@ class PlanInput:
         rank_overhead / vram_overhead: allowances (bytes) per GPU rank in DRAM and per GPU.
         cpu_rank_baseline: a CPU rank's process baseline (bytes, measured: :data:`CPU_RANK_BASELINE_BYTES`).
         max_live_parameters / reduce_bucket_size: DeepSpeed's ``stage3_max_live_parameters`` and
-            ``reduce_bucket_size`` (elements; DeepSpeed's defaults), host memory on CPU ranks.
+            ``reduce_bucket_size`` (elements), host memory on CPU ranks; defaults: DeepSpeed's 1e9, and the
+            2e7-element bucket a CPU rank runs with when the config leaves it out.
         cpu_ranks: the ranks compute on the CPU (DeepSpeed's CPU accelerator; ``gpus`` then counts
             ranks): what a GPU would hold (gathered parameters, reduce buckets, activations) is host
             memory too; there is no VRAM check (see :func:`cpu_rank_host_bytes`).
@@ -201,7 +203,7 @@ class PlanInput:
     rank_overhead: int = RANK_OVERHEAD_BYTES
     cpu_rank_baseline: int = CPU_RANK_BASELINE_BYTES
     max_live_parameters: int = DEEPSPEED_MAX_LIVE_PARAMETERS
-    reduce_bucket_size: int = DEEPSPEED_REDUCE_BUCKET_SIZE
+    reduce_bucket_size: int = CPU_REDUCE_BUCKET_NUMEL
     vram_overhead: int = VRAM_OVERHEAD_BYTES
     shape_source: str = "exact"
     cpu_ranks: bool = False

@@ -55,6 +55,8 @@ def parse():
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--budget", default="0")
     ap.add_argument("--sub_group_size", type=float, default=1e9)
+    ap.add_argument("--reduce_bucket_size", type=float, default=0,
+                    help="zero_optimization.reduce_bucket_size (0: left out of the config)")
     ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--cache", default="/tmp/aidaptiv_oracle")
@@ -111,6 +113,7 @@ def ds_config(a) -> dict:
             "sub_group_size": int(a.sub_group_size),
             "stage3_param_persistence_threshold": 0,
             "stage3_gather_16bit_weights_on_model_save": True,
+            **({"reduce_bucket_size": int(a.reduce_bucket_size)} if a.reduce_bucket_size else {}),
             "offload_param": {"device": dev, "nvme_path": cache, "max_in_cpu": 0, "pin_memory": False,
                               "buffer_count": 16, "buffer_size": 2e7},
             "offload_optimizer": {"device": dev, "nvme_path": cache, "pin_memory": False},
