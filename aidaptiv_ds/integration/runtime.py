@@ -19,6 +19,7 @@ import time
 import torch
 
 from .. import spans
+from ..planner.auto import auto_prefetch_bytes
 from ..io.buffers import release_free_host_memory, return_freed_host_memory, reuse_freed_host_memory
 from ..io.engine import IOEngine
 from ..io.errors import StorageError
@@ -213,7 +214,7 @@ class Runtime:
         least; 256 MiB is about 0.1 s of reads at this project's drive rates)."""
         if self.cfg.prefetch_bytes != "auto":
             return int(self.cfg.prefetch_bytes)
-        return int(max(2 * largest_slice, 256 << 20))
+        return auto_prefetch_bytes(largest_slice)
 
     def counters(self) -> dict:
         """Cumulative counters for :mod:`aidaptiv_ds.telemetry.counters`."""

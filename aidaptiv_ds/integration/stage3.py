@@ -226,7 +226,6 @@ def make_stage3_class(base: type) -> type:
                     moment_bytes_per_param=sw.elsize * sw.expected_states,
                     local_ranks=1, grad_window_bytes=grad_window)
                 overhead = RANK_OVERHEAD_BYTES
-            self.aidaptiv_working_set_bytes = ws
             if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
                 held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
                 rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))

@@ -187,6 +187,17 @@ def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel:
     return int(local_ranks) * int(per_rank)
 
 
+#: the read-ahead window's floor (``prefetch_bytes: "auto"``; about 0.1 s of reads at this project's drive rates)
+PREFETCH_FLOOR_BYTES = 256 << 20
+
+
+def auto_prefetch_bytes(largest_slice_bytes: int) -> int:
+    """The read-ahead window of ``prefetch_bytes: "auto"``, bytes: ``max(2 x largest_slice_bytes, 256 MiB)``
+    (the current and the next fetch at least). One formula for the runtime (``Runtime.prefetch_bytes``)
+    and the planner."""
+    return int(max(2 * int(largest_slice_bytes), PREFETCH_FLOOR_BYTES))
+
+
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
                          activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
                          baseline_bytes: int = CPU_RANK_BASELINE_BYTES) -> dict:

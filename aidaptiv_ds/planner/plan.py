@@ -80,6 +80,7 @@ from .auto import (
     MIN_FREE_BYTES,
     RANK_OVERHEAD_BYTES,
     DramBudget,
+    auto_prefetch_bytes,
     cpu_rank_working_set,
     deepspeed_cpu_rank_bytes,
     explain_dram_budget,
@@ -89,16 +90,12 @@ from .auto import (
 from .model_size import ModelShape
 from .residency import ResidencyPlan, StateSizes, plan_residency
 
-#: the read-ahead window's floor (``integration/runtime.py``, ``prefetch_bytes: "auto"``)
-PREFETCH_FLOOR_BYTES = 256 << 20
-
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MOMENT_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4}
 RULE_OF_THUMB_BYTES_PER_PARAM = 20
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-#: DeepSpeed 0.19.8's defaults of ``stage3_max_live_parameters`` and ``reduce_bucket_size`` (elements)
+#: DeepSpeed 0.19.8's default of ``stage3_max_live_parameters`` (elements)
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
-DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
 VRAM_OVERHEAD_BYTES = 2 * GiB
 STRIPE_UNIT = 1 << 20
 DEFAULT_READ_GBPS = 7.0
@@ -507,7 +504,7 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
     largest_param = max(shape.largest_param_numel, 1)
     if inp.n_params is not None and shape.n_params:
         largest_param = int(largest_param * N / shape.n_params)
-    readahead = max(4 * -(-largest_param // dp) * pb, PREFETCH_FLOOR_BYTES)
+    readahead = auto_prefetch_bytes(2 * -(-largest_param // dp) * pb)  # the swapper passes 2 partitions
     per_rank = -(-N // dp)
     largest_sg = min(inp.sub_group_size, per_rank)
     numels = [inp.sub_group_size] * (per_rank // inp.sub_group_size) + (
@@ -702,7 +699,7 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     # the backward of each micro-step finds the end of its forward still read ahead: the runtime's default
     # read-ahead window (integration/runtime.py prefetch_bytes: max(2 x the largest slice, 256 MiB)),
     # besides what the budget caches
-    window = max(2 * c["slice_part"], PREFETCH_FLOOR_BYTES)
+    window = auto_prefetch_bytes(c["slice_part"])
     hits = min(res.cache_bytes + window, p_nonres) * inp.grad_accum * ranks
     read_best = max(read_step - hits, 0)
     tokens_step = inp.micro_batch * inp.seq_len * inp.grad_accum * dp
