@@ -124,3 +124,61 @@ def test_min_swap_bytes_keeps_small_partitions_out_of_the_store(tmp_path):
         assert not sw.swappable_tensor(numel=1000) and sw.swappable_tensor(numel=1024)
     finally:
         rt.close()
+
+
+def test_one_rank_publishes_cached_partitions_only_within_the_prefetch_window(tmp_path, status):
+    """Publishing pins a host slice (the tier evicts only unreferenced slices), so the partitions
+    published ahead of DeepSpeed's fetch keep to ``prefetch_bytes`` even when the DRAM budget caches
+    them all (the 2.7B fp32 run at ``auto`` pinned 10 GiB of cached parameters from step 2 on)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as Z
+
+    mib = 1 << 20
+    cfg = parse_section({"enabled": True, "cache_paths": [str(tmp_path)], "dram_budget": 64 * mib, "run_name": "pub",
+                         "prefetch_bytes": 3 * mib, "io": {"direct": False}})
+    rt = Runtime(cfg)
+    try:
+        sw = rt.param_swapper = AidaptivParamSwapper(rt)
+        params = [make_param(sw, status, i, torch.full((mib // 4,), float(i))) for i in range(8)]
+        for p in params:
+            p.ds_status = Z.NOT_AVAILABLE
+        sw.swap_in(params, async_op=False)  # forward of step 1: every partition read ...
+        sw.remove_partition_and_release_buffers(params)  # ... released, and kept by the budget
+        assert all(sw._slice_of.get(p.ds_id) is not None for p in params)
+        published = lambda: [p.ds_id for p in params if p.ds_tensor.status != status.NOT_AVAILABLE]  # noqa: E731
+
+        queue = params + params[::-1]  # forward then backward order, duplicates as in DeepSpeed's queue
+        sw.promote_ready(queue)
+        assert published() == [0, 1, 2]  # 3 MiB: not the 8 MiB the budget holds
+        sw.promote_ready(queue)
+        assert published() == [0, 1, 2]  # published and not fetched yet: still the window's
+        sw.synchronize_reads()  # DeepSpeed's fetch of module 0: partition AVAILABLE, parameter gathered
+        params[0].ds_status = Z.AVAILABLE
+        sw.promote_ready(queue[1:])
+        assert published() == [0, 1, 2, 3]
+        sw.remove_partition_and_release_buffers(params[:1])  # module 0 released
+        params[0].ds_status = Z.NOT_AVAILABLE
+        sw.promote_ready(queue[1:])
+        assert published() == [1, 2, 3]
+        assert torch.all(params[3].ds_tensor.data == 3)
+    finally:
+        rt.close()
+
+
+def test_one_rank_publishes_a_partition_larger_than_the_window(tmp_path, status):
+    """At least one partition is published, or DeepSpeed's all-gather prefetch could never run over it."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as Z
+
+    cfg = parse_section({"enabled": True, "cache_paths": [str(tmp_path)], "dram_budget": 16 << 20, "run_name": "big",
+                         "prefetch_bytes": 4096, "io": {"direct": False}})
+    rt = Runtime(cfg)
+    try:
+        sw = rt.param_swapper = AidaptivParamSwapper(rt)
+        params = [make_param(sw, status, i, torch.full((1 << 18,), float(i))) for i in range(2)]
+        for p in params:
+            p.ds_status = Z.NOT_AVAILABLE
+        sw.swap_in(params, async_op=False)
+        sw.remove_partition_and_release_buffers(params)
+        sw.promote_ready(params)
+        assert [p.ds_tensor.status for p in params] == [status.INFLIGHT, status.NOT_AVAILABLE]
+    finally:
+        rt.close()

@@ -52,6 +52,11 @@ def _status():
     return PartitionedParamStatus
 
 
+def _gathered_status():
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return ZeroParamStatus
+
+
 class _Loc(NamedTuple):
     region: PackedRegion
     start: int  # byte offset in the region
@@ -312,30 +317,56 @@ class AidaptivParamSwapper:
         prefetch, which stops at the first partition on NVMe that is not available, runs on over them.
 
         ``numel_limit`` None (one rank): those whose reads are done, stopping at the first one that is
-        still on the drive or being read. ``numel_limit`` given (several ranks): the partitions among
+        still on the drive or being read, or when the bytes published ahead of DeepSpeed's fetch
+        (partition published, parameter not gathered yet) would pass :meth:`prefetch_window` (at least
+        one partition is published). ``numel_limit`` given (several ranks): the partitions among
         the queue entries that start within the first ``numel_limit`` elements (DeepSpeed's own NVMe
         prefetch rule, at least one entry), read or not; a later ``synchronize_reads`` waits for them.
         With several ranks the set must not depend on timing: the all-gathers DeepSpeed then issues
         are collective, and ranks that published different sets (one rank's reads finished sooner)
         all-gather different parameters: a crash on a size mismatch, or silently exchanged wrong
         bytes when the sizes agree.
+
+        [Note: published partitions are pinned] A published partition holds a reference on its host
+        slice, and the DRAM tier evicts only slices nobody references. Without the window bound, a
+        rank whose budget caches most of the parameters published every cached partition of the queue
+        at each call (all their "reads" are done), so from step 2 on (the first step with a complete
+        trace) the cached parameters could not be evicted for the gradients backward adds: the 2.7B
+        fp32 run at ``auto`` held 10 GiB of pinned parameter slices at the step boundary against a
+        9.6 GiB budget, and peaked 6 GiB above step 1. DeepSpeed's all-gather prefetch takes at most
+        ``stage3_prefetch_bucket_size`` elements ahead anyway.
         """
         S = _status()
         take = []
         considered = 0
-        for p in params:
-            if numel_limit is not None:
+        if numel_limit is not None:
+            for p in params:
                 if considered > numel_limit:
                     break
                 considered += p.ds_numel
                 if p.ds_tensor.status == S.NOT_AVAILABLE:
                     take.append(p)
+            if take:
+                self.swap_in(take, async_op=True)
+            return
+        Z = _gathered_status()
+        window = self.prefetch_window()
+        ahead, seen = 0, set()
+        for p in params:
+            if p.ds_id in seen:
                 continue
+            seen.add(p.ds_id)
             if p.ds_tensor.status != S.NOT_AVAILABLE:
+                if p.ds_id in self._published and p.ds_status == Z.NOT_AVAILABLE:
+                    ahead += self._loc[p.ds_id].nbytes  # published by an earlier call, not fetched yet
                 continue
             s = self._slice_of.get(p.ds_id)
             if s is None or (s.ready is not None and not s.ready.done()):
                 break
+            nbytes = self._loc[p.ds_id].nbytes
+            if (take or ahead) and ahead + nbytes > window:
+                break
+            ahead += nbytes
             take.append(p)
         if take:
             self.swap_in(take, async_op=True)
