@@ -61,3 +61,17 @@ def test_planned_reads_match_the_ledger(dtype, tmp_path, capsys):
     print(f"{dtype}: planned read {planned:.3f} B/param/step, measured {measured:.3f}")
     assert measured == pytest.approx(planned, rel=0.05)
     assert p["per_step"]["read_bytes"] / p["n_params"] == (20.0 if dtype == "fp32" else 16.0)  # no window
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+def test_fp32_parameters_first_copy_goes_back_to_the_drive(tmp_path):
+    """fp32 partitions are read from their master slots, so the copy ``zero.Init`` wrote first is given
+    back to the store: no ``params/float32`` extent is left, and the store never grows past the optimizer
+    state, its second copy for steps inside backward and the gradients (16 + 12 B/param here, not 20 + 12)."""
+    res = run("aidaptiv", ["--model", "stories", "--zinit", "--dtype", "fp32", "--steps", "3", "--budget", "0",
+                           "--clip", "1e6"], str(tmp_path))
+    ext = res["store_extents"]
+    assert not [k for k in ext if k.startswith("params/float32/")], sorted(ext)[:5]
+    state = sum(n for k, n in ext.items() if not k.startswith(("grad", "params/")))
+    assert state >= 24 * res["nparams"]  # master + 2 moments, and their second copy
+    assert res["store_high_water"] <= sum(ext.values()) + (1 << 20), (res["store_high_water"], sum(ext.values()))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -88,6 +89,7 @@ class AidaptivParamSwapper:
         self._regions: dict[torch.dtype, PackedRegion] = {}
         self._loc: dict[int, _Loc] = {}  # ds_id -> where its bytes are
         self._by_tensor: dict[int, int] = {}  # id(param.ds_tensor) -> ds_id (fast_init hands us ds_tensors)
+        self._owner: dict[int, weakref.ref] = {}  # ds_id -> its parameter, while anything holds it
         self._slice_of: dict[int, Slice] = {}  # ds_id -> host slice holding its current bytes
         self._published: dict[int, Slice] = {}  # ds_id -> slice referenced by an AVAILABLE/INFLIGHT partition
         self._inflight: list = []  # params INFLIGHT, published at synchronize_reads
@@ -111,6 +113,8 @@ class AidaptivParamSwapper:
         return r
 
     def _register(self, param, numel: int) -> _Loc:
+        if param.ds_id not in self._owner:
+            self._owner[param.ds_id] = weakref.ref(param)
         loc = self._loc.get(param.ds_id)
         if loc is None:
             dtype = param.dtype
@@ -582,6 +586,36 @@ class AidaptivParamSwapper:
         if off != view.size:
             raise DeepSpeedContractError(f"aidaptiv_ds: partitions of {view.name} cover {off} bytes, its master slot {view.size}")
         return off
+
+    def _dead_chunks(self, leaving: set[int]) -> dict[torch.dtype, list[int]]:
+        """Per dtype, the chunks of our own regions that hold no partition of a live parameter once the
+        partitions ``leaving`` have moved elsewhere (an unpacked store is never among them: it is the
+        user's)."""
+        out = {}
+        for dtype, region in self._regions.items():
+            live = [(loc.start, loc.end) for i, loc in self._loc.items()
+                    if loc.region is region and i not in leaving and self._in_use(i)]
+            chunks = region.unreferenced_chunks(live)
+            if chunks:
+                out[dtype] = chunks
+        return out
+
+    def _in_use(self, ds_id: int) -> bool:
+        """False once the partition's parameter is gone (garbage collected: e.g. an output embedding that
+        ``zero.Init`` partitioned and the model then replaced by the tied input embedding)."""
+        ref = self._owner.get(ds_id)
+        return ref is None or ref() is not None
+
+    def reclaimable_bytes(self, leaving) -> int:
+        """Drive bytes :meth:`release_dead_chunks` would give back once the partitions ``leaving``
+        (ds_ids) no longer live in our regions, e.g. after :meth:`alias_to_master` (the preflight
+        counts them as free)."""
+        return sum(self._regions[d].chunk_bytes_of(c) for d, c in self._dead_chunks(set(leaving)).items())
+
+    def release_dead_chunks(self) -> int:
+        """Give the chunks of our regions that no partition uses any more back to the store; returns
+        the bytes (4 B per fp32 parameter after :meth:`alias_to_master`)."""
+        return sum(self._regions[d].release_chunks(c) for d, c in self._dead_chunks(set()).items())
 
     def write_partitions(self, items: list) -> None:
         """Replace partitions' stored bytes: ``[(param, tensor of ds_numel elements)]`` (synchronous)."""

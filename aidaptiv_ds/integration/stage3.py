@@ -146,6 +146,24 @@ def make_stage3_class(base: type) -> type:
                                                   p.ds_id not in psw._loc for p in params):
                     continue
                 psw.alias_to_master(params, ExtentView(self._aidaptiv_rt.store, sw._extent_key(g), g.slot_bytes))
+            freed = psw.release_dead_chunks()  # the partitions' first copy, written by zero.Init, is not read again
+            if freed and self._aidaptiv_rt.rank == 0:
+                log.info("aidaptiv_ds: fp32 parameters are read from their master slots; %s of their first copy "
+                         "given back to the cache paths", format_bytes(freed))
+
+        def _aidaptiv_alias_ids(self, plan) -> list[int]:
+            """ds_ids of the partitions :meth:`_aidaptiv_alias_params` will move to master slots under ``plan``
+            (the same rule: fp32, sub-group not resident, every partition swapped by ours)."""
+            psw = self._aidaptiv_param_swapper()
+            if psw is None or plan.params_resident:
+                return []
+            out = []
+            for i, group in enumerate(self.fp16_groups):
+                if i in plan.resident_subgroups or any(getattr(p.ds_tensor, "final_location", None) is None or
+                                                       p.ds_id not in psw._loc for p in group):
+                    continue
+                out += [p.ds_id for p in group]
+            return out
 
         def initialize_optimizer_states(self):
             sw = self.optimizer_swapper
@@ -232,6 +250,7 @@ def make_stage3_class(base: type) -> type:
                 rt.release_host_memory()  # what the smaller budget evicted goes back to the OS
             clip = float(getattr(self, "clip_grad", 0.0) or 0.0) > 0.0
             state_bytes = sum(round_up(n * sw.elsize * slots, align) for n in numels)
+            sw_span_max = max((round_up(n * sw.elsize * slots, align) for n in numels), default=0)
             speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 and sw.expected_states > 0
             while True:
                 sizes.grads_transient = speculate and not clip
@@ -240,6 +259,10 @@ def make_stage3_class(base: type) -> type:
                 shadows = sum(round_up(numels[i] * sw.elsize * slots, align) for i in range(len(numels))
                               if i not in plan.resident_subgroups) if speculate else 0
                 need = state_bytes + shadows + (0 if sizes.grads_transient else grads_stored)
+                if alias:  # the fp32 partitions' first copy is given back once they alias their masters; one
+                    # sub-group of slack for the allocator's first fit (a hole's last fragment may go unused)
+                    reclaim = psw.reclaimable_bytes(self._aidaptiv_alias_ids(plan))
+                    need = max(need - max(reclaim - max(sw_span_max, 0), 0), 0)
                 what = "the optimizer state" + (", a second copy of it for steps inside backward" if speculate else "") \
                     + ("" if sizes.grads_transient or not grads_stored else " and the gradients")
                 try:

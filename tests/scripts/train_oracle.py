@@ -425,7 +425,9 @@ def main():
                  "tier_evictions": rt.tier.evictions, "dirty_evictions": rt.tier.dirty_evictions,
                  "swapper": type(next(eng.module.parameters()).nvme_swapper).__name__,
                  "optimizer_swapper": type(opt.optimizer_swapper).__name__,
-                 "io_retries": rt.engine.totals().retries, "direct_fallback": dict(rt.engine.fallback_paths)}
+                 "io_retries": rt.engine.totals().retries, "direct_fallback": dict(rt.engine.fallback_paths),
+                 "store_extents": {k: e.nbytes for k, e in rt.store._extents.items()},
+                 "store_high_water": rt.store.allocator.high_water, "slab_sizes": [s.size for s in rt.store.slabs]}
     else:
         extra = {"swapper": type(next(eng.module.parameters()).nvme_swapper).__name__,
                  "optimizer_swapper": type(opt.optimizer_swapper).__name__}
