@@ -61,7 +61,7 @@ def parse(argv):
 
 def main(argv: list[str] | None = None) -> int:
     from aidaptiv_ds.bench.backends import TrainSettings
-    from aidaptiv_ds.bench.large import large_run
+    from aidaptiv_ds.bench.large import drive_bytes_needed, large_run
     from aidaptiv_ds.bench.models import describe, state_vs_ram
     from aidaptiv_ds.bench.runner import stop_children_on_sigterm
     from aidaptiv_ds.telemetry.sysinfo import host_memory
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                              sub_group_size=int(args.sub_group_size))
     ram = host_memory().get("total_bytes") or 0
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    print(f"{describe(shape)}, {args.dtype}: {state_vs_ram(shape, args.dtype, ram)}; cache {args.cache} needs about "
-          f"{shape.state_bytes(args.dtype) * 1.1 / 2 ** 30:.1f} GiB free per NVMe run; backends {', '.join(backends)}",
-          file=sys.stderr)
+    needs = ", ".join(f"{b} {drive_bytes_needed(shape, args.dtype, b) / 2 ** 30:.1f} GiB" for b in backends if b != "cpu")
+    print(f"{describe(shape)}, {args.dtype}: {state_vs_ram(shape, args.dtype, ram)}; free space needed on "
+          f"{args.cache} per run: {needs or 'none'}; backends {', '.join(backends)}", file=sys.stderr)
     if args.dry_run:
         return 0
     stop_children_on_sigterm()

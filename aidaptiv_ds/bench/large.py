@@ -32,6 +32,23 @@ LARGE_BACKENDS = ("aidaptiv_auto", "aidaptiv0", "native", "cpu")
 MIN_STATE_OVER_RAM = 1.5
 
 
+
+def drive_bytes_needed(shape: LlamaShape, dtype: str, backend: str) -> int:
+    """Bytes a backend's run of ``shape`` needs free on the cache path, with a margin.
+
+    DeepSpeed's native NVMe offload stores the parameters (4 B/param fp32, 2 bf16) and the fp32 master
+    weights and moments (12 B/param) on the drive, +10 %; its gradients stay in its flat host buffer
+    (``stage3.py:786-800``). aidaptiv_ds stores the fp32 master weights and two moments (12 B/param), the gradients it
+    cannot hold in DRAM (4 B/param fp32 accumulation, 2 in bf16) and the bf16 parameters (2 B; fp32
+    parameters are read from their master slots and their first copy is given back), +5 %; a second
+    copy of the optimizer state for steps inside backward is taken only when there is room for it
+    (``step_in_backward: "auto"``).
+    """
+    if not backend.startswith("aidaptiv"):
+        return int(shape.n_params() * ((4 if dtype == "fp32" else 2) + 12) * 1.1)
+    per_param = 12 + (4 if dtype == "fp32" else 2 + 2)
+    return int(shape.n_params() * per_param * 1.05)
+
 def outcome(res: dict) -> dict:
     """The figures of one large-model run (works on partial results of a killed run)."""
     steps = res.get("steps", [])
@@ -83,10 +100,11 @@ def large_run(shape: LlamaShape, settings: TrainSettings, *, steps: int = 3, bac
         if b != "cpu":
             st = os.statvfs(work_dir)
             free = st.f_bavail * st.f_frsize
-            if free < state * 1.1:
+            need = drive_bytes_needed(shape, settings.dtype, b)
+            if free < need:
                 outcomes.append({"backend": b, "finished": False, "steps_done": 0, "phase": "not started",
                                  "failure": f"skipped: {free / GiB:.1f} GiB free on {work_dir}, the state needs "
-                                            f"{state * 1.1 / GiB:.1f} GiB"})
+                                            f"{need / GiB:.1f} GiB"})
                 say(f"{b}: {outcomes[-1]['failure']}")
                 continue
         say(f"[{k + 1}/{len(backends)}] {b}")
