@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aidaptiv_ds.integration.config import parse_section
-from aidaptiv_ds.integration.param_swapper import AidaptivParamSwapper
+from aidaptiv_ds.integration.param_swapper import AidaptivParamSwapper, PartitionState
 from aidaptiv_ds.integration.runtime import Runtime
 
 
@@ -143,7 +143,7 @@ def test_one_rank_publishes_cached_partitions_only_within_the_prefetch_window(tm
             p.ds_status = Z.NOT_AVAILABLE
         sw.swap_in(params, async_op=False)  # forward of step 1: every partition read ...
         sw.remove_partition_and_release_buffers(params)  # ... released, and kept by the budget
-        assert all(sw._slice_of.get(p.ds_id) is not None for p in params)
+        assert all(sw.record(p.ds_id).state is PartitionState.IN_DRAM for p in params)
         published = lambda: [p.ds_id for p in params if p.ds_tensor.status != status.NOT_AVAILABLE]  # noqa: E731
 
         queue = params + params[::-1]  # forward then backward order, duplicates as in DeepSpeed's queue
@@ -180,5 +180,30 @@ def test_one_rank_publishes_a_partition_larger_than_the_window(tmp_path, status)
         sw.remove_partition_and_release_buffers(params)
         sw.promote_ready(params)
         assert [p.ds_tensor.status for p in params] == [status.INFLIGHT, status.NOT_AVAILABLE]
+    finally:
+        rt.close()
+
+
+def test_a_partition_record_walks_its_states(tmp_path, status):
+    """[Note: partition states] of ``PartitionRecord``: ON_DRIVE -> PUBLISHED (swap_in) -> IN_DRAM
+    (released, kept by the budget) -> ON_DRIVE (the tier evicts the slice); a written copy is IN_DRAM."""
+    cfg = parse_section({"enabled": True, "cache_paths": [str(tmp_path)], "dram_budget": 1 << 20, "run_name": "st",
+                         "io": {"direct": False}})
+    rt = Runtime(cfg)
+    try:
+        sw = rt.param_swapper = AidaptivParamSwapper(rt)
+        p = make_param(sw, status, 0, torch.arange(4096, dtype=torch.float32))
+        rec = sw.record(0)
+        assert rec.state is PartitionState.ON_DRIVE and rec.host is None and sw.holds(0) and not sw.holds(1)
+        sw.swap_in([p], async_op=False)
+        assert rec.state is PartitionState.PUBLISHED and rec.pinned is rec.host and rec.host.refs == 1
+        sw.remove_partition_and_release_buffers([p])
+        assert rec.state is PartitionState.IN_DRAM and rec.host.refs == 0
+        rt.tier.evict(rec.host)
+        assert rec.state is PartitionState.ON_DRIVE
+        sw.swap_out_partitioned_params([p], [torch.ones(4096)])
+        assert rec.state in (PartitionState.IN_DRAM, PartitionState.ON_DRIVE)  # the staging copy, kept or evicted
+        sw.swap_in([p], async_op=False)
+        assert torch.all(p.ds_tensor.data == 1)
     finally:
         rt.close()

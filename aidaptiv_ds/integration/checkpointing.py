@@ -210,7 +210,7 @@ def check_space(opt, save_dir: str, tag: str, exclude_frozen: bool) -> None:
 def _read_partitions(rt, params) -> list[torch.Tensor]:
     out = []
     for p in params:
-        if rt.param_swapper is not None and p.ds_id in rt.param_swapper._loc:
+        if rt.param_swapper is not None and rt.param_swapper.holds(p.ds_id):
             out.append(rt.param_swapper.read_partitions([p.ds_id])[0])
         else:
             out.append(p.ds_tensor.data.detach().reshape(-1)[: p.ds_tensor.ds_numel].clone())

@@ -22,6 +22,8 @@ Contract (``docs/deepspeed-seams.md`` §1.3-1.5, DeepSpeed 0.19.8), and how it i
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import itertools
 import logging
 import weakref
@@ -76,6 +78,58 @@ class _Loc(NamedTuple):
         return self.start + self.numel * self.elsize
 
 
+class PartitionState(enum.Enum):
+    """Where a partition's current bytes are, as the swapper sees them (see :class:`PartitionRecord`)."""
+    ON_DRIVE = "on drive"  # only the store has them
+    READING = "reading"  # a read into a host slice is in flight
+    IN_DRAM = "in DRAM"  # a host slice has them: read ahead, cached by the budget, resident, or a written copy
+    PUBLISHED = "published"  # ds_tensor (INFLIGHT/AVAILABLE) views the host slice and pins it
+
+
+@dataclasses.dataclass(eq=False)
+class PartitionRecord:
+    """One parameter partition of this rank: where it is stored, which host slice holds its current
+    bytes, and which slice its published ``ds_tensor`` pins.
+
+    [Note: partition states] ``ON_DRIVE`` → ``READING`` (:meth:`AidaptivParamSwapper._read_slices`)
+    → ``IN_DRAM`` (the read completed) → ``PUBLISHED`` (``swap_in`` / ``promote_ready``: the
+    ``ds_tensor`` views the slice, which takes a reference, so the DRAM tier cannot evict it) →
+    ``IN_DRAM`` (DeepSpeed releases it: ``remove_partition_and_release_buffers``) → ``ON_DRIVE`` (the
+    tier evicts the slice: ``_on_drop``). A write (``swap_out_*``) makes the staging buffer the host
+    slice (``IN_DRAM``) or, without ``keep``, leaves ``ON_DRIVE``; :meth:`detach_host` is the one way a
+    record lets go of a slice that still holds other partitions. ``loc`` changes only by relocation:
+    an unpacked partition's first write, :meth:`~AidaptivParamSwapper.adopt_unpacked`,
+    :meth:`~AidaptivParamSwapper.alias_to_master`.
+    """
+    ds_id: int
+    loc: _Loc  # where its bytes are stored
+    owner: weakref.ref | None = None  # its parameter, while anything holds it
+    host: Slice | None = None  # the host slice holding its current bytes
+    pinned: Slice | None = None  # the slice its published ds_tensor references
+    unadopted: bool = False  # a first partition not written: its bytes come from the unpacked store
+
+    @property
+    def state(self) -> PartitionState:
+        if self.pinned is not None:
+            return PartitionState.PUBLISHED
+        if self.host is None:
+            return PartitionState.ON_DRIVE
+        if self.host.ready is not None and not self.host.ready.done():
+            return PartitionState.READING
+        return PartitionState.IN_DRAM
+
+    def alive(self) -> bool:
+        """False once the parameter is gone (garbage collected: e.g. an output embedding ``zero.Init``
+        partitioned and the model then replaced by the tied input embedding)."""
+        return self.owner is None or self.owner() is not None
+
+    def detach_host(self) -> None:
+        """Stop using the host slice (its bytes are no longer this partition's current ones)."""
+        old, self.host = self.host, None
+        if old is not None:
+            old.members = tuple(m for m in old.members if m != self.ds_id)
+
+
 class AidaptivParamSwapper:
     """One per process; shared by every ``zero.Init`` (DeepSpeed builds one swapper per ``Init``).
 
@@ -87,11 +141,8 @@ class AidaptivParamSwapper:
         self.rt = runtime
         self.min_swap_bytes = int(runtime.cfg.min_swap_bytes)
         self._regions: dict[torch.dtype, PackedRegion] = {}
-        self._loc: dict[int, _Loc] = {}  # ds_id -> where its bytes are
+        self._parts: dict[int, PartitionRecord] = {}  # ds_id -> its record
         self._by_tensor: dict[int, int] = {}  # id(param.ds_tensor) -> ds_id (fast_init hands us ds_tensors)
-        self._owner: dict[int, weakref.ref] = {}  # ds_id -> its parameter, while anything holds it
-        self._slice_of: dict[int, Slice] = {}  # ds_id -> host slice holding its current bytes
-        self._published: dict[int, Slice] = {}  # ds_id -> slice referenced by an AVAILABLE/INFLIGHT partition
         self._inflight: list = []  # params INFLIGHT, published at synchronize_reads
         self._seq = itertools.count()
         self._placeholder = torch.tensor(1).half()
@@ -100,7 +151,6 @@ class AidaptivParamSwapper:
         self._window: int | None = None
         self.init_phase = False  # set by the Stage-3 subclass while DeepSpeed rewrites unchanged partitions
         self.from_unpacked = bool(runtime.cfg.from_unpacked)
-        self._unadopted: set[int] = set()  # first partitions not written: their bytes come from the unpacked store
         self.aliased_skipped_bytes = 0  # parameter writes saved by reading fp32 partitions from their masters
         self.skipped_init_bytes = 0
         self.swap_folder = runtime.namespace.rank_dir(0)
@@ -112,30 +162,38 @@ class AidaptivParamSwapper:
             r = self._regions[dtype] = PackedRegion(self.rt.store, "params/" + str(dtype).replace("torch.", ""))
         return r
 
-    def _register(self, param, numel: int) -> _Loc:
-        if param.ds_id not in self._owner:
-            self._owner[param.ds_id] = weakref.ref(param)
-        loc = self._loc.get(param.ds_id)
-        if loc is None:
+    def _register(self, param, numel: int) -> PartitionRecord:
+        rec = self._parts.get(param.ds_id)
+        if rec is None:
             dtype = param.dtype
             elsize = dtype.itemsize
             region = self._region(dtype)
             start = region.append(numel * elsize, align=elsize)
-            loc = self._loc[param.ds_id] = _Loc(region, start, int(numel), dtype, elsize)
-        elif loc.numel != numel:
-            raise DeepSpeedContractError(f"aidaptiv_ds: parameter ds_id={param.ds_id} was partitioned with {loc.numel} elements "
-                               f"and now {numel}; re-partitioning with another size is not supported")
-        return loc
+            rec = self._parts[param.ds_id] = PartitionRecord(param.ds_id, _Loc(region, start, int(numel), dtype, elsize),
+                                                             owner=weakref.ref(param))
+        elif rec.loc.numel != numel:
+            raise DeepSpeedContractError(f"aidaptiv_ds: parameter ds_id={param.ds_id} was partitioned with "
+                                         f"{rec.loc.numel} elements and now {numel}; re-partitioning with another "
+                                         f"size is not supported")
+        return rec
+
+    def holds(self, ds_id: int) -> bool:
+        """True when partition ``ds_id`` was swapped out through this swapper."""
+        return ds_id in self._parts
+
+    def record(self, ds_id: int) -> PartitionRecord:
+        """The record of partition ``ds_id`` (``KeyError`` when :meth:`holds` is False)."""
+        return self._parts[ds_id]
 
     def partition_bytes(self) -> int:
         """Bytes of all partitions this swapper holds (this rank)."""
-        return sum(loc.nbytes for loc in self._loc.values())
+        return sum(r.loc.nbytes for r in self._parts.values())
 
     def largest_partition_bytes(self) -> int:
-        return max((loc.nbytes for loc in self._loc.values()), default=0)
+        return max((r.loc.nbytes for r in self._parts.values()), default=0)
 
     def _view(self, s: Slice, ds_id: int) -> torch.Tensor:
-        loc = self._loc[ds_id]
+        loc = self._parts[ds_id].loc
         off = loc.start - s.key[2]
         return s.buf[off:off + loc.nbytes].view(loc.dtype)
 
@@ -154,10 +212,11 @@ class AidaptivParamSwapper:
 
     def get_buffer(self, param, numel: int) -> torch.Tensor:
         """A zeroed host buffer of ``numel`` elements of ``param.dtype`` for a first partition."""
-        if self.from_unpacked and param.ds_id not in self._loc:  # its bytes will come from the unpacked store
-            self._unadopted.add(param.ds_id)
-        loc = self._register(param, int(numel))
-        return alloc_aligned(loc.nbytes, dtype=loc.dtype, zero=True)[: loc.numel]
+        first = param.ds_id not in self._parts
+        rec = self._register(param, int(numel))
+        if self.from_unpacked and first:  # its bytes will come from the unpacked store
+            rec.unadopted = True
+        return alloc_aligned(rec.loc.nbytes, dtype=rec.loc.dtype, zero=True)[: rec.loc.numel]
 
     def swap_out_and_release(self, params, async_op: bool = False, force_buffer_release: bool = False) -> None:
         """Persist each partition's current ``ds_tensor.data`` and release it (synchronous).
@@ -168,11 +227,11 @@ class AidaptivParamSwapper:
         items = []
         for p in params:
             numel = p.ds_tensor.ds_numel
-            first = p.ds_id not in self._loc
-            self._register(p, numel)
+            first = p.ds_id not in self._parts
+            rec = self._register(p, numel)
             self._by_tensor[id(p.ds_tensor)] = p.ds_id
-            if self.from_unpacked and (first or p.ds_id in self._unadopted):
-                self._unadopted.add(p.ds_id)  # initial content comes from the unpacked store: nothing to write
+            if self.from_unpacked and (first or rec.unadopted):
+                rec.unadopted = True  # initial content comes from the unpacked store: nothing to write
                 continue
             items.append((p, p.ds_tensor.data.detach().reshape(-1)[:numel]))
         futs = self._write(items, keep=False)
@@ -202,11 +261,11 @@ class AidaptivParamSwapper:
         for p in params:
             if p.ds_id in seen or p.ds_tensor.status != S.NOT_AVAILABLE:
                 continue
-            if p.ds_id not in self._loc:
+            if p.ds_id not in self._parts:
                 raise DeepSpeedContractError(f"aidaptiv_ds: parameter ds_id={p.ds_id} was never swapped out; nothing to read")
             seen.add(p.ds_id)
             todo.append(p)
-        missing = [p.ds_id for p in todo if p.ds_id not in self._slice_of]
+        missing = [p.ds_id for p in todo if self._parts[p.ds_id].host is None]
         if missing:
             self._read_slices(missing, READ_PREFETCH if async_op else READ_DEMAND)
         for p in todo:
@@ -222,7 +281,7 @@ class AidaptivParamSwapper:
         pending, self._inflight = self._inflight, []
         with self.rt.io_wait:
             for p in pending:
-                self._published[p.ds_id].wait_ready()
+                self._parts[p.ds_id].pinned.wait_ready()
         for p in pending:
             p.ds_tensor.status = S.AVAILABLE
 
@@ -268,8 +327,9 @@ class AidaptivParamSwapper:
         ids = {p.ds_id for p in dst_fp16_params}
         self._inflight = [q for q in self._inflight if q.ds_id not in ids]  # never publish the old bytes
         for p in dst_fp16_params:
-            if p.ds_id in self._published:
-                self._published[p.ds_id].wait_ready()
+            pinned = self._parts[p.ds_id].pinned
+            if pinned is not None:
+                pinned.wait_ready()
                 self._unpublish(p)
             p.ds_tensor.data = self._placeholder.data
         self._write(list(zip(dst_fp16_params, src_fp32_params)), keep=True)
@@ -297,12 +357,12 @@ class AidaptivParamSwapper:
         """
         used, take = 0, []
         for i in ds_ids:
-            loc = self._loc.get(i)
-            if loc is None:
+            rec = self._parts.get(i)
+            if rec is None:
                 continue
-            s = self._slice_of.get(i)
+            loc, s = rec.loc, rec.host
             if s is not None:
-                if s.resident or not (s.prefetched or i in self._published):
+                if s.resident or not (s.prefetched or rec.pinned is not None):
                     continue  # in DRAM on the budget's account
                 used += loc.nbytes
                 if used >= window:
@@ -314,7 +374,7 @@ class AidaptivParamSwapper:
             take.append(i)
         if take:
             self._read_slices(take, READ_PREFETCH)
-        return sum(self._loc[i].nbytes for i in take)
+        return sum(self._parts[i].loc.nbytes for i in take)
 
     def promote_ready(self, params, numel_limit: int | None = None) -> None:
         """Publish (INFLIGHT) leading partitions of ``params`` (queue order), so DeepSpeed's all-gather
@@ -360,14 +420,15 @@ class AidaptivParamSwapper:
             if p.ds_id in seen:
                 continue
             seen.add(p.ds_id)
+            rec = self._parts.get(p.ds_id)
             if p.ds_tensor.status != S.NOT_AVAILABLE:
-                if p.ds_id in self._published and p.ds_status == Z.NOT_AVAILABLE:
-                    ahead += self._loc[p.ds_id].nbytes  # published by an earlier call, not fetched yet
+                if rec is not None and rec.pinned is not None and p.ds_status == Z.NOT_AVAILABLE:
+                    ahead += rec.loc.nbytes  # published by an earlier call, not fetched yet
                 continue
-            s = self._slice_of.get(p.ds_id)
-            if s is None or (s.ready is not None and not s.ready.done()):
+            s = rec.host if rec is not None else None
+            if s is None or (s.ready is not None and not s.ready.done()):  # on the drive or still being read
                 break
-            nbytes = self._loc[p.ds_id].nbytes
+            nbytes = rec.loc.nbytes
             if (take or ahead) and ahead + nbytes > window:
                 break
             ahead += nbytes
@@ -377,16 +438,18 @@ class AidaptivParamSwapper:
 
     # ------------------------------------------------------------------ internals
     def _publish(self, p) -> None:
-        s = self._slice_of[p.ds_id]
-        if self._published.get(p.ds_id) is not s:
+        rec = self._parts[p.ds_id]
+        s = rec.host
+        if rec.pinned is not s:
             self._unpublish(p)
             self.rt.tier.acquire(s)
-            self._published[p.ds_id] = s
+            rec.pinned = s
         p.ds_tensor.data = self._view(s, p.ds_id)
 
     def _unpublish(self, p) -> None:
-        s = self._published.pop(p.ds_id, None)
-        if s is not None:
+        rec = self._parts.get(p.ds_id)
+        if rec is not None and rec.pinned is not None:
+            s, rec.pinned = rec.pinned, None
             self.rt.tier.release(s)
 
     def _runs(self, ids, gap: int) -> list[list[int]]:
@@ -394,8 +457,8 @@ class AidaptivParamSwapper:
         spanning at most :data:`MAX_RUN_BYTES` (a single larger partition is a run of its own)."""
         runs: list[list[int]] = []
         last_region, begin, end = None, -1, -1
-        for i in sorted(set(ids), key=lambda i: (id(self._loc[i].region), self._loc[i].start)):
-            loc = self._loc[i]
+        for i in sorted(set(ids), key=lambda i: (id(self._parts[i].loc.region), self._parts[i].loc.start)):
+            loc = self._parts[i].loc
             if runs and loc.region is last_region and loc.start - end <= gap and \
                     max(end, loc.end) - begin <= MAX_RUN_BYTES:
                 runs[-1].append(i)
@@ -407,7 +470,7 @@ class AidaptivParamSwapper:
 
     def _span(self, run: list[int]) -> tuple[PackedRegion, int, int]:
         """Region and bytes ``[start, end)`` covered by the partitions of ``run``."""
-        locs = [self._loc[i] for i in run]
+        locs = [self._parts[i].loc for i in run]
         return locs[0].region, min(x.start for x in locs), max(x.end for x in locs)
 
     def _read_slices(self, ids, priority: int) -> list[Slice]:
@@ -420,15 +483,16 @@ class AidaptivParamSwapper:
             s = Slice(("p", region.name, a, next(self._seq)), buf, members=run, kind="param", ready=fut,
                       prefetched=True, on_drop=self._on_drop)  # working memory until first used
             for i in run:
-                self._slice_of[i] = s
+                self._parts[i].host = s
             self.rt.tier.add(s)
             out.append(s)
         return out
 
     def _on_drop(self, s: Slice) -> None:
         for i in s.members:
-            if self._slice_of.get(i) is s:
-                del self._slice_of[i]
+            rec = self._parts.get(i)
+            if rec is not None and rec.host is s:
+                rec.host = None
 
     def _write(self, items: list, keep: bool) -> list:
         """Stage and write ``[(param, source tensor), ...]``; exact neighbours share one write.
@@ -439,21 +503,17 @@ class AidaptivParamSwapper:
         """
         src = {}
         for p, t in items:
-            loc = self._loc[p.ds_id]
+            rec = self._parts[p.ds_id]
+            loc = rec.loc
             if loc.aliased:  # the same bytes reach the drive with the master's write-back: drop old copies
-                old = self._slice_of.pop(p.ds_id, None)
-                if old is not None:
-                    old.members = tuple(m for m in old.members if m != p.ds_id)
+                rec.detach_host()
                 self.aliased_skipped_bytes += loc.nbytes
                 continue
             if loc.readonly:  # keep the unpacked copy: the new bytes get a place of their own
                 region = self._region(loc.dtype)
-                self._loc[p.ds_id] = _Loc(region, region.append(loc.nbytes, align=loc.elsize), loc.numel, loc.dtype,
-                                          loc.elsize)
-                old = self._slice_of.pop(p.ds_id, None)
-                if old is not None:
-                    old.members = tuple(m for m in old.members if m != p.ds_id)
-            s = self._slice_of.get(p.ds_id)
+                rec.loc = _Loc(region, region.append(loc.nbytes, align=loc.elsize), loc.numel, loc.dtype, loc.elsize)
+                rec.detach_host()
+            s = rec.host
             if s is not None and s.resident:
                 self._view(s, p.ds_id).copy_(t.reshape(-1))
                 self.rt.tier.mark_dirty(s)
@@ -465,21 +525,19 @@ class AidaptivParamSwapper:
 
             def fill(view, run=run, start=start):
                 for i in run:
-                    loc = self._loc[i]
+                    loc = self._parts[i].loc
                     view[loc.start - start:loc.end - start].view(loc.dtype).copy_(src[i].reshape(-1))
 
             self.rt.tier.reserve_write(end - start)
             fut, staging, skip = region.write(start, end - start, fill, priority=WRITE_BACK)
             futs.append(fut)
             for i in run:
-                old = self._slice_of.pop(i, None)
-                if old is not None:
-                    old.members = tuple(m for m in old.members if m != i)
+                self._parts[i].detach_host()
             if keep:
                 s = Slice(("p", region.name, start - skip, next(self._seq)), staging, members=run, kind="param",
                           on_drop=self._on_drop)
                 for i in run:
-                    self._slice_of[i] = s
+                    self._parts[i].host = s
                 self.rt.tier.add_writing(s, fut)
             else:
                 self.rt.tier.track_write(fut, end - start)
@@ -490,8 +548,8 @@ class AidaptivParamSwapper:
         self.synchronize_writes()
         self.rt.tier.wait_writes()
         for region in self._regions.values():
-            ids = [i for i, loc in self._loc.items() if loc.region is region]
-            if not ids or all(self._slice_of.get(i) is not None and self._slice_of[i].resident for i in ids):
+            ids = [i for i, r in self._parts.items() if r.loc.region is region]
+            if not ids or all(self._parts[i].host is not None and self._parts[i].host.resident for i in ids):
                 continue
             fut, buf, _ = region.read(0, region.size, priority=READ_DEMAND)
             with self.rt.io_wait:
@@ -503,21 +561,21 @@ class AidaptivParamSwapper:
             s = Slice(("p", region.name, 0, next(self._seq)), buf, members=ids, kind="param", resident=True,
                       on_drop=self._on_drop, writeback=writeback)
             for i in ids:  # the newest bytes of a partition may sit in a host slice, not yet below
-                old = self._slice_of.get(i)
+                old = self._parts[i].host
                 if old is not None:
                     old.wait_ready()
                     self._view(s, i).copy_(self._view(old, i))
-            stale = {id(x): x for x in self._slice_of.values() if x.refs == 0}
+            stale = {id(r.host): r.host for r in self._parts.values() if r.host is not None and r.host.refs == 0}
             for i in ids:
-                self._slice_of[i] = s
+                self._parts[i].host = s
             self.rt.tier.add(s)
             for x in stale.values():
                 self.rt.tier.drop(x)
-            for i, old in list(self._published.items()):
-                if self._loc[i].region is region:
-                    self.rt.tier.release(old)
+            for r in self._parts.values():
+                if r.pinned is not None and r.loc.region is region:
+                    self.rt.tier.release(r.pinned)
                     self.rt.tier.acquire(s)
-                    self._published[i] = s
+                    r.pinned = s
 
     def adopt_unpacked(self, module) -> int:
         """Point every partition of ``module`` at its place in the unpacked store of this rank
@@ -539,7 +597,7 @@ class AidaptivParamSwapper:
         elsize = dtype.itemsize
         problems, adopted = [], 0
         for name, p in module.named_parameters():
-            if getattr(p, "ds_tensor", None) is None or p.ds_id not in self._loc:
+            if getattr(p, "ds_tensor", None) is None or p.ds_id not in self._parts:
                 continue
             e = man["tensors"].get(name)
             if e is None:
@@ -548,17 +606,19 @@ class AidaptivParamSwapper:
                 problems.append(f"{name}: unpacked {e['numel']} elements ({man['dtype']}), the model has "
                                 f"{p.ds_numel} ({str(p.dtype)[6:]})")
             else:
-                old = self._slice_of.pop(p.ds_id, None)
-                if old is not None:
-                    old.members = tuple(m for m in old.members if m != p.ds_id)
-                self._loc[p.ds_id] = _Loc(region, e["start"], e["partition_numel"], dtype, elsize, readonly=True)
-                self._unadopted.discard(p.ds_id)
+                rec = self._parts[p.ds_id]
+                rec.detach_host()
+                rec.loc = _Loc(region, e["start"], e["partition_numel"], dtype, elsize, readonly=True)
+                rec.unadopted = False
                 adopted += e["partition_numel"] * elsize
         # partitions of parameters the model no longer has (e.g. an output embedding created, then tied to the
         # input one) are never used: nothing to adopt, nothing to write
-        self._unadopted &= {p.ds_id for p in module.parameters() if getattr(p, "ds_id", None) is not None}
-        if self._unadopted and not problems:
-            problems.append(f"{len(self._unadopted)} partitions were created but belong to no parameter of the model")
+        in_model = {p.ds_id for p in module.parameters() if getattr(p, "ds_id", None) is not None}
+        unadopted = [r for r in self._parts.values() if r.unadopted and r.ds_id in in_model]
+        for r in self._parts.values():
+            r.unadopted = r.unadopted and r.ds_id in in_model
+        if unadopted and not problems:
+            problems.append(f"{len(unadopted)} partitions were created but belong to no parameter of the model")
         if problems:
             raise AidaptivConfigError(f"aidaptiv.from_unpacked: the store unpacked from {man['source']} does not match this "
                              f"model:\n  " + "\n  ".join(problems[:10]) + "\nFix: unpack the model you train "
@@ -574,14 +634,13 @@ class AidaptivParamSwapper:
         """
         off = 0
         for p in params:
-            loc = self._loc.get(p.ds_id)
-            if loc is None or loc.dtype != torch.float32:
+            rec = self._parts.get(p.ds_id)
+            if rec is None or rec.loc.dtype != torch.float32:
                 raise DeepSpeedContractError(f"aidaptiv_ds: parameter ds_id={p.ds_id} cannot alias an fp32 master slot")
-            old = self._slice_of.pop(p.ds_id, None)
-            if old is not None:
-                old.members = tuple(m for m in old.members if m != p.ds_id)
-            self._loc[p.ds_id] = _Loc(view, off, loc.numel, loc.dtype, loc.elsize, aliased=True)
-            self._unadopted.discard(p.ds_id)
+            loc = rec.loc
+            rec.detach_host()
+            rec.loc = _Loc(view, off, loc.numel, loc.dtype, loc.elsize, aliased=True)
+            rec.unadopted = False
             off += loc.nbytes
         if off != view.size:
             raise DeepSpeedContractError(f"aidaptiv_ds: partitions of {view.name} cover {off} bytes, its master slot {view.size}")
@@ -593,18 +652,12 @@ class AidaptivParamSwapper:
         user's)."""
         out = {}
         for dtype, region in self._regions.items():
-            live = [(loc.start, loc.end) for i, loc in self._loc.items()
-                    if loc.region is region and i not in leaving and self._in_use(i)]
+            live = [(r.loc.start, r.loc.end) for r in self._parts.values()
+                    if r.loc.region is region and r.ds_id not in leaving and r.alive()]
             chunks = region.unreferenced_chunks(live)
             if chunks:
                 out[dtype] = chunks
         return out
-
-    def _in_use(self, ds_id: int) -> bool:
-        """False once the partition's parameter is gone (garbage collected: e.g. an output embedding that
-        ``zero.Init`` partitioned and the model then replaced by the tied input embedding)."""
-        ref = self._owner.get(ds_id)
-        return ref is None or ref() is not None
 
     def reclaimable_bytes(self, leaving) -> int:
         """Drive bytes :meth:`release_dead_chunks` would give back once the partitions ``leaving``
@@ -629,12 +682,12 @@ class AidaptivParamSwapper:
 
     def read_partitions(self, ds_ids: list[int]) -> list[torch.Tensor]:
         """Current bytes of the partitions ``ds_ids`` (copies in their dtype; nothing is published)."""
-        missing = [i for i in ds_ids if i not in self._slice_of]
+        missing = [i for i in ds_ids if self._parts[i].host is None]
         if missing:
             self._read_slices(missing, READ_DEMAND)
         out = []
         for i in ds_ids:
-            s = self._slice_of[i]
+            s = self._parts[i].host
             with self.rt.io_wait:
                 s.wait_ready()
             out.append(self._view(s, i).clone())

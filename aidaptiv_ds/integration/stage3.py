@@ -143,7 +143,7 @@ def make_stage3_class(base: type) -> type:
                 g = sw.groups.get(str(fp32.ds_id))
                 params = self.fp16_groups[i]
                 if g is None or g.resident or any(getattr(p.ds_tensor, "final_location", None) is None or
-                                                  p.ds_id not in psw._loc for p in params):
+                                                  not psw.holds(p.ds_id) for p in params):
                     continue
                 psw.alias_to_master(params, ExtentView(self._aidaptiv_rt.store, sw._extent_key(g), g.slot_bytes))
             freed = psw.release_dead_chunks()  # the partitions' first copy, written by zero.Init, is not read again
@@ -160,7 +160,7 @@ def make_stage3_class(base: type) -> type:
             out = []
             for i, group in enumerate(self.fp16_groups):
                 if i in plan.resident_subgroups or any(getattr(p.ds_tensor, "final_location", None) is None or
-                                                       p.ds_id not in psw._loc for p in group):
+                                                       not psw.holds(p.ds_id) for p in group):
                     continue
                 out += [p.ds_id for p in group]
             return out

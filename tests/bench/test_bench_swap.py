@@ -107,7 +107,7 @@ def test_block_swap_in(benchmark, runtime, timing, dtype, path):
         return ok
 
     region = next(iter(sw._regions.values()))
-    loc0 = [sw._loc[p.ds_id] for p in blocks[0]]
+    loc0 = [sw.record(p.ds_id).loc for p in blocks[0]]
     start, end = min(x.start for x in loc0), max(x.end for x in loc0)
 
     def region_read():
@@ -125,7 +125,7 @@ def test_block_swap_in(benchmark, runtime, timing, dtype, path):
     else:
         got = benchmark.pedantic(region_read, rounds=2 * BLOCKS, iterations=1, warmup_rounds=0)
         first = blocks[0][0]
-        assert torch.equal(got[: sw._loc[first.ds_id].nbytes].view(dtype), truth[first.ds_id])
+        assert torch.equal(got[: sw.record(first.ds_id).loc.nbytes].view(dtype), truth[first.ds_id])
     if benchmark.stats is not None:
         benchmark.extra_info["gbps"] = nbytes / benchmark.stats.stats.median / 1e9
 
