@@ -207,3 +207,16 @@ def test_a_partition_record_walks_its_states(tmp_path, status):
         assert torch.all(p.ds_tensor.data == 1)
     finally:
         rt.close()
+
+
+def test_reclaimable_bytes_counts_whole_holes_less_the_slack(swapper, status):
+    """What the preflight may count as free once partitions leave our region (``alias_to_master``):
+    the chunks no live partition uses, per hole in the store less ``slack``; nothing while any stays."""
+    params = [make_param(swapper, status, i, torch.zeros(1 << 20)) for i in range(3)]  # 12 MiB of fp32
+    region = next(iter(swapper._regions.values()))
+    held = sum(n for _, n in region.chunk_extents(list(range(len(region._starts)))))
+    ids = [p.ds_id for p in params]
+    assert swapper.reclaimable_bytes([]) == 0
+    assert swapper.reclaimable_bytes(ids) == held  # one hole: the chunks were allocated back to back
+    assert swapper.reclaimable_bytes(ids, slack=1 << 20) == held - (1 << 20)
+    assert swapper.reclaimable_bytes(ids[:2]) < held  # the last partition keeps its chunk

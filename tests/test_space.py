@@ -162,14 +162,14 @@ def test_chunks_no_partition_uses_go_back_to_the_store_and_are_reused(tmp_path, 
     st = SlabStore(Namespace(make_dirs(tmp_path, 1), "rel", 0), [PathSpec(str(tmp_path / "p0"))], engine=engine)
     try:
         region = PackedRegion(st, "params/float32", chunk_bytes=4 * MiB, first_chunk=4 * MiB)
-        starts = [region.append(MiB) for _ in range(12)]  # 12 MiB: chunks 0-2
+        starts = [region.append(MiB) for _ in range(11)]  # 11 MiB: chunks 0-2, the last one not full
         data = torch.arange(MiB, dtype=torch.uint8)
         for s in starts:
             region.write(s, MiB, lambda v: v.copy_(data))
         region.flush()
         live = [(starts[1], starts[1] + MiB)]  # one partition still stored here (chunk 0)
         dead = region.unreferenced_chunks(live)
-        assert dead == [1, 2] and region.chunk_bytes_of(dead) == 8 * MiB
+        assert dead == [1, 2] and sum(n for _, n in region.chunk_extents(dead)) == 8 * MiB
         high = st.allocator.high_water
         assert region.release_chunks(dead) == 8 * MiB and region.release_chunks(dead) == 0  # once
         assert sorted(k for k in st.keys() if k.startswith("params/")) == ["params/float32/0"]
@@ -180,5 +180,22 @@ def test_chunks_no_partition_uses_go_back_to_the_store_and_are_reused(tmp_path, 
         assert torch.equal(buf[skip:skip + MiB], data)
         with pytest.raises(KeyError, match="params/float32/2"):
             region.read(starts[10], starts[10] + 16)
+        # the tail chunk was released: a partition appended now gets a chunk of its own
+        late = region.append(MiB)
+        assert late >= 12 * MiB
+        region.write(late, MiB, lambda v: v.copy_(data))[0].wait()
+        f, buf, skip = region.read(late, late + MiB)
+        f.wait()
+        assert torch.equal(buf[skip:skip + MiB], data)
+        # the whole region at once (a resident slice): released chunks are neither read nor written
+        f, whole = region.read_all()
+        f.wait()
+        assert torch.equal(whole[starts[1]:starts[1] + MiB], data) and torch.equal(whole[late:late + MiB], data)
+        assert not whole[4 * MiB:12 * MiB].any()
+        whole[starts[1]:starts[1] + MiB] = 7
+        region.write_all(whole).wait()
+        f, buf, skip = region.read(starts[1], starts[1] + MiB)
+        f.wait()
+        assert torch.all(buf[skip:skip + MiB] == 7)
     finally:
         st.close()

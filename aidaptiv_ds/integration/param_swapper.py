@@ -548,15 +548,15 @@ class AidaptivParamSwapper:
         self.synchronize_writes()
         self.rt.tier.wait_writes()
         for region in self._regions.values():
-            ids = [i for i, r in self._parts.items() if r.loc.region is region]
+            ids = [i for i, r in self._parts.items() if r.loc.region is region and r.alive()]
             if not ids or all(self._parts[i].host is not None and self._parts[i].host.resident for i in ids):
                 continue
-            fut, buf, _ = region.read(0, region.size, priority=READ_DEMAND)
+            fut, buf = region.read_all(priority=READ_DEMAND)  # chunks given back (release_dead_chunks) are skipped
             with self.rt.io_wait:
                 fut.wait()
 
             def writeback(sl, region=region):
-                return region.write(0, region.size, lambda v: v.copy_(sl.buf[:region.size]))[0]
+                return region.write_all(sl.buf)
 
             s = Slice(("p", region.name, 0, next(self._seq)), buf, members=ids, kind="param", resident=True,
                       on_drop=self._on_drop, writeback=writeback)
@@ -659,11 +659,19 @@ class AidaptivParamSwapper:
                 out[dtype] = chunks
         return out
 
-    def reclaimable_bytes(self, leaving) -> int:
+    def reclaimable_bytes(self, leaving, slack: int = 0) -> int:
         """Drive bytes :meth:`release_dead_chunks` would give back once the partitions ``leaving``
-        (ds_ids) no longer live in our regions, e.g. after :meth:`alias_to_master` (the preflight
-        counts them as free)."""
-        return sum(self._regions[d].chunk_bytes_of(c) for d, c in self._dead_chunks(set(leaving)).items())
+        (ds_ids) no longer live in our regions, e.g. after :meth:`alias_to_master`, that later extents
+        can use: per hole the released chunks leave in the store (adjacent extents merged), its bytes
+        less ``slack`` (the part a first fit of extents up to ``slack`` bytes may leave unused)."""
+        exts = sorted(e for d, c in self._dead_chunks(set(leaving)).items() for e in self._regions[d].chunk_extents(c))
+        holes: list[list[int]] = []
+        for off, n in exts:
+            if holes and holes[-1][0] + holes[-1][1] == off:
+                holes[-1][1] += n
+            else:
+                holes.append([off, n])
+        return sum(max(n - slack, 0) for _, n in holes)
 
     def release_dead_chunks(self) -> int:
         """Give the chunks of our regions that no partition uses any more back to the store; returns

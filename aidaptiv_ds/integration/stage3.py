@@ -258,11 +258,12 @@ def make_stage3_class(base: type) -> type:
                 grads_stored = sum(b for i, b in enumerate(grad_slices) if i not in plan.resident_grad_subgroups)
                 shadows = sum(round_up(numels[i] * sw.elsize * slots, align) for i in range(len(numels))
                               if i not in plan.resident_subgroups) if speculate else 0
-                need = state_bytes + shadows + (0 if sizes.grads_transient else grads_stored)
-                if alias:  # the fp32 partitions' first copy is given back once they alias their masters; one
-                    # sub-group of slack for the allocator's first fit (a hole's last fragment may go unused)
-                    reclaim = psw.reclaimable_bytes(self._aidaptiv_alias_ids(plan))
-                    need = max(need - max(reclaim - max(sw_span_max, 0), 0), 0)
+                later = shadows + (0 if sizes.grads_transient else grads_stored)  # extents allocated after init
+                if alias:  # the fp32 partitions' first copy is given back once they alias their masters (after
+                    # the master slots are allocated): only what comes later can use that space, and per hole the
+                    # allocator's first fit may leave up to one extent unused
+                    later = max(later - psw.reclaimable_bytes(self._aidaptiv_alias_ids(plan), slack=sw_span_max), 0)
+                need = state_bytes + later
                 what = "the optimizer state" + (", a second copy of it for steps inside backward" if speculate else "") \
                     + ("" if sizes.grads_transient or not grads_stored else " and the gradients")
                 try:

@@ -119,10 +119,6 @@ class PackedRegion:
                     k += 1
             return [k for k in range(len(self._starts)) if k not in used and k not in self._released]
 
-    def chunk_bytes_of(self, chunks: list[int]) -> int:
-        """Store bytes the chunks ``chunks`` take."""
-        return sum(self._sizes[k] for k in chunks)
-
     def release_chunks(self, chunks: list[int]) -> int:
         """Give the extents of ``chunks`` back to the store (their bytes become undefined) and return
         the bytes given back. A later read or write touching them raises ``KeyError``. Writes issued
@@ -145,7 +141,45 @@ class PackedRegion:
                 lo, hi = self._starts[k] // self.block, (self._starts[k] + self._sizes[k]) // self.block
                 for idx in [i for i in self._edges if lo <= i < hi]:
                     del self._edges[idx]
+            if self._starts and len(self._starts) - 1 in self._released:
+                self.size = self._capacity  # the next append starts a chunk of its own, not in a released one
             return freed
+
+    def chunk_extents(self, chunks: list[int]) -> list[tuple[int, int]]:
+        """``(store offset, bytes)`` of the extents of ``chunks`` (held ones)."""
+        out = []
+        for k in chunks:
+            ext = self.store.extent(f"{self.name}/{k}")
+            if ext is not None:
+                out.append((ext.offset, ext.nbytes))
+        return out
+
+    def held_spans(self) -> list[tuple[int, int]]:
+        """Region byte ranges ``[start, end)`` of the chunks not released, merged, clipped to ``size``."""
+        out: list[tuple[int, int]] = []
+        for k, (a, n) in enumerate(zip(self._starts, self._sizes)):
+            b = min(a + n, self.size)
+            if k in self._released or a >= b:
+                continue
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        return out
+
+    def read_all(self, priority: int = READ_DEMAND) -> tuple[IOFuture, torch.Tensor]:
+        """Read region bytes ``[0, size)`` into one buffer (``round_up(size)`` bytes, region byte ``x`` at
+        ``buf[x]``); released chunks are not read (their bytes stay zero)."""
+        buf = alloc_aligned(round_up(self.size, self.block), zero=bool(self._released))
+        futs = [self.read(a, b, buf=buf[a:round_up(b, self.block)], priority=priority)[0] for a, b in self.held_spans()]
+        return combine(futs, buf.numel(), keepalive=buf), buf
+
+    def write_all(self, src: torch.Tensor, priority: int = WRITE_BACK) -> IOFuture:
+        """Write region bytes ``[0, size)`` from ``src`` (uint8, region byte ``x`` at ``src[x]``), skipping
+        released chunks."""
+        futs = [self.write(a, b - a, lambda v, a=a, b=b: v.copy_(src[a:b]), priority=priority)[0]
+                for a, b in self.held_spans()]
+        return combine(futs, self.size, keepalive=src)
 
     def _pieces(self, a: int, b: int):
         """``(chunk_key, offset_in_chunk, offset_in_request, length)`` for aligned region bytes ``[a, b)``."""
