@@ -157,7 +157,7 @@ class PackedRegion:
     def held_spans(self) -> list[tuple[int, int]]:
         """Region byte ranges ``[start, end)`` of the chunks not released, merged, clipped to ``size``."""
         out: list[tuple[int, int]] = []
-        for k, (a, n) in enumerate(zip(self._starts, self._sizes)):
+        for k, (a, n) in enumerate(zip(self._starts, self._sizes, strict=True)):
             b = min(a + n, self.size)
             if k in self._released or a >= b:
                 continue
