@@ -338,3 +338,56 @@ def _check_tiny_timelines(res):
             assert main(["timeline", r["run_dir"], "--output", png]) == 0 and os.path.getsize(png) > 20_000
         if r["backend"] == "cpu":
             assert not s["drives"] and s["io_wait_s"] == 0
+
+
+def test_clipping_off_judges_issue_16_budget_0_bytes():
+    """With ``gradient_clipping`` 0 in fp32 the budget-0 run is judged against written <= 12 and read <= 16
+    B/param/step (no gradient kept); with clipping on, or in bf16, those two targets are not judged."""
+    n = 10 ** 6
+    runs = [_run("native", [9.0, 2.0], write=20 * n, read=23 * n, n=n),
+            _run("aidaptiv0", [9.0, 2.0], write=12 * n, read=int(16.5 * n), n=n)]
+    figs = summarize(runs, ["native", "aidaptiv0"], warmup=1)
+    off = {t["target"]: t for t in check_targets(figs, "fp32", clip=0.0)}
+    assert off["bytes written per parameter per step, budget 0, clipping off"]["met"]
+    read = off["bytes read per parameter per step, budget 0, clipping off"]
+    assert read["value"] == pytest.approx(16.5) and read["limit"] == 16.0 and not read["met"]
+    for dtype, clip in (("fp32", 1.0), ("bf16", 0.0)):
+        assert not any("clipping off" in t["target"] for t in check_targets(figs, dtype, clip=clip))
+
+
+def test_compare_refuses_a_negative_gradient_clipping():
+    import argparse
+
+    from aidaptiv_ds.cli.compare import configure, settings_from_args
+
+    p = argparse.ArgumentParser()
+    configure(p)
+    with pytest.raises(ValueError, match="--gradient-clipping -1"):
+        settings_from_args(p.parse_args(["--gradient-clipping", "-1"]), "fp32")
+    assert settings_from_args(p.parse_args(["--gradient-clipping", "0"]), "fp32").clip == 0.0
+    assert settings_from_args(p.parse_args([]), "fp32").clip == 1.0
+
+
+def test_phase_peaks_give_each_phase_its_own_high_water_mark():
+    """The bench worker's per-phase peak RSS (:class:`aidaptiv_ds.bench.worker.PhasePeaks`): 256 MiB touched and
+    freed in the middle phase raise that phase's peak, not the phases before or after it."""
+    from aidaptiv_ds.bench.probes import reset_peak_rss
+    from aidaptiv_ds.bench.worker import PhasePeaks
+
+    if not reset_peak_rss():
+        pytest.skip("this kernel does not let a process reset its VmHWM (/proc/self/clear_refs)")
+    import torch
+
+    mib = 1 << 20
+    ph = PhasePeaks(True)
+    ph.end("forward")
+    block = torch.ones(256 * mib, dtype=torch.uint8)  # touched: resident
+    del block
+    ph.end("backward")
+    ph.end("step")
+    rec = ph.record()
+    assert rec["phase_peaks_exact"] and list(rec["phase_peak_rss_bytes"]) == ["forward", "backward", "step"]
+    peaks, starts = rec["phase_peak_rss_bytes"], rec["phase_start_rss_bytes"]
+    assert peaks["backward"] - starts["backward"] >= 250 * mib
+    assert peaks["step"] - starts["step"] < 64 * mib and peaks["forward"] - starts["forward"] < 64 * mib
+    assert ph.peak == max(peaks.values())

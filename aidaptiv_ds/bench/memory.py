@@ -96,6 +96,8 @@ def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[s
                            "dram_tier_peak_bytes": max((s.get("dram_tier_bytes") or 0 for s in res.get("steps", [])),
                                                        default=None),
                            "median_step_s": _median([s["wall_s"] for s in res.get("steps", [])[1:]]),
+                           "phase_peak_rss_bytes": [s.get("phase_peak_rss_bytes") for s in res.get("steps", [])],
+                           "phase_start_rss_bytes": [s.get("phase_start_rss_bytes") for s in res.get("steps", [])],
                            "planned_host": planned_host_bytes(shape, settings) if b == "aidaptiv0" else None,
                            "error": None if res.get("ok") else res.get("error")})
     fits = {}

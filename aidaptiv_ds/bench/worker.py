@@ -25,7 +25,9 @@ model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a gener
 ``first_step_s`` (launch to the end of step 1), ``steps`` (per step: ``wall_s``, ``loss``,
 ``io_wait_s``, ``rt_io_wait_s``, ``proc_read_bytes``, ``proc_write_bytes``, ``cache_read_bytes``,
 ``cache_written_bytes``, ``dram_tier_bytes`` (aidaptiv_ds's DRAM tier after the step), ``rss_bytes``,
-``peak_rss_bytes`` (peak so far)), ``peak_rss_steps_bytes`` (``VmHWM`` reset before step 1),
+``peak_rss_bytes`` (peak so far), ``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of
+the step: forward, backward, step; :class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset
+before step 1, the maximum of the phases' peaks),
 ``peak_rss_process_bytes`` (``ru_maxrss``), ``aio`` (native), ``plan`` and ``budget_bytes``
 (aidaptiv_ds), ``tail`` (aidaptiv_ds: the write-back still in flight after the last step),
 ``timeline`` (the timeline file, when one was asked for), ``device`` (the engine's, e.g. ``cuda:0``).
@@ -197,6 +199,43 @@ def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wa
             "dram_tier_bytes": after["dram_bytes"]}
 
 
+class PhasePeaks:
+    """Peak RSS of each phase of one training step (forward, backward, optimizer step), bytes.
+
+    ``VmHWM`` is reset to the current RSS as each phase starts (:func:`.probes.reset_peak_rss`) and read
+    as it ends, so each phase's figure is its own high-water mark, and :attr:`peak` their maximum (the
+    step's). Where the reset is not allowed (``reset_ok`` False) the figures are peaks since the last
+    successful reset, i.e. upper bounds, and the record says so (``phase_peaks_exact``).
+    """
+
+    def __init__(self, reset_ok: bool) -> None:
+        from .probes import reset_peak_rss, rss_bytes
+
+        self.exact = bool(reset_ok) and reset_peak_rss()
+        self.start: dict[str, int] = {}
+        self.peaks: dict[str, int] = {}
+        self._at = rss_bytes()
+
+    def end(self, phase: str) -> None:
+        """Close ``phase``: record the RSS it started at and its peak, and start the next one."""
+        from .probes import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+        self.start[phase] = self._at
+        self.peaks[phase] = max(peak_rss_bytes(), self._at)
+        self._at = rss_bytes()
+        if self.exact:
+            reset_peak_rss()
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks.values(), default=0)
+
+    def record(self) -> dict:
+        """``{"phase_peak_rss_bytes": {phase: bytes}, "phase_start_rss_bytes": {...}, "phase_peaks_exact"}``."""
+        return {"phase_peak_rss_bytes": dict(self.peaks), "phase_start_rss_bytes": dict(self.start),
+                "phase_peaks_exact": self.exact}
+
+
 def run(spec: dict, out: ResultFile) -> None:
     """Build, partition, train ``spec["steps"]`` steps and record everything into ``out``."""
     import torch
@@ -211,8 +250,11 @@ def run(spec: dict, out: ResultFile) -> None:
     device = engine.device
     cuda = device.type == "cuda"
     probes.reset_gpu_peaks(device)
+    reset_ok = reset_peak_rss()
     out.update(phase="step 1", device=str(device), setup_s=time.time() - t_launch,
-               peak_rss_setup_bytes=peak_rss_bytes(), peak_rss_reset=reset_peak_rss(), **_engine_info(engine, backend))
+               peak_rss_setup_bytes=probes.process_peak_rss_bytes(), peak_rss_reset=reset_ok,
+               **_engine_info(engine, backend))
+    steps_peak = rss_bytes()
     tl = None
     if spec.get("timeline"):
         from ..telemetry.timeline import enable
@@ -229,19 +271,24 @@ def run(spec: dict, out: ResultFile) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         before, w0 = _counters(), clock.seconds
+        phases = PhasePeaks(reset_ok)
         t0 = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
+        phases.end("forward")
         engine.backward(loss)
+        phases.end("backward")
         engine.step()
+        phases.end("step")
         loss_v = float(loss.detach().float())
         if cuda:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
         rec = _step_record(i, wall, loss_v, before, _counters(), clock.seconds - w0)
-        rec.update(rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(), **probes.gpu_memory(device))
+        steps_peak = max(steps_peak, phases.peak)
+        rec.update(rss_bytes=rss_bytes(), peak_rss_bytes=steps_peak, **phases.record(), **probes.gpu_memory(device))
         out.data["steps"].append(rec)
         extra = {"first_step_s": time.time() - t_launch} if i == 0 else {}
-        out.update(phase=f"step {i + 2}" if i + 1 < steps else "finish", peak_rss_steps_bytes=peak_rss_bytes(),
+        out.update(phase=f"step {i + 2}" if i + 1 < steps else "finish", peak_rss_steps_bytes=steps_peak,
                    **extra)
     if prof is not None:
         prof.disable()
@@ -259,7 +306,7 @@ def run(spec: dict, out: ResultFile) -> None:
     if tl is not None:  # after the flush: a last recorded step's write-back is in its tail
         tl.close()
         out.data["timeline"] = tl.written
-    out.update(ok=True, phase="done", peak_rss_steps_bytes=peak_rss_bytes(),
+    out.update(ok=True, phase="done", peak_rss_steps_bytes=max(steps_peak, peak_rss_bytes()),
                peak_rss_process_bytes=process_peak_rss_bytes(), wait_calls=clock.calls)
 
 

@@ -63,6 +63,9 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
     g.add_argument("--sub-group-size", type=float, default=2e7,
                    help="zero_optimization.sub_group_size in elements (default 2e7)")
+    g.add_argument("--gradient-clipping", type=float, default=1.0,
+                   help="gradient_clipping (default 1.0, HF Trainer's default; 0 turns clipping off, which lets "
+                        "aidaptiv_ds step every sub-group inside backward and never keep the gradients)")
     g.add_argument("--persistence-threshold", type=float, default=0,
                    help="stage3_param_persistence_threshold (default 0: every parameter is offloaded)")
     g.add_argument("--max-reuse-distance", type=float, default=0,
@@ -105,11 +108,15 @@ def settings_from_args(args, dtype: str):
                     ("--param-buffer-count", args.param_buffer_count), ("--aio-intra-op", args.aio_intra_op)):
         if v < 1:
             raise ValueError(f"{flag} {v}: must be >= 1")
+    clip = float(getattr(args, "gradient_clipping", 1.0))
+    if not clip >= 0.0 or clip == float("inf"):
+        raise ValueError(f"--gradient-clipping {clip}: must be a finite number >= 0 (0 turns clipping off)")
     return TrainSettings(dtype=dtype, micro_batch=args.micro_batch, seq=args.seq,
                          sub_group_size=int(args.sub_group_size), persistence_threshold=int(args.persistence_threshold),
                          max_reuse_distance=int(args.max_reuse_distance),
                          native_pipeline=args.native_pipeline, param_buffer_count=args.param_buffer_count,
-                         aio_intra_op=args.aio_intra_op, pin_memory=bool(getattr(args, "pin_memory", False)))
+                         aio_intra_op=args.aio_intra_op, pin_memory=bool(getattr(args, "pin_memory", False)),
+                         clip=clip)
 
 
 def _drive_gbps(text: str | None) -> tuple[float, float] | None:
