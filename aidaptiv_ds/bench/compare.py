@@ -259,7 +259,8 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
     def result_so_far() -> dict:
         figs = summarize(runs, backends, warmup, io_rates=io_bench,
                          tokens_per_step=settings.micro_batch * settings.seq)
-        res = dict(head, io_bench=io_bench, summary=figs, targets=check_targets(figs, settings.dtype, settings.clip), runs=runs)
+        targets = check_targets(figs, settings.dtype, settings.clip)
+        res = dict(head, io_bench=io_bench, summary=figs, targets=targets, runs=runs)
         res["table"] = format_table(res)
         return res
 

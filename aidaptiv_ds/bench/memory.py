@@ -11,8 +11,10 @@ construction is not counted) is fitted against the parameter count by least squa
 is bounded by its windows and budget; ``fixed_bytes`` is the interpreter, torch, DeepSpeed, the
 windows and activations of a sequence. The process peak (``ru_maxrss``, model construction included)
 is reported beside it. Each backend runs with its own allocator policy (DeepSpeed's as shipped:
-glibc's defaults; aidaptiv_ds's from ``io.reuse_host_memory``). Every backend of one size runs on the same machine one after another; the
-cache directory is emptied after each run.
+glibc's defaults; aidaptiv_ds's from ``io.reuse_host_memory``). Every backend of one size runs on the
+same machine one after another; the cache directory is emptied after each run. Each point also keeps
+the per-step peak RSS by phase (forward, backward, optimizer step; :class:`.worker.PhasePeaks`), which
+says where a peak sits.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
         raise ValueError("a fit needs at least two different sizes")
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     return my - b * mx, b
 
 
@@ -47,8 +49,8 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
     """What ``aidaptiv-ds plan --cpu-ranks`` says one CPU rank of this run needs besides a DRAM budget of 0
     (:func:`aidaptiv_ds.planner.plan.cpu_rank_host_bytes`: the baseline plus the larger of the backward
     and optimizer phases), for the shape and DeepSpeed knobs the sweep's worker runs with; bytes by part."""
-    from ..planner.model_size import shape_from_config
     from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL
+    from ..planner.model_size import shape_from_config
     from ..planner.plan import DEEPSPEED_MAX_LIVE_PARAMETERS, CacheDrive, PlanInput, make_plan
     hf = shape.hf_config().to_dict()
     inp = PlanInput(shape=shape_from_config(hf, describe(shape)), gpus=1, vram=0, dram=int(ram_bytes or 64 * GiB),
@@ -90,7 +92,8 @@ def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[s
                     "build_under_zero_init": build_under_zero_init}
             say(f"{describe(shape)}: {b}")
             res = run_worker(spec, run_dir, worker_env(b, env, same_allocator=False), timeout_s=timeout_s, say=say)
-            points.append({"backend": b, "n_params": shape.n_params(), "shape": shape.as_dict(), "ok": bool(res.get("ok")),
+            points.append({"backend": b, "n_params": shape.n_params(), "shape": shape.as_dict(),
+                           "ok": bool(res.get("ok")),
                            "peak_rss_steps_bytes": res.get("peak_rss_steps_bytes"),
                            "peak_rss_process_bytes": res.get("peak_rss_process_bytes"),
                            "dram_tier_peak_bytes": max((s.get("dram_tier_bytes") or 0 for s in res.get("steps", [])),
