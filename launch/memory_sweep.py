@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                         "0 leaves DeepSpeed's defaults)")
     p.add_argument("--gradient-clipping", type=float, default=1.0,
                    help="gradient_clipping (default 1.0, HF Trainer's default; 0 turns it off)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="HF gradient checkpointing of every layer (non-reentrant): activations stop growing with "
+                        "the layer count, so the fit measures the training state's share")
     p.add_argument("--backends", default="aidaptiv0,native,cpu")
     p.add_argument("--aio", choices=("python", "compiled"), default="python")
     p.add_argument("--zero-init-build", action="store_true", help="build each model inside zero.Init")
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--gradient-clipping {a.gradient_clipping}: must be a finite number >= 0 (0 turns clipping off)")
     knob = int(a.ds_knobs) or None
     settings = TrainSettings(dtype=a.dtype, seq=a.seq, sub_group_size=int(a.sub_group_size), clip=a.gradient_clipping,
-                             reduce_bucket_size=knob,
+                             activation_checkpointing=a.activation_checkpointing, reduce_bucket_size=knob,
                              prefetch_bucket_size=knob, max_live_parameters=knob)
     shapes = [resolve_shape(None, a.hidden, int(n), vocab=a.vocab, seq=a.seq) for n in a.layers.split(",")]
     command = " ".join(shlex.quote(x) for x in ["python", "launch/memory_sweep.py"] +

@@ -77,7 +77,7 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
     # our own windows out of the way (0), so what the budget is cut by is DeepSpeed's alone
     monkeypatch.setattr(stage3, "cpu_rank_working_set",
                         lambda **kw: {"baseline": 0, "backward": kw["deepspeed_bytes"], "optimizer": 0,
-                                      "total": kw["deepspeed_bytes"]})
+                                      "in_backward": 0, "total": kw["deepspeed_bytes"]})
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)

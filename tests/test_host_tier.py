@@ -142,3 +142,24 @@ def test_write_back_is_bounded(store):
         assert tier._pending_write_bytes() <= 2 * UNIT
     tier.wait_writes()
     assert tier._pending_write_bytes() == 0
+
+
+def test_working_bytes_by_kind_and_waiting_for_the_oldest_write(store):
+    """``working_bytes(kind)`` counts referenced, prefetched and writing slices of that kind (not resident, not
+    cached); ``wait_oldest_write`` waits for one write and lets the budget evict what it no longer holds."""
+    tier = HostTier(budget=0)
+    store.allocate("w", UNIT)
+    ref = tier.add(Slice("ref", torch.empty(UNIT, dtype=torch.uint8), kind="opt", prefetched=True))
+    tier.acquire(ref)
+    tier.add(Slice("pre", torch.empty(2 * UNIT, dtype=torch.uint8), kind="opt", prefetched=True))
+    tier.add(Slice("res", torch.empty(4 * UNIT, dtype=torch.uint8), kind="opt", resident=True))
+    tier.add(Slice("param", torch.empty(8 * UNIT, dtype=torch.uint8), kind="param", prefetched=True))
+    w = tier.add(Slice("w", alloc_aligned(UNIT), kind="opt", dirty=True,
+                       writeback=lambda sl: store.write(sl.key, sl.buf, 0)))
+    tier.write_back(w)
+    assert tier.working_bytes("opt") in (4 * UNIT, 3 * UNIT)  # the write may have finished (then it is cached)
+    assert tier.working_bytes("param") == 8 * UNIT
+    assert tier.wait_oldest_write() in (True, False)
+    assert "w" not in tier  # written, unreferenced: cached, and a budget of 0 evicts it
+    assert tier.working_bytes("opt") == 3 * UNIT
+    assert tier.wait_oldest_write() is False  # nothing left in flight

@@ -69,6 +69,10 @@ class TrainSettings:
             knobs (``reduce_bucket_size``, ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
             elements); None leaves DeepSpeed's defaults (5e8, 5e7, 1e9), which on CPU ranks let host
             memory grow with the model up to those sizes.
+        activation_checkpointing: HF's gradient checkpointing of every decoder layer, non-reentrant
+            (``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``):
+            backward recomputes each layer's forward, so activations are the layers' inputs (``2*s*b*h``
+            per layer) instead of growing by a layer's full activations per layer.
     """
     dtype: str = "fp32"
     micro_batch: int = 1
@@ -87,6 +91,7 @@ class TrainSettings:
     reduce_bucket_size: int | None = None
     prefetch_bucket_size: int | None = None
     max_live_parameters: int | None = None
+    activation_checkpointing: bool = False
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -55,7 +55,8 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
     hf = shape.hf_config().to_dict()
     inp = PlanInput(shape=shape_from_config(hf, describe(shape)), gpus=1, vram=0, dram=int(ram_bytes or 64 * GiB),
                     drives=[CacheDrive(capacity=1 << 50)], dram_budget=0, micro_batch=settings.micro_batch,
-                    seq_len=settings.seq, dtype=settings.dtype, activation_checkpointing=False,
+                    seq_len=settings.seq, dtype=settings.dtype,
+                    activation_checkpointing=bool(settings.activation_checkpointing),
                     sub_group_size=int(settings.sub_group_size), cpu_ranks=True,
                     gradient_clipping=float(settings.clip),
                     max_live_parameters=int(settings.max_live_parameters or DEEPSPEED_MAX_LIVE_PARAMETERS),

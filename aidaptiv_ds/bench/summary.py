@@ -220,7 +220,8 @@ def format_table(result: dict) -> str:
     cfg = result["config"]
     lines = [f"**{cfg['model']}**, {cfg['dtype']}, seq {cfg['seq']}, micro-batch {cfg['micro_batch']}, "
              f"{cfg['steps']} steps ({cfg['warmup']} warm-up), {cfg['repeats']} interleaved repeat(s), "
-             f"sub_group_size {cfg['sub_group_size']:,}, gradient_clipping {cfg.get('clip', 1.0):g}; "
+             f"sub_group_size {cfg['sub_group_size']:,}, gradient_clipping {cfg.get('clip', 1.0):g}"
+             + (", activation checkpointing" if cfg.get("activation_checkpointing") else "") + "; "
              "ratios (in brackets) are to DeepSpeed native NVMe.",
              f"Native aio: {result['aio']['status']}"
              + ("; DeepSpeed's swap_in de-duplicates its list (DeepSpeed 0.19.8 asserts on the duplicate "

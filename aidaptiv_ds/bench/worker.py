@@ -171,6 +171,8 @@ def build_engine(spec: dict, out: ResultFile, clock) -> tuple:
         with deepspeed.zero.Init(module=model, config_dict_or_path=cfg):
             pass
     out.update(phase="initialize", partition_s=time.time() - t_launch)
+    if settings.activation_checkpointing:  # non-reentrant: reentrant checkpointing and steps inside backward clash
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=cfg)
     return engine, settings, shape
 

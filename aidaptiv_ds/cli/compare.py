@@ -66,6 +66,8 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient-clipping", type=float, default=1.0,
                    help="gradient_clipping (default 1.0, HF Trainer's default; 0 turns clipping off, which lets "
                         "aidaptiv_ds step every sub-group inside backward and never keep the gradients)")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="HF gradient checkpointing of every decoder layer (non-reentrant), in every backend")
     g.add_argument("--persistence-threshold", type=float, default=0,
                    help="stage3_param_persistence_threshold (default 0: every parameter is offloaded)")
     g.add_argument("--max-reuse-distance", type=float, default=0,
@@ -116,7 +118,7 @@ def settings_from_args(args, dtype: str):
                          max_reuse_distance=int(args.max_reuse_distance),
                          native_pipeline=args.native_pipeline, param_buffer_count=args.param_buffer_count,
                          aio_intra_op=args.aio_intra_op, pin_memory=bool(getattr(args, "pin_memory", False)),
-                         clip=clip)
+                         clip=clip, activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)))
 
 
 def _drive_gbps(text: str | None) -> tuple[float, float] | None:

@@ -26,6 +26,23 @@ computes the norm (:meth:`BackwardStepper.settle`):
 * invalid (or an fp16 overflow): **roll back**: the shadows are dropped and the parameters rewritten
   from the old master weights (DeepSpeed skips the step).
 
+[Note: the in-backward window] A step inside backward holds its sub-group's slice (fp32 master and
+moments) while backward still holds the parameter read-ahead, the open gradient slices, DeepSpeed's
+gathered parameters and buckets, and the activations. Unbounded, the read-ahead of the next
+sub-groups' state and the write-back of the stepped ones kept three slices there (a 590M bf16 Llama at
+budget 0: 0.88 GiB of optimizer slices beside backward's own 0.4), the optimizer phase stacked on the
+backward phase. So a sub-group's state is read ahead (:meth:`BackwardStepper.prefetch`) only when its
+slice fits beside the optimizer slices already in working memory under ``inflight_limit`` with room
+left for one more (gradients of several sub-groups start arriving before the first of them is final:
+reading all of them ahead left no room for the one whose step came first), and before
+a step reads what was not read ahead (:meth:`BackwardStepper.step_in_backward`) the stepper waits for
+write-backs until it fits (or none is left in flight: a step holds one slice whatever the window).
+The window is :func:`aidaptiv_ds.planner.auto.in_backward_window_bytes` on a CPU rank (``max(one
+slice, optimizer phase - backward phase)``, what the planner adds to the backward phase), the whole
+pipeline (three slices) where a GPU holds backward's working set. Waiting never changes what is
+computed, only when: the results stay bit-identical. The backward compute waits only when the drive
+is behind; the waits are counted (``StepCounters.window_waits``, ``optimizer_steps`` in the metrics).
+
 [Note: no speculation right after a clipped step] A redo writes the sub-group's state a second time (and
 reads it again), so a run whose norm clips on every step would pay for each step twice. After a step
 whose global norm clipped, the next step runs after backward; once a step's norm does not clip, the
@@ -74,6 +91,7 @@ class StepCounters:
     redone: int = 0  # re-run after backward (clipping, changed hyperparameters)
     rolled_back: int = 0  # thrown away (invalid norm / overflow: the step was skipped)
     after_backward: int = 0  # sub-groups DeepSpeed's own loop stepped (never speculated, or redone)
+    window_waits: int = 0  # in-backward reads that first waited for write-backs ([Note: the in-backward window])
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -104,15 +122,19 @@ class BackwardStepper:
             per-sub-group methods are called on it).
         enabled: speculation allowed at all (the mode chosen at initialisation).
         keep_gradients: clipping is on: gradients must outlive their speculative step until settled.
+        inflight_limit: bytes of optimizer sub-group slices the steps inside backward may hold in working
+            memory at once (read ahead, stepping, being written back); None: unbounded. See [Note: the
+            in-backward window].
     """
 
-    def __init__(self, opt, enabled: bool, keep_gradients: bool) -> None:
+    def __init__(self, opt, enabled: bool, keep_gradients: bool, inflight_limit: int | None = None) -> None:
         self.opt = opt
         self.enabled = enabled
         self.keep_gradients = keep_gradients
         self.subgroups = [SubGroupStep(i) for i in range(len(opt.fp16_groups))]
         self.counters = StepCounters()
         self.clipped_last = False  # the last settled step's norm clipped (see the note above)
+        self.inflight_limit = None if inflight_limit is None else int(inflight_limit)
 
     # ------------------------------------------------------------------ queries
     def state(self, index: int) -> StepState:
@@ -143,11 +165,34 @@ class BackwardStepper:
         return sw.can_speculate(g)
 
     # ------------------------------------------------------------------ backward
+    def _fits(self, g, keep_free: int = 0) -> bool:
+        """Sub-group ``g`` 's slice is in DRAM already, or fits beside the optimizer slices in working memory
+        under :attr:`inflight_limit` with ``keep_free`` bytes to spare (see [Note: the in-backward window])."""
+        if self.inflight_limit is None or g.slice is not None:
+            return True
+        sw = self.opt.optimizer_swapper
+        return sw.rt.tier.working_bytes("opt") + sw.slice_bytes(g) + keep_free <= self.inflight_limit
+
+    def _make_room(self, g) -> None:
+        """Wait for write-backs until :meth:`_fits` (or none is left in flight: a step holds one slice
+        whatever the window)."""
+        if self._fits(g):
+            return
+        self.counters.window_waits += 1
+        sw = self.opt.optimizer_swapper
+        with sw.rt.io_wait:
+            while not self._fits(g) and sw.rt.tier.wait_oldest_write():
+                pass
+
     def prefetch(self, index: int) -> None:
-        """Sub-group ``index`` is receiving its gradients: start reading its state (and the next one's)."""
+        """Sub-group ``index`` is receiving its gradients: start reading its state if it fits in the
+        in-backward window now with room left for one more slice (gradients of several sub-groups start
+        arriving before the first of them is final, and that one's step must still fit). A read ahead
+        never waits: the step reads what was not read ahead."""
         if self.may_speculate(index) and self.subgroups[index].state is StepState.PENDING:
             sw, g = self._swapper_group(index)
-            sw.prefetch(g)
+            if self._fits(g, keep_free=sw.slice_bytes(g)):
+                sw.prefetch(g)
 
     def step_in_backward(self, index: int) -> bool:
         """Sub-group ``index`` 's gradient is final: step it now, speculatively. Returns True if it ran."""
@@ -156,6 +201,7 @@ class BackwardStepper:
             return False
         opt = self.opt
         sw, g = self._swapper_group(index)
+        self._make_room(g)
         fp32 = opt.fp32_partitioned_groups_flat[index]
         rec.snapshot = sw.begin_speculation(g, fp32, keep_gradient=self.keep_gradients)
         rec.hyper = _hyper(opt.optimizer.param_groups[opt.sub_group_to_group_id[index]])

@@ -295,6 +295,10 @@ class AidaptivOptimizerSwapper:
         self._release(g, parameter, consumed=not self.init_phase and not g.keep_gradient)
         self.rt.tier.enforce_budget()
 
+    def slice_bytes(self, g: _Group) -> int:
+        """Host bytes of ``g`` 's slice (master weights and every state slot, aligned)."""
+        return self._span(g, g.slots)
+
     def prefetch(self, g: _Group) -> None:
         """Start reading ``g`` 's master weights and state if they are not in DRAM."""
         self._load(g, READ_PREFETCH)

@@ -227,7 +227,8 @@ class Runtime:
             "dram_peak_bytes": self.tier.peak_bytes,
             "io_wait_s": self.io_wait.seconds,
             "optimizer_steps": {k: sum(getattr(st.counters, k) for st in self.steppers)
-                                for k in ("in_backward", "committed", "redone", "rolled_back", "after_backward")},
+                                for k in ("in_backward", "committed", "redone", "rolled_back", "after_backward",
+                                          "window_waits")},
             "grad_spilled_bytes": sum(sw.gradients.spilled_bytes for sw in self.optimizer_swappers
                                       if sw.gradients is not None),
         }

@@ -22,8 +22,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..io.buffers import round_up
-from ..planner.auto import (CPU_REDUCE_BUCKET_NUMEL, RANK_OVERHEAD_BYTES, cpu_rank_working_set, deepspeed_cpu_rank_bytes,
-                            host_working_set)
+from ..planner.auto import (CPU_REDUCE_BUCKET_NUMEL, OPTIMIZER_PIPELINE_DEPTH, RANK_OVERHEAD_BYTES,
+                            cpu_rank_working_set, deepspeed_cpu_rank_bytes, host_working_set)
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
@@ -230,13 +230,18 @@ def make_stage3_class(base: type) -> type:
                                                      for group in self.fp16_groups],
                                subgroup_grad_bytes=grad_slices)
             grad_window = 2 * max(grad_slices, default=0)
+            largest_opt_slice = max((round_up(n * sw.elsize * slots, align) for n in numels), default=0)
+            may_speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 \
+                and sw.expected_states > 0
             if get_accelerator().device_name() == "cpu":  # what a GPU holds is host memory here, by phase
                 parts = cpu_rank_working_set(
                     readahead_bytes=psw.prefetch_window() if psw is not None else 0, grad_window_bytes=grad_window,
                     deepspeed_bytes=self._aidaptiv_deepspeed_cpu_bytes(module_params),
                     activation_bytes=0,  # the sequence length is not known yet: the safety margin holds them
-                    subgroup_numels=numels, moment_bytes_per_param=sw.elsize * sw.expected_states)
+                    subgroup_numels=numels, moment_bytes_per_param=sw.elsize * sw.expected_states,
+                    in_backward_slice_bytes=largest_opt_slice if may_speculate else 0)
                 ws, overhead = parts["total"], parts["baseline"]
+                in_backward_window = parts["in_backward"]
             else:
                 ws = host_working_set(
                     largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
@@ -244,14 +249,16 @@ def make_stage3_class(base: type) -> type:
                     moment_bytes_per_param=sw.elsize * sw.expected_states,
                     local_ranks=1, grad_window_bytes=grad_window)
                 overhead = RANK_OVERHEAD_BYTES
+                # the host working set already sums the parameter staging and the whole optimizer pipeline
+                in_backward_window = OPTIMIZER_PIPELINE_DEPTH * largest_opt_slice
             if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
                 held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
                 rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
                 rt.release_host_memory()  # what the smaller budget evicted goes back to the OS
             clip = float(getattr(self, "clip_grad", 0.0) or 0.0) > 0.0
             state_bytes = sum(round_up(n * sw.elsize * slots, align) for n in numels)
-            sw_span_max = max((round_up(n * sw.elsize * slots, align) for n in numels), default=0)
-            speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 and sw.expected_states > 0
+            sw_span_max = largest_opt_slice
+            speculate = may_speculate
             while True:
                 sizes.grads_transient = speculate and not clip
                 plan = plan_residency(sizes, rt.budget)
@@ -285,7 +292,8 @@ def make_stage3_class(base: type) -> type:
                 rt, self._aidaptiv_engine_id, accum, grad_numels, expected, window_bytes=grad_window,
                 resident_bytes=sum(grad_slices[i] for i in plan.resident_grad_subgroups), device_sync=device_sync,
                 resident_subgroups=plan.resident_grad_subgroups)
-            self._aidaptiv_stepper = BackwardStepper(self, enabled=speculate, keep_gradients=clip)
+            self._aidaptiv_stepper = BackwardStepper(self, enabled=speculate, keep_gradients=clip,
+                                                     inflight_limit=in_backward_window)
             sw.wanted = self._aidaptiv_stepper.wanted
             rt.steppers.append(self._aidaptiv_stepper)
             rt.preflight_checkpoints(sum(n * sw.elsize * slots + 4 * align for n in numels))

@@ -29,6 +29,9 @@ host's), so what the plan promises is what the runtime does:
       forward/backward = read-ahead window + gradient window + DeepSpeed's working set + activations
       optimizer        = the 3 largest sub-groups x (4 B master + moment B + 4 B gradient) per element
 
+  Where optimizer steps may run inside backward, the backward phase also holds their window of
+  sub-group slices (:func:`in_backward_window_bytes`: ``max(one slice, optimizer - backward)``, which the
+  runtime enforces), so the maximum stays ``max(backward + one slice, optimizer)``.
   The baseline is the measured RSS of a CPU rank once ``deepspeed.initialize`` has returned with all
   state offloaded (0.73 GiB here: interpreter, torch, DeepSpeed, transformers, the module objects).
   The phases do not stack: the read-ahead and DeepSpeed's gathered parameters and reduce buckets
@@ -198,9 +201,34 @@ def auto_prefetch_bytes(largest_slice_bytes: int) -> int:
     return int(max(2 * int(largest_slice_bytes), PREFETCH_FLOOR_BYTES))
 
 
+def in_backward_window_bytes(backward_bytes: int, optimizer_bytes: int, largest_slice_bytes: int) -> int:
+    """Optimizer sub-group slices (bytes) that steps inside backward may hold in working memory at once:
+    ``max(largest_slice_bytes, optimizer_bytes - backward_bytes)``; 0 when ``largest_slice_bytes`` is 0
+    (no step runs inside backward).
+
+    Steps inside backward (:mod:`aidaptiv_ds.integration.backward_step`) run the optimizer pipeline
+    *during* the backward phase, beside the read-ahead, the gradient window, DeepSpeed's buckets and the
+    activations. Left unbounded the pipeline held three sub-groups' slices there (read ahead, stepping,
+    written back), so a CPU rank peaked at backward + optimizer instead of their maximum (590M bf16,
+    budget 0, no clipping: 2.69 GiB against 1.69 planned). Bounded by this window, the backward phase
+    holds at most ``backward + window`` = ``max(backward + one slice, optimizer)``: what the optimizer
+    phase after backward would hold anyway, or one sub-group more where backward alone already needs
+    more (one sub-group is the least a step can hold). The runtime waits for write-backs to make room
+    before it reads the next sub-group's state (``BackwardStepper.inflight_limit``).
+
+    Args:
+        backward_bytes: the backward phase of :func:`cpu_rank_working_set` without the window.
+        optimizer_bytes: its optimizer phase (the pipeline after backward).
+        largest_slice_bytes: host bytes of the largest sub-group's slice (fp32 master + state slots).
+    """
+    if largest_slice_bytes <= 0:
+        return 0
+    return int(max(int(largest_slice_bytes), int(optimizer_bytes) - int(backward_bytes)))
+
+
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
                          activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
-                         baseline_bytes: int = CPU_RANK_BASELINE_BYTES) -> dict:
+                         baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0) -> dict:
     """Host memory (bytes) one CPU rank needs besides the DRAM budget, by phase (module docstring).
 
     Args:
@@ -211,14 +239,19 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
         subgroup_numels: elements of each of the rank's optimizer sub-groups (the pipeline holds the 3 largest).
         moment_bytes_per_param: optimizer state bytes per element (8 for Adam's two fp32 moments).
         baseline_bytes: the process itself (:data:`CPU_RANK_BASELINE_BYTES`).
+        in_backward_slice_bytes: the largest sub-group's host slice when steps may run inside backward
+            (0 when they cannot): the backward phase then also holds :func:`in_backward_window_bytes`.
 
     Returns:
-        ``{"baseline", "backward", "optimizer", "total"}``, bytes; ``total = baseline + max(backward, optimizer)``.
+        ``{"baseline", "backward", "optimizer", "in_backward", "total"}``, bytes; ``backward`` includes the
+        ``in_backward`` window; ``total = baseline + max(backward, optimizer)``.
     """
     backward = int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
     in_flight = sorted((int(n) for n in subgroup_numels), reverse=True)[:OPTIMIZER_PIPELINE_DEPTH]
     optimizer = sum(in_flight) * (MASTER_BYTES_PER_PARAM + int(moment_bytes_per_param) + GRAD_BYTES_PER_PARAM)
-    return {"baseline": int(baseline_bytes), "backward": backward, "optimizer": optimizer,
+    window = in_backward_window_bytes(backward, optimizer, in_backward_slice_bytes)
+    backward += window
+    return {"baseline": int(baseline_bytes), "backward": backward, "optimizer": optimizer, "in_backward": window,
             "total": int(baseline_bytes) + max(backward, optimizer)}
 
 

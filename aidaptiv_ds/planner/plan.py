@@ -510,12 +510,15 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
     numels = [inp.sub_group_size] * (per_rank // inp.sub_group_size) + (
         [per_rank % inp.sub_group_size] if per_rank % inp.sub_group_size else [])
     ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, N, pb, inp.reduce_bucket_size, grad_accum_bytes(inp.dtype))
+    speculate = inp.step_in_backward is not False and inp.dtype != "fp16"  # before the preflight's choice
     parts = cpu_rank_working_set(readahead_bytes=readahead,
                                  grad_window_bytes=2 * largest_sg * grad_accum_bytes(inp.dtype),
                                  deepspeed_bytes=ds, activation_bytes=activations,
                                  subgroup_numels=numels,
                                  moment_bytes_per_param=MOMENT_BYTES[inp.optimizer],
-                                 baseline_bytes=inp.cpu_rank_baseline)
+                                 baseline_bytes=inp.cpu_rank_baseline,
+                                 in_backward_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[
+                                     inp.optimizer]) if speculate else 0)
     return {**parts, "deepspeed": ds, "activations": int(activations), "readahead": readahead}
 
 

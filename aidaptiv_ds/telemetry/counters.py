@@ -27,7 +27,8 @@ Snapshot keys (all ints unless noted):
     ``proc_read_bytes`` / ``proc_write_bytes``: ``/proc/self/io`` read_bytes / write_bytes.
     ``optimizer_steps``: dict path -> optimizer sub-group steps taken that way (``in_backward``,
         ``committed``, ``redone``, ``rolled_back``, ``after_backward``: see
-        :class:`aidaptiv_ds.integration.backward_step.StepCounters`).
+        :class:`aidaptiv_ds.integration.backward_step.StepCounters`), and ``window_waits``: reads of a
+        sub-group's state inside backward that first waited for write-backs (the in-backward window).
     ``grad_spilled_bytes``: gradient bytes written to the cache tier (part of ``bytes_written``).
 """
 from __future__ import annotations

@@ -195,6 +195,24 @@ class HostTier:
             self._writes.append((s.nbytes, fut, s))
             return fut
 
+    def working_bytes(self, kind: str) -> int:
+        """Bytes of ``kind`` slices in working memory: referenced, prefetched and unused, or being
+        written back (not resident, not cached)."""
+        with self._lock:
+            return sum(s.nbytes for s in self._slices.values()
+                       if s.kind == kind and not s.resident and not self._cached(s))
+
+    def wait_oldest_write(self) -> bool:
+        """Wait for the oldest write-back in flight, then evict what the budget no longer holds
+        (a written slice nobody references becomes cached). Returns False when no write was in flight."""
+        with self._lock:
+            self._reap_writes()
+            if not self._writes:
+                return False
+            self._writes[0][1].wait()
+            self.enforce_budget()
+            return True
+
     def reserve_write(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more of write-back fit under ``writeback_limit`` (oldest writes first)."""
         with self._lock:

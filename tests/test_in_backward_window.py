@@ -1,0 +1,121 @@
+"""The in-backward window (issue 16): optimizer steps inside backward hold at most
+``max(one slice, optimizer phase - backward phase)`` of sub-group slices, and the planner adds exactly that
+to the backward phase ([Note: the in-backward window] in ``aidaptiv_ds/integration/backward_step.py``).
+
+Unit tests: the planner's arithmetic, and :class:`~aidaptiv_ds.integration.backward_step.BackwardStepper`'s
+read-ahead decisions against a real :class:`~aidaptiv_ds.tiers.HostTier` with a stand-in swapper. That the
+bounded schedule still gives DeepSpeed's bits is the oracle's job (``tests/test_step_in_backward.py``).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from aidaptiv_ds.integration.backward_step import BackwardStepper
+from aidaptiv_ds.planner.auto import cpu_rank_working_set, in_backward_window_bytes
+from aidaptiv_ds.tiers import HostTier, Slice
+
+MiB = 1 << 20
+
+
+def test_window_is_what_the_optimizer_phase_leaves_and_at_least_one_slice():
+    assert in_backward_window_bytes(backward_bytes=500, optimizer_bytes=900, largest_slice_bytes=300) == 400
+    assert in_backward_window_bytes(backward_bytes=800, optimizer_bytes=900, largest_slice_bytes=300) == 300
+    assert in_backward_window_bytes(backward_bytes=100, optimizer_bytes=900, largest_slice_bytes=0) == 0
+
+
+def test_cpu_rank_working_set_counts_the_window_in_backward():
+    kw = dict(readahead_bytes=256 * MiB, grad_window_bytes=80 * MiB, deepspeed_bytes=160 * MiB, activation_bytes=0,
+              subgroup_numels=[20_000_000] * 5, moment_bytes_per_param=8, baseline_bytes=0)
+    off = cpu_rank_working_set(**kw)
+    on = cpu_rank_working_set(**kw, in_backward_slice_bytes=240_000_000)
+    assert off["in_backward"] == 0 and off["total"] == max(off["backward"], off["optimizer"])
+    assert on["optimizer"] == off["optimizer"] == 3 * 20_000_000 * 16
+    assert on["in_backward"] == max(240_000_000, off["optimizer"] - off["backward"])
+    assert on["backward"] == off["backward"] + on["in_backward"]
+    # backward + window never exceeds the larger of backward + one slice and the optimizer phase
+    assert on["total"] == max(off["backward"] + 240_000_000, off["optimizer"])
+    big = cpu_rank_working_set(**{**kw, "activation_bytes": 2 << 30}, in_backward_slice_bytes=240_000_000)
+    assert big["in_backward"] == 240_000_000 and big["total"] == big["backward"]
+
+
+def test_planner_counts_the_window_only_where_steps_may_run_inside_backward():
+    from aidaptiv_ds.planner.model_size import shape_from_config
+    from aidaptiv_ds.planner.plan import CacheDrive, PlanInput, make_plan
+
+    cfg = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 8,
+           "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 8192}
+    base = dict(shape=shape_from_config(cfg, "t"), gpus=1, vram=0, dram=64 << 30, drives=[CacheDrive(capacity=1 << 50)],
+                dram_budget=0, micro_batch=1, seq_len=128, dtype="bf16", cpu_ranks=True, sub_group_size=20_000_000,
+                max_live_parameters=20_000_000, reduce_bucket_size=20_000_000, activation_checkpointing=True)
+    on = make_plan(PlanInput(**base))
+    off = make_plan(PlanInput(**base, step_in_backward=False))
+    assert on.cpu_rank_host["in_backward"] >= 20_000_000 * 12 and off.cpu_rank_host["in_backward"] == 0
+
+
+class _Swapper:
+    """What the stepper asks of the optimizer swapper: slice sizes, the tier, prefetch."""
+
+    def __init__(self, tier: HostTier, slice_bytes: int, n: int) -> None:
+        self.rt = types.SimpleNamespace(tier=tier, io_wait=_NoWait())
+        self.groups = {str(i): types.SimpleNamespace(index=i, slice=None) for i in range(n)}
+        self._bytes = slice_bytes
+        self.prefetched: list[int] = []
+
+    def slice_bytes(self, g) -> int:
+        return self._bytes
+
+    def can_speculate(self, g) -> bool:
+        return True
+
+    def prefetch(self, g) -> None:
+        g.slice = self.rt.tier.add(Slice(("opt", g.index), torch.empty(self._bytes, dtype=torch.uint8), kind="opt",
+                                         prefetched=True))
+        self.prefetched.append(g.index)
+
+
+class _NoWait:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _stepper(limit: int | None, n: int = 6, slice_bytes: int = 100):
+    tier = HostTier(budget=0)
+    sw = _Swapper(tier, slice_bytes, n)
+    flat = [types.SimpleNamespace(ds_id=i) for i in range(n)]
+    opt = types.SimpleNamespace(optimizer_swapper=sw, fp32_partitioned_groups_flat=flat, fp16_groups=[[]] * n,
+                                dtype=torch.float32, _swappable_optimizer_subgroup=lambda i: True)
+    return BackwardStepper(opt, enabled=True, keep_gradients=False, inflight_limit=limit), sw
+
+
+def test_read_ahead_keeps_room_for_the_sub_group_that_completes_first():
+    """Gradients of sub-groups 5, 4, 3 start arriving before 5 is final: with a window of 2.5 slices only 5 is
+    read ahead (a second read ahead would leave no room for 5's step if 4's were read first); unbounded, all
+    three are."""
+    st, sw = _stepper(limit=250)
+    for i in (5, 4, 3):
+        st.prefetch(i)
+    assert sw.prefetched == [5]
+    assert sw.rt.tier.working_bytes("opt") == 100
+    free, sw_free = _stepper(limit=None)
+    for i in (5, 4, 3):
+        free.prefetch(i)
+    assert sw_free.prefetched == [5, 4, 3]
+
+
+def test_make_room_returns_when_nothing_is_left_to_wait_for():
+    """A step needs its own slice whatever the window: with nothing in flight to wait for, it goes ahead
+    (counted as a wait only when the window was full)."""
+    st, sw = _stepper(limit=250)
+    st.prefetch(5)
+    st._make_room(sw.groups["4"])  # 100 + 100 <= 250: room, no wait
+    assert st.counters.window_waits == 0
+    sw.prefetch(sw.groups["4"])  # 4's state read on demand: 200 in working memory
+    st._make_room(sw.groups["3"])  # 200 + 100 > 250 and nothing writing: counted, then goes ahead
+    assert st.counters.window_waits == 1
+    st._make_room(sw.groups["5"])  # in DRAM already: no wait
+    assert st.counters.window_waits == 1
