@@ -391,3 +391,16 @@ def test_phase_peaks_give_each_phase_its_own_high_water_mark():
     assert peaks["backward"] - starts["backward"] >= 250 * mib
     assert peaks["step"] - starts["step"] < 64 * mib and peaks["forward"] - starts["forward"] < 64 * mib
     assert ph.peak == max(peaks.values())
+
+
+def test_summary_counts_the_optimizer_step_paths_and_the_steps_redone():
+    runs = [_run("aidaptiv0", [9.0, 2.0, 2.0, 2.0])]
+    paths = [{"in_backward": 4, "committed": 0, "redone": 4, "after_backward": 4},
+             {"in_backward": 0, "committed": 0, "redone": 0, "after_backward": 4},
+             {"in_backward": 4, "committed": 4, "redone": 0, "after_backward": 0},
+             {"in_backward": 4, "committed": 0, "redone": 4, "after_backward": 4}]
+    for s, p in zip(runs[0]["steps"], paths, strict=True):
+        s["optimizer_steps"] = p
+    f = summarize(runs, ["aidaptiv0"], warmup=1)["aidaptiv0"]
+    assert f["optimizer_steps"] == {"in_backward": 8, "committed": 4, "redone": 4, "after_backward": 8}
+    assert f["steps_redone"] == 1

@@ -83,6 +83,10 @@ def backend_figures(runs: list[dict], warmup: int, tokens_per_step: int | None =
         values = [s[key] for s in steps if s.get(key) is not None]
         if values:
             out[key] = max(values)
+    paths = [s["optimizer_steps"] for s in steps if s.get("optimizer_steps")]
+    if paths:  # aidaptiv_ds: sub-group steps per path over the measured steps, and the steps with a redo
+        out["optimizer_steps"] = {k: sum(p.get(k, 0) for p in paths) for k in paths[0]}
+        out["steps_redone"] = sum(1 for p in paths if p.get("redone"))
     aio = [r["aio"] for r in good if r.get("aio")]
     if aio:
         out["aio"] = aio[0]

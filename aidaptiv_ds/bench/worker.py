@@ -24,7 +24,8 @@ model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a gener
 ``phase``, ``ok``, ``error``, ``n_params``, ``setup_s`` (launch to the first step's start),
 ``first_step_s`` (launch to the end of step 1), ``steps`` (per step: ``wall_s``, ``loss``,
 ``io_wait_s``, ``rt_io_wait_s``, ``proc_read_bytes``, ``proc_write_bytes``, ``cache_read_bytes``,
-``cache_written_bytes``, ``dram_tier_bytes`` (aidaptiv_ds's DRAM tier after the step), ``rss_bytes``,
+``cache_written_bytes``, ``dram_tier_bytes`` (aidaptiv_ds's DRAM tier after the step), ``optimizer_steps``
+(aidaptiv_ds: sub-group steps per path in this step, ``StepCounters``), ``rss_bytes``,
 ``peak_rss_bytes`` (peak so far), ``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of
 the step: forward, backward, step; :class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset
 before step 1, the maximum of the phases' peaks),
@@ -198,7 +199,9 @@ def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wa
             "proc_write_bytes": after["proc_write_bytes"] - before["proc_write_bytes"],
             "cache_read_bytes": after["bytes_read"].get("cache", 0) - before["bytes_read"].get("cache", 0),
             "cache_written_bytes": after["bytes_written"].get("cache", 0) - before["bytes_written"].get("cache", 0),
-            "dram_tier_bytes": after["dram_bytes"]}
+            "dram_tier_bytes": after["dram_bytes"],
+            "optimizer_steps": {k: v - before.get("optimizer_steps", {}).get(k, 0)
+                                for k, v in after.get("optimizer_steps", {}).items()}}
 
 
 class PhasePeaks:
