@@ -9,7 +9,7 @@ construction is not counted) is fitted against the parameter count by least squa
 
 ``slope`` (bytes per parameter) is the figure that must stay near 0 for a backend whose host memory
 is bounded by its windows and budget; ``fixed_bytes`` is the interpreter, torch, DeepSpeed, the
-windows and activations of a sequence. The process peak (``ru_maxrss``, model construction included)
+windows and activations of a sequence. The process peak (model construction included)
 is reported beside it. Each backend runs with its own allocator policy (DeepSpeed's as shipped:
 glibc's defaults; aidaptiv_ds's from ``io.reuse_host_memory``). Every backend of one size runs on the
 same machine one after another; the cache directory is emptied after each run. Each point also keeps

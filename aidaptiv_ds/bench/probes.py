@@ -84,7 +84,8 @@ def peak_rss_bytes() -> int:
 
 
 def process_peak_rss_bytes() -> int:
-    """Peak resident set size of the whole process (``ru_maxrss``; never reset)."""
+    """Peak resident set size of the process (``ru_maxrss``). On Linux :func:`reset_peak_rss` lowers it too
+    (both read the memory map's high-water mark): a caller that resets keeps the earlier peak itself."""
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 

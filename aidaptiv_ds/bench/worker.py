@@ -29,7 +29,8 @@ model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a gener
 ``peak_rss_bytes`` (peak so far), ``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of
 the step: forward, backward, step; :class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset
 before step 1, the maximum of the phases' peaks),
-``peak_rss_process_bytes`` (``ru_maxrss``), ``aio`` (native), ``plan`` and ``budget_bytes``
+``peak_rss_process_bytes`` (the whole process: the setup's peak and the steps', since resetting
+``VmHWM`` resets what ``ru_maxrss`` reads too), ``aio`` (native), ``plan`` and ``budget_bytes``
 (aidaptiv_ds), ``tail`` (aidaptiv_ds: the write-back still in flight after the last step),
 ``timeline`` (the timeline file, when one was asked for), ``device`` (the engine's, e.g. ``cuda:0``).
 
@@ -255,9 +256,10 @@ def run(spec: dict, out: ResultFile) -> None:
     device = engine.device
     cuda = device.type == "cuda"
     probes.reset_gpu_peaks(device)
-    reset_ok = reset_peak_rss()
+    setup_peak = probes.process_peak_rss_bytes()
+    reset_ok = reset_peak_rss()  # resets ru_maxrss's source too (the mm's high-water mark): keep the setup's peak
     out.update(phase="step 1", device=str(device), setup_s=time.time() - t_launch,
-               peak_rss_setup_bytes=probes.process_peak_rss_bytes(), peak_rss_reset=reset_ok,
+               peak_rss_setup_bytes=setup_peak, peak_rss_reset=reset_ok,
                **_engine_info(engine, backend))
     steps_peak = rss_bytes()
     tl = None
@@ -311,8 +313,9 @@ def run(spec: dict, out: ResultFile) -> None:
     if tl is not None:  # after the flush: a last recorded step's write-back is in its tail
         tl.close()
         out.data["timeline"] = tl.written
-    out.update(ok=True, phase="done", peak_rss_steps_bytes=max(steps_peak, peak_rss_bytes()),
-               peak_rss_process_bytes=process_peak_rss_bytes(), wait_calls=clock.calls)
+    steps_peak = max(steps_peak, peak_rss_bytes())
+    out.update(ok=True, phase="done", peak_rss_steps_bytes=steps_peak,
+               peak_rss_process_bytes=max(setup_peak, steps_peak, process_peak_rss_bytes()), wait_calls=clock.calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         from .probes import process_peak_rss_bytes
 
         out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:],
-                   peak_rss_process_bytes=process_peak_rss_bytes())
+                   peak_rss_process_bytes=max(process_peak_rss_bytes(), out.data.get("peak_rss_setup_bytes") or 0,
+                                              out.data.get("peak_rss_steps_bytes") or 0))
         print(traceback.format_exc(), file=sys.stderr)
         return 1
     return 0
