@@ -32,13 +32,15 @@ gathered parameters and buckets, and the activations. Unbounded, the read-ahead 
 sub-groups' state and the write-back of the stepped ones kept three slices there (a 590M bf16 Llama at
 budget 0: 0.88 GiB of optimizer slices beside backward's own 0.4), the optimizer phase stacked on the
 backward phase. So a sub-group's state is read ahead (:meth:`BackwardStepper.prefetch`) only when its
-slice fits beside the optimizer slices already in working memory under ``inflight_limit`` with room
-left for one more (gradients of several sub-groups start arriving before the first of them is final:
-reading all of them ahead left no room for the one whose step came first), and before
+slice fits beside the optimizer slices already in working memory under ``inflight_limit``, with room
+left for the sub-groups whose steps come first and have no slice yet (gradients of several sub-groups
+start arriving before the first of them is final: reading all of them ahead left no room for the one
+whose step came first), and before
 a step reads what was not read ahead (:meth:`BackwardStepper.step_in_backward`) the stepper waits for
 write-backs until it fits (or none is left in flight: a step holds one slice whatever the window).
-The window is :func:`aidaptiv_ds.planner.auto.in_backward_window_bytes` on a CPU rank (``max(one
-slice, optimizer phase - backward phase)``, what the planner adds to the backward phase), the whole
+The window is :func:`aidaptiv_ds.planner.auto.in_backward_window_bytes` on a CPU rank (``max(two
+slices, optimizer phase - backward phase)``: the one written back and the next one read, so the
+optimizer's I/O still overlaps; what the planner adds to the backward phase), the whole
 pipeline (three slices) where a GPU holds backward's working set. Waiting never changes what is
 computed, only when: the results stay bit-identical. The backward compute waits only when the drive
 is behind; the waits are counted (``StepCounters.window_waits``, ``optimizer_steps`` in the metrics).
@@ -186,13 +188,20 @@ class BackwardStepper:
 
     def prefetch(self, index: int) -> None:
         """Sub-group ``index`` is receiving its gradients: start reading its state if it fits in the
-        in-backward window now with room left for one more slice (gradients of several sub-groups start
-        arriving before the first of them is final, and that one's step must still fit). A read ahead
-        never waits: the step reads what was not read ahead."""
+        in-backward window now, with room left for the sub-groups whose steps come first and have no slice
+        yet (gradients of several sub-groups start arriving before the first of them is final, and those
+        steps must still fit). A read ahead never waits: the step reads what was not read ahead."""
         if self.may_speculate(index) and self.subgroups[index].state is StepState.PENDING:
             sw, g = self._swapper_group(index)
-            if self._fits(g, keep_free=sw.slice_bytes(g)):
+            if self._fits(g, keep_free=self._ahead_without_slice(index) * sw.slice_bytes(g)):
                 sw.prefetch(g)
+
+    def _ahead_without_slice(self, index: int) -> int:
+        """Sub-groups after ``index`` (backward completes them first) that may still be stepped inside
+        backward and have no slice yet: the room a read ahead of ``index`` must leave them."""
+        return sum(1 for j in range(index + 1, len(self.subgroups))
+                   if self.subgroups[j].state is StepState.PENDING and self.may_speculate(j)
+                   and self._swapper_group(j)[1].slice is None)
 
     def step_in_backward(self, index: int) -> bool:
         """Sub-group ``index`` 's gradient is final: step it now, speculatively. Returns True if it ran."""
