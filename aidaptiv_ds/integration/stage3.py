@@ -235,7 +235,8 @@ def make_stage3_class(base: type) -> type:
                 and sw.expected_states > 0
             if get_accelerator().device_name() == "cpu":  # what a GPU holds is host memory here, by phase
                 parts = cpu_rank_working_set(
-                    readahead_bytes=psw.prefetch_window() if psw is not None else 0, grad_window_bytes=grad_window,
+                    readahead_bytes=min(psw.prefetch_window(), sizes.param_bytes) if psw is not None else 0,
+                    grad_window_bytes=grad_window,
                     deepspeed_bytes=self._aidaptiv_deepspeed_cpu_bytes(module_params),
                     activation_bytes=0,  # the sequence length is not known yet: the safety margin holds them
                     subgroup_numels=numels, moment_bytes_per_param=sw.elsize * sw.expected_states,

@@ -490,7 +490,8 @@ def grad_accum_bytes(dtype: str) -> int:
 def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> dict:
     """Host bytes one CPU rank needs besides the DRAM budget (``--cpu-ranks``), as the runtime counts them
     for ``dram_budget: "auto"`` (``integration/stage3.py``): :func:`~aidaptiv_ds.planner.auto.cpu_rank_working_set`
-    with the runtime's read-ahead window (``max(4 x the largest parameter partition, 256 MiB)``), its
+    with the runtime's read-ahead window (``max(4 x the largest parameter partition, 256 MiB)``, at most
+    the rank's parameter partitions: a small model's read-ahead cannot fill it), its
     gradient window (two sub-groups' accumulation slices), DeepSpeed's own working set from its knobs
     (:func:`~aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`: ``--max-live-parameters``,
     ``--reduce-bucket-size``) and the activations of one micro-batch. DeepSpeed's flat host gradient
@@ -504,7 +505,8 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
     largest_param = max(shape.largest_param_numel, 1)
     if inp.n_params is not None and shape.n_params:
         largest_param = int(largest_param * N / shape.n_params)
-    readahead = auto_prefetch_bytes(2 * -(-largest_param // dp) * pb)  # the swapper passes 2 partitions
+    # the swapper passes 2 partitions; it never reads ahead more than the rank's parameter partitions
+    readahead = min(auto_prefetch_bytes(2 * -(-largest_param // dp) * pb), -(-N // dp) * pb)
     per_rank = -(-N // dp)
     largest_sg = min(inp.sub_group_size, per_rank)
     numels = [inp.sub_group_size] * (per_rank // inp.sub_group_size) + (
