@@ -1,5 +1,5 @@
 """The in-backward window (issue 16): optimizer steps inside backward hold at most
-``max(two slices, optimizer phase - backward phase)`` of sub-group slices, and the planner adds exactly that
+two sub-group slices, and the planner adds exactly that
 to the backward phase ([Note: the in-backward window] in ``aidaptiv_ds/integration/backward_step.py``).
 
 Unit tests: the planner's arithmetic, and :class:`~aidaptiv_ds.integration.backward_step.BackwardStepper`'s
@@ -19,11 +19,9 @@ from aidaptiv_ds.tiers import HostTier, Slice
 MiB = 1 << 20
 
 
-def test_window_is_what_the_optimizer_phase_leaves_and_at_least_two_slices():
-    assert in_backward_window_bytes(backward_bytes=300, optimizer_bytes=900, largest_slice_bytes=250) == 600
-    assert in_backward_window_bytes(backward_bytes=500, optimizer_bytes=900, largest_slice_bytes=150) == 400
-    assert in_backward_window_bytes(backward_bytes=800, optimizer_bytes=900, largest_slice_bytes=300) == 600
-    assert in_backward_window_bytes(backward_bytes=100, optimizer_bytes=900, largest_slice_bytes=0) == 0
+def test_window_is_two_slices():
+    assert in_backward_window_bytes(largest_slice_bytes=250) == 500
+    assert in_backward_window_bytes(largest_slice_bytes=0) == 0
 
 
 def test_cpu_rank_working_set_counts_the_window_in_backward():
@@ -33,7 +31,7 @@ def test_cpu_rank_working_set_counts_the_window_in_backward():
     on = cpu_rank_working_set(**kw, in_backward_slice_bytes=240_000_000)
     assert off["in_backward"] == 0 and off["total"] == max(off["backward"], off["optimizer"])
     assert on["optimizer"] == off["optimizer"] == 3 * 20_000_000 * 16
-    assert on["in_backward"] == max(2 * 240_000_000, off["optimizer"] - off["backward"])
+    assert on["in_backward"] == 2 * 240_000_000
     assert on["backward"] == off["backward"] + on["in_backward"]
     # backward + window never exceeds the larger of backward + two slices and the optimizer phase
     assert on["total"] == max(off["backward"] + 2 * 240_000_000, off["optimizer"])

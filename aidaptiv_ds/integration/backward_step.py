@@ -38,11 +38,10 @@ start arriving before the first of them is final: reading all of them ahead left
 whose step came first), and before
 a step reads what was not read ahead (:meth:`BackwardStepper.step_in_backward`) the stepper waits for
 write-backs until it fits (or none is left in flight: a step holds one slice whatever the window).
-The window is :func:`aidaptiv_ds.planner.auto.in_backward_window_bytes` on a CPU rank (``max(two
-slices, optimizer phase - backward phase)``: the one written back and the next one read, so the
-optimizer's I/O still overlaps; what the planner adds to the backward phase), the whole
-pipeline (three slices) where a GPU holds backward's working set. Waiting never changes what is
-computed, only when: the results stay bit-identical. The backward compute waits only when the drive
+The window is :func:`aidaptiv_ds.planner.auto.in_backward_window_bytes` on a CPU rank (two slices:
+the one written back and the next one read, so the optimizer's I/O still overlaps; what the planner
+adds to the backward phase), the whole pipeline (three slices) where a GPU holds backward's working
+set. Waiting never changes what is computed, only when: the results stay bit-identical. The backward compute waits only when the drive
 is behind; the waits are counted (``StepCounters.window_waits``, ``optimizer_steps`` in the metrics).
 
 [Note: no speculation right after a clipped step] A redo writes the sub-group's state a second time (and

@@ -30,8 +30,8 @@ host's), so what the plan promises is what the runtime does:
       optimizer        = the 3 largest sub-groups x (4 B master + moment B + 4 B gradient) per element
 
   Where optimizer steps may run inside backward, the backward phase also holds their window of
-  sub-group slices (:func:`in_backward_window_bytes`: ``max(two slices, optimizer - backward)``, which
-  the runtime enforces), so the maximum stays ``max(backward + two slices, optimizer)``.
+  sub-group slices (:func:`in_backward_window_bytes`: two slices, which the runtime enforces), so the
+  maximum is ``max(backward + two slices, optimizer)``.
   The baseline is the measured RSS of a CPU rank once ``deepspeed.initialize`` has returned with all
   state offloaded (0.73 GiB here: interpreter, torch, DeepSpeed, transformers, the module objects).
   The phases do not stack: the read-ahead and DeepSpeed's gathered parameters and reduce buckets
@@ -201,35 +201,32 @@ def auto_prefetch_bytes(largest_slice_bytes: int) -> int:
     return int(max(2 * int(largest_slice_bytes), PREFETCH_FLOOR_BYTES))
 
 
-#: sub-group slices the steps inside backward may always hold: the one written back and the next one read
+#: sub-group slices the steps inside backward may hold: the one written back and the next one read
 IN_BACKWARD_MIN_SLICES = 2
 
 
-def in_backward_window_bytes(backward_bytes: int, optimizer_bytes: int, largest_slice_bytes: int) -> int:
+def in_backward_window_bytes(largest_slice_bytes: int) -> int:
     """Optimizer sub-group slices (bytes) that steps inside backward may hold in working memory at once:
-    ``max(2 x largest_slice_bytes, optimizer_bytes - backward_bytes)``; 0 when ``largest_slice_bytes`` is 0
-    (no step runs inside backward).
+    ``2 x largest_slice_bytes`` (the sub-group written back and the next one read); 0 when
+    ``largest_slice_bytes`` is 0 (no step runs inside backward).
 
     Steps inside backward (:mod:`aidaptiv_ds.integration.backward_step`) run the optimizer pipeline
     *during* the backward phase, beside the read-ahead, the gradient window, DeepSpeed's buckets and the
     activations. Left unbounded the pipeline held three sub-groups' slices there (read ahead, stepping,
     written back), so a CPU rank peaked at backward + optimizer instead of their maximum (590M bf16,
     budget 0, no clipping: 2.69 GiB against 1.69 planned). Bounded by this window, the backward phase
-    holds at most ``backward + window`` = ``max(backward + two slices, optimizer)``: what the optimizer
-    phase after backward would hold anyway, or two sub-groups more where backward alone already needs
-    more. Two, not one: with one slice the next sub-group's state is read only once the last one is
-    written, and the backward pass waits for both (148M fp32 Llama, budget 0, no clipping: 1.4 s of
-    I/O wait per step against 0.3 unbounded). The runtime waits for write-backs to make room before
-    it reads the next sub-group's state (``BackwardStepper.inflight_limit``).
+    holds ``backward + window`` (what :func:`cpu_rank_working_set` counts). Two slices, not one: with
+    one, the next sub-group's state is read only once the last one is written, and the backward pass
+    waits for both (148M fp32 Llama, budget 0, no clipping: 1.4 s of I/O wait per step against 0.3
+    unbounded). Not more where the optimizer phase would leave room (``optimizer - backward``): the
+    runtime does not know the activations when it sets the window, and a window that filled that room
+    put the step-1 peak 0.1 GiB higher at 590M-843M bf16. The runtime waits for write-backs to make room
+    before it reads the next sub-group's state (``BackwardStepper.inflight_limit``).
 
     Args:
-        backward_bytes: the backward phase of :func:`cpu_rank_working_set` without the window.
-        optimizer_bytes: its optimizer phase (the pipeline after backward).
         largest_slice_bytes: host bytes of the largest sub-group's slice (fp32 master + state slots).
     """
-    if largest_slice_bytes <= 0:
-        return 0
-    return int(max(IN_BACKWARD_MIN_SLICES * int(largest_slice_bytes), int(optimizer_bytes) - int(backward_bytes)))
+    return max(int(largest_slice_bytes), 0) * IN_BACKWARD_MIN_SLICES
 
 
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
@@ -255,7 +252,7 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
     backward = int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
     in_flight = sorted((int(n) for n in subgroup_numels), reverse=True)[:OPTIMIZER_PIPELINE_DEPTH]
     optimizer = sum(in_flight) * (MASTER_BYTES_PER_PARAM + int(moment_bytes_per_param) + GRAD_BYTES_PER_PARAM)
-    window = in_backward_window_bytes(backward, optimizer, in_backward_slice_bytes)
+    window = in_backward_window_bytes(in_backward_slice_bytes)
     backward += window
     return {"baseline": int(baseline_bytes), "backward": backward, "optimizer": optimizer, "in_backward": window,
             "total": int(baseline_bytes) + max(backward, optimizer)}
