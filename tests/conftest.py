@@ -193,9 +193,20 @@ class _EngineGuard(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _warm_matplotlib_font_cache() -> None:
+    """Build matplotlib's font cache once, before the first test: its first import on a machine runs
+    ``fc-list`` to list the fonts, which inside a unit test that draws (the report, the timeline) is a
+    child process the tier guard refuses; on a fresh machine the first such test failed."""
+    try:
+        from matplotlib import font_manager  # noqa: F401  (writes <cache dir>/fontlist-*.json)
+    except ImportError:
+        pass
+
+
 def pytest_sessionstart(session):
     if not session.config.option.collectonly:
         _prebuild_extensions()
+        _warm_matplotlib_font_cache()
 
 
 def pytest_configure(config):
