@@ -118,3 +118,23 @@ def test_make_room_returns_when_nothing_is_left_to_wait_for():
     assert st.counters.window_waits == 1
     st._make_room(sw.groups["5"])  # in DRAM already: no wait
     assert st.counters.window_waits == 1
+
+
+def test_room_left_ahead_counts_only_the_stretch_still_in_backward():
+    """The count of sub-groups ahead without a slice equals a scan of all of them, while the scan itself
+    stops where every sub-group above is done (stepped); a new step starts from the top again."""
+    from aidaptiv_ds.integration.backward_step import StepState
+
+    st, sw = _stepper(limit=10_000, n=8)
+
+    def brute(i):
+        return sum(1 for j in range(i + 1, 8) if st.subgroups[j].state is StepState.PENDING
+                   and sw.groups[str(j)].slice is None)
+
+    for j in (7, 6, 5):
+        st.subgroups[j].state = StepState.SPECULATED
+    sw.prefetch(sw.groups["3"])
+    assert st._ahead_without_slice(2) == brute(2) == 1  # 4 (3 has a slice; 5-7 stepped)
+    assert st._done_from == 5
+    st.end_step(0)
+    assert st._done_from == 8 and st._ahead_without_slice(2) == brute(2) == 4

@@ -29,20 +29,21 @@ computes the norm (:meth:`BackwardStepper.settle`):
 [Note: the in-backward window] A step inside backward holds its sub-group's slice (fp32 master and
 moments) while backward still holds the parameter read-ahead, the open gradient slices, DeepSpeed's
 gathered parameters and buckets, and the activations. Unbounded, the read-ahead of the next
-sub-groups' state and the write-back of the stepped ones kept three slices there (a 590M bf16 Llama at
-budget 0: 0.88 GiB of optimizer slices beside backward's own 0.4), the optimizer phase stacked on the
-backward phase. So a sub-group's state is read ahead (:meth:`BackwardStepper.prefetch`) only when its
-slice fits beside the optimizer slices already in working memory under ``inflight_limit``, with room
-left for the sub-groups whose steps come first and have no slice yet (gradients of several sub-groups
-start arriving before the first of them is final: reading all of them ahead left no room for the one
-whose step came first), and before
-a step reads what was not read ahead (:meth:`BackwardStepper.step_in_backward`) the stepper waits for
-write-backs until it fits (or none is left in flight: a step holds one slice whatever the window).
-The window is :func:`aidaptiv_ds.planner.auto.in_backward_window_bytes` on a CPU rank (two slices:
-the one written back and the next one read, so the optimizer's I/O still overlaps; what the planner
-adds to the backward phase), the whole pipeline (three slices) where a GPU holds backward's working
-set. Waiting never changes what is computed, only when: the results stay bit-identical. The backward compute waits only when the drive
-is behind; the waits are counted (``StepCounters.window_waits``, ``optimizer_steps`` in the metrics).
+sub-groups' state and the write-back of the stepped ones kept three slices there (a 590M bf16 Llama
+at budget 0: 0.88 GiB of optimizer slices beside backward's own 0.4), the optimizer phase stacked on
+the backward phase. So a sub-group's state is read ahead (:meth:`BackwardStepper.prefetch`) only when
+its slice fits beside the optimizer slices already in working memory under ``inflight_limit``, with
+room left for the sub-groups whose steps come first and have no slice yet (gradients of several
+sub-groups start arriving before the first of them is final: reading all of them ahead left no room
+for the one whose step came first), and before a step reads what was not read ahead
+(:meth:`BackwardStepper.step_in_backward`) the stepper waits for write-backs until it fits (or none
+is left in flight: a step holds one slice whatever the window). The window is
+:func:`aidaptiv_ds.planner.auto.in_backward_window_bytes` on a CPU rank (two slices: the one written
+back and the next one read, so the optimizer's I/O still overlaps; what the planner adds to the
+backward phase), the whole pipeline (three slices) where a GPU holds backward's working set. Waiting
+never changes what is computed, only when: the results stay bit-identical. The backward compute
+waits only when the drive is behind; the waits are counted (``StepCounters.window_waits``,
+``optimizer_steps`` in the metrics).
 
 [Note: no speculation right after a clipped step] A redo writes the sub-group's state a second time (and
 reads it again), so a run whose norm clips on every step would pay for each step twice. After a step
@@ -136,6 +137,7 @@ class BackwardStepper:
         self.counters = StepCounters()
         self.clipped_last = False  # the last settled step's norm clipped (see the note above)
         self.inflight_limit = None if inflight_limit is None else int(inflight_limit)
+        self._done_from = len(self.subgroups)  # sub-groups from here up are done for this backward
 
     # ------------------------------------------------------------------ queries
     def state(self, index: int) -> StepState:
@@ -195,12 +197,21 @@ class BackwardStepper:
             if self._fits(g, keep_free=self._ahead_without_slice(index) * sw.slice_bytes(g)):
                 sw.prefetch(g)
 
+    def _waiting(self, j: int) -> bool:
+        """Sub-group ``j`` may still be stepped inside backward in this step."""
+        return self.subgroups[j].state is StepState.PENDING and self.may_speculate(j)
+
     def _ahead_without_slice(self, index: int) -> int:
         """Sub-groups after ``index`` (backward completes them first) that may still be stepped inside
-        backward and have no slice yet: the room a read ahead of ``index`` must leave them."""
-        return sum(1 for j in range(index + 1, len(self.subgroups))
-                   if self.subgroups[j].state is StepState.PENDING and self.may_speculate(j)
-                   and self._swapper_group(j)[1].slice is None)
+        backward and have no slice yet: the room a read ahead of ``index`` must leave them.
+
+        Only the stretch below :attr:`_done_from` is looked at: from there up every sub-group is done for
+        this backward (stepped, or never stepped inside it), and since backward completes them from the
+        top down that stretch stays short, so a backward costs O(sub-groups), not O(sub-groups^2)."""
+        while self._done_from > index + 1 and not self._waiting(self._done_from - 1):
+            self._done_from -= 1
+        return sum(1 for j in range(index + 1, self._done_from)
+                   if self._waiting(j) and self._swapper_group(j)[1].slice is None)
 
     def step_in_backward(self, index: int) -> bool:
         """Sub-group ``index`` 's gradient is final: step it now, speculatively. Returns True if it ran."""
@@ -282,6 +293,7 @@ class BackwardStepper:
     def end_step(self, stepped_after: int) -> None:
         """The optimizer step is over: every record back to ``PENDING``."""
         self.counters.after_backward += stepped_after
+        self._done_from = len(self.subgroups)
         for rec in self.subgroups:
             rec.state = StepState.PENDING
             rec.snapshot = rec.hyper = None

@@ -226,9 +226,7 @@ class Runtime:
             "dram_bytes": self.tier.held_bytes,
             "dram_peak_bytes": self.tier.peak_bytes,
             "io_wait_s": self.io_wait.seconds,
-            "optimizer_steps": {k: sum(getattr(st.counters, k) for st in self.steppers)
-                                for k in ("in_backward", "committed", "redone", "rolled_back", "after_backward",
-                                          "window_waits")},
+            "optimizer_steps": _sum_counters(st.counters.as_dict() for st in self.steppers),
             "grad_spilled_bytes": sum(sw.gradients.spilled_bytes for sw in self.optimizer_swappers
                                       if sw.gradients is not None),
         }
@@ -298,6 +296,17 @@ def get_runtime(cfg: AidaptivConfig) -> Runtime:
             return _RUNTIME
         _RUNTIME = Runtime(cfg)
         return _RUNTIME
+
+
+def _sum_counters(dicts) -> dict:
+    """Add up the steppers' ``StepCounters.as_dict()`` key by key (every key present, 0 without steppers)."""
+    from .backward_step import StepCounters
+
+    out = StepCounters().as_dict()
+    for d in dicts:
+        for k, v in d.items():
+            out[k] += v
+    return out
 
 
 def current_runtime() -> Runtime | None:

@@ -205,7 +205,7 @@ def auto_prefetch_bytes(largest_slice_bytes: int) -> int:
 
 
 #: sub-group slices the steps inside backward may hold: the one written back and the next one read
-IN_BACKWARD_MIN_SLICES = 2
+IN_BACKWARD_SLICES = 2
 
 
 def in_backward_window_bytes(largest_slice_bytes: int) -> int:
@@ -229,7 +229,7 @@ def in_backward_window_bytes(largest_slice_bytes: int) -> int:
     Args:
         largest_slice_bytes: host bytes of the largest sub-group's slice (fp32 master + state slots).
     """
-    return max(int(largest_slice_bytes), 0) * IN_BACKWARD_MIN_SLICES
+    return max(int(largest_slice_bytes), 0) * IN_BACKWARD_SLICES
 
 
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,

@@ -459,7 +459,7 @@ def _core(inp: PlanInput) -> dict:
     else:
         dram = auto
     # steps inside backward (integration/stage3.py: the same choice and the same preflight)
-    speculate = inp.step_in_backward is not False and inp.dtype != "fp16"
+    speculate = _may_step_in_backward(inp)
     usable = usable_cache_bytes(inp.drives)
     while True:
         sizes.grads_transient = speculate and not inp.gradient_clipping > 0
@@ -478,6 +478,12 @@ def _core(inp: PlanInput) -> dict:
             "step_in_backward": speculate, "shadow_bytes": shadows * ranks,
             "cpu_rank": cpu,
             "dram_need": dram.margin_bytes + ws + (dram.budget_bytes if inp.dram_budget is not None else 0)}
+
+
+def _may_step_in_backward(inp: PlanInput) -> bool:
+    """Steps may run inside backward (``step_in_backward`` not false, not fp16), before the preflight's
+    check for the second copy's room (``integration/stage3.py`` decides the same way)."""
+    return inp.step_in_backward is not False and inp.dtype != "fp16"
 
 
 def grad_accum_bytes(dtype: str) -> int:
@@ -512,7 +518,7 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
     numels = [inp.sub_group_size] * (per_rank // inp.sub_group_size) + (
         [per_rank % inp.sub_group_size] if per_rank % inp.sub_group_size else [])
     ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, N, pb, inp.reduce_bucket_size, grad_accum_bytes(inp.dtype))
-    speculate = inp.step_in_backward is not False and inp.dtype != "fp16"  # before the preflight's choice
+    speculate = _may_step_in_backward(inp)  # before the preflight's choice
     parts = cpu_rank_working_set(readahead_bytes=readahead,
                                  grad_window_bytes=2 * largest_sg * grad_accum_bytes(inp.dtype),
                                  deepspeed_bytes=ds, activation_bytes=activations,
