@@ -68,7 +68,7 @@ class _Swapper:
     def can_speculate(self, g) -> bool:
         return True
 
-    def prefetch(self, g) -> None:
+    def prefetch(self, g, master_from_params: bool = False, demand: bool = False) -> None:
         g.slice = self.rt.tier.add(Slice(("opt", g.index), torch.empty(self._bytes, dtype=torch.uint8), kind="opt",
                                          prefetched=True))
         self.prefetched.append(g.index)

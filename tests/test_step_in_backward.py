@@ -89,3 +89,30 @@ def test_no_gradient_written_when_stepped_in_backward(tmp_path_factory):
     off = run("aidaptiv", args + ["--budget", "0", "--extra", '{"step_in_backward": false}'],
               str(tmp_path_factory.mktemp("gradoff")))
     assert all(d["grad_spilled_bytes"] > 0 for d in off["io"][1:])  # after backward they go through the drive
+
+
+def test_master_weights_come_from_the_parameter_reads(tmp_path_factory):
+    """fp32, budget 0, clipping off: a step inside backward reads only the moments; its master weights
+    are the parameter bytes backward read (optimizer_swapper.py, [Note: master weights from the parameter
+    reads]). The results stay bit-identical to DeepSpeed's CPU offload, the master bytes of every stepped
+    sub-group are accounted for (copied from parameter slices, or read on demand), and the reads per step
+    are the forward's and backward's parameters plus the moments, 4 B/param fewer than a full read.
+    A reduce bucket smaller than a sub-group makes gradients arrive while backward goes on (as on a large
+    model); with one bucket for the whole model every step would come at the end of backward, when the
+    parameters of all but the last sub-groups have left DRAM and are read on demand."""
+    args = LLAMA + ["--dtype", "fp32", "--steps", "4", "--reduce_bucket_size", "5e4"]
+    ref = oracle(args, str(tmp_path_factory.getbasetemp()))
+    got = run("aidaptiv", args + ["--budget", "0"], str(tmp_path_factory.mktemp("master")))
+    assert_identical(ref, got)
+    off = run("aidaptiv", args + ["--budget", "0", "--extra", '{"step_in_backward": false}'],
+              str(tmp_path_factory.mktemp("master_off")))
+    n = got["nparams"]
+    for d, o in zip(got["io"][1:], off["io"][1:], strict=True):
+        assert d["optimizer_steps"]["in_backward"] > 0 and d["optimizer_steps"]["after_backward"] == 0, d
+        master = d["master_from_params_bytes"] + d["master_demand_bytes"]
+        assert 0.95 * 4 * n <= master <= 4 * n, (master, n)  # every master slot but its last block's tail
+        assert d["master_from_params_bytes"] > d["master_demand_bytes"], d
+        assert o["master_from_params_bytes"] == o["master_demand_bytes"] == 0  # after backward: a full read
+        # after backward the step reads master + moments and the gradients (written in backward) once more
+        read, read_off = d["bytes_read"]["cache"], o["bytes_read"]["cache"]
+        assert read <= read_off - 4 * n - 0.9 * d["master_from_params_bytes"], (read, read_off)

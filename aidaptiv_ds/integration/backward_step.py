@@ -188,14 +188,17 @@ class BackwardStepper:
                 pass
 
     def prefetch(self, index: int) -> None:
-        """Sub-group ``index`` is receiving its gradients: start reading its state if it fits in the
-        in-backward window now, with room left for the sub-groups whose steps come first and have no slice
-        yet (gradients of several sub-groups start arriving before the first of them is final, and those
-        steps must still fit). A read ahead never waits: the step reads what was not read ahead."""
+        """Backward reads sub-group ``index`` 's parameters or it is receiving its gradients: start reading
+        its state if it fits in the in-backward window now, with room left for the sub-groups whose steps
+        come first and have no slice yet (gradients of several sub-groups start arriving before the first
+        of them is final, and those steps must still fit). A read ahead never waits: the step reads what
+        was not read ahead. fp32 master weights come from the parameters backward reads
+        (:class:`~aidaptiv_ds.integration.optimizer_swapper.AidaptivOptimizerSwapper`, [Note: master
+        weights from the parameter reads])."""
         if self.may_speculate(index) and self.subgroups[index].state is StepState.PENDING:
             sw, g = self._swapper_group(index)
-            if self._fits(g, keep_free=self._ahead_without_slice(index) * sw.slice_bytes(g)):
-                sw.prefetch(g)
+            if g.slice is None and self._fits(g, keep_free=self._ahead_without_slice(index) * sw.slice_bytes(g)):
+                sw.prefetch(g, master_from_params=True)
 
     def _waiting(self, j: int) -> bool:
         """Sub-group ``j`` may still be stepped inside backward in this step."""
@@ -221,6 +224,7 @@ class BackwardStepper:
         opt = self.opt
         sw, g = self._swapper_group(index)
         self._make_room(g)
+        sw.prefetch(g, master_from_params=True, demand=True)  # if not read ahead: the master from parameters in DRAM
         fp32 = opt.fp32_partitioned_groups_flat[index]
         rec.snapshot = sw.begin_speculation(g, fp32, keep_gradient=self.keep_gradients)
         rec.hyper = _hyper(opt.optimizer.param_groups[opt.sub_group_to_group_id[index]])
@@ -306,9 +310,12 @@ class BackwardStepMixin:
     1235-1262, 2854-2864, 2979-2988``) do nothing for a sub-group stepped in backward;
     ``_partitioned_params_swap_out`` (``stage3.py:1271-1290``) sends every NVMe partition to the swapper
     whatever its status; ``_get_norm_groups`` (``stage3.py:2573``) settles the speculations;
-    ``_overflow_clean_up`` and ``_post_step`` (``stage3.py:2799, 2835``) end them)."""
+    ``_overflow_clean_up`` and ``_post_step`` (``stage3.py:2799, 2835``) end them; ``backward_prologue`` /
+``backward_epilogue`` (``stage3.py:3050-3068``) bound the backward in which published parameters start
+their sub-groups' reads)."""
 
     _aidaptiv_stepper: BackwardStepper | None = None
+    _aidaptiv_backward_open = False  # between DeepSpeed's backward_prologue and backward_epilogue
 
     # ---------------------------------------------------------------- called from partition_grads
     def _aidaptiv_gradient_arriving(self, index: int, param) -> None:
@@ -321,6 +328,25 @@ class BackwardStepMixin:
                 f"parameter used across several backward calls of one accumulation boundary). Fix: set "
                 f"\"aidaptiv\": {{\"step_in_backward\": false}}, or use non-reentrant checkpointing "
                 f"(use_reentrant=False).")
+
+    def _aidaptiv_params_used(self, ds_ids) -> None:
+        """The parameter swapper publishes partitions ``ds_ids``: inside the boundary backward, start
+        reading their sub-groups' optimizer state (the first use in backward comes before the first
+        gradient, which waits for its reduce bucket; read then, the master slot fills from these reads)."""
+        st = self._aidaptiv_stepper
+        if st is None or not self._aidaptiv_backward_open or not self.is_gradient_accumulation_boundary():
+            return
+        where = self._aidaptiv_grad_where
+        for i in sorted({where[d][0] for d in ds_ids if d in where}, reverse=True):
+            st.prefetch(i)
+
+    def backward_prologue(self):
+        super().backward_prologue()
+        self._aidaptiv_backward_open = True
+
+    def backward_epilogue(self):
+        self._aidaptiv_backward_open = False
+        super().backward_epilogue()
 
     def _aidaptiv_gradient_started(self, index: int) -> None:
         if self._aidaptiv_stepper is not None:

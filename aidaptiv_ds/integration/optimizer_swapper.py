@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from ..io.buffers import alloc_aligned, round_up
+from ..io.buffers import alloc_aligned, round_down, round_up
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..planner.residency import ResidencyPlan
 from ..tiers.host_tier import Slice
@@ -60,6 +60,8 @@ class _Group:
     slice: Slice | None = None
     speculating: bool = False  # a speculative step's new state goes to the shadow extent
     keep_gradient: bool = False  # its gradient outlives the speculative step (a redo may need it)
+    alias: tuple = ()  # (ds_id, byte offset, bytes) of the fp32 partitions read from its master slot
+    pending: dict = dataclasses.field(default_factory=dict)  # ds_id -> (offset, bytes) of master not filled yet
 
     @property
     def valid_slots(self) -> int:
@@ -89,6 +91,9 @@ class AidaptivOptimizerSwapper:
         self.expected_states = expected_state_slots(optimizer)
         self.gradients: GradientStore | None = None  # set by the Stage-3 subclass before initialisation
         self.wanted = None  # fn(index) -> bool: the sub-group is still to be stepped (worth reading ahead)
+        self._pending_owner: dict[int, _Group] = {}  # ds_id -> the sub-group whose master slot awaits its bytes
+        self.master_copied_bytes = 0  # master bytes filled from parameter slices instead of read
+        self.master_demand_bytes = 0  # master bytes read on demand because no parameter slice had them
         self.swap_folder = os.path.join(runtime.namespace.rank_dir(0), f"optimizer{engine_id}")
         os.makedirs(self.swap_folder, exist_ok=True)
 
@@ -129,20 +134,94 @@ class AidaptivOptimizerSwapper:
     def _dropped(self, g: _Group, s: Slice) -> None:
         if g.slice is s:
             g.slice = None
+            self._forget_pending(g)
 
-    def _load(self, g: _Group, priority: int) -> Slice:
-        """The host slice of ``g``, reading it (master + valid state slots) if not in DRAM."""
+    def _forget_pending(self, g: _Group) -> None:
+        for ds_id in g.pending:
+            if self._pending_owner.get(ds_id) is g:
+                del self._pending_owner[ds_id]
+        g.pending = {}
+
+    def _load(self, g: _Group, priority: int, master_from_params: bool = False) -> Slice:
+        """The host slice of ``g``, reading it (master + valid state slots) if not in DRAM; with
+        ``master_from_params`` (and ``g.alias``) the master slot's first blocks come from the parameter
+        swapper instead (see [Note: master weights from the parameter reads])."""
         if g.slice is not None:
             return g.slice
         n = self._span(g, g.valid_slots)
         buf = alloc_aligned(self._span(g, g.slots))
-        fut = self.rt.store.read(self._extent_key(g), buf[:n], 0, priority)
+        psw = self.rt.param_swapper
+        start = round_down(g.slot_bytes, self.rt.store.alignment) if master_from_params and g.alias and psw else 0
+        fut = self.rt.store.read(self._extent_key(g), buf[start:n], start, priority) if n > start else None
         s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, ready=fut,
                   prefetched=True, writeback=self._writeback(g),
                   on_drop=lambda sl, g=g: self._dropped(g, sl))
         g.slice = s
+        if start:
+            self._fill_from_params(g, buf, start)
         self.rt.tier.add(s)
         return s
+
+    def _fill_from_params(self, g: _Group, buf: torch.Tensor, end: int) -> None:
+        """Copy the master bytes below ``end`` from the parameter partitions in DRAM now; the rest wait in
+        ``g.pending`` (filled by :meth:`take_master_bytes` or :meth:`wait_slice`)."""
+        psw = self.rt.param_swapper
+        for ds_id, off, nbytes in g.alias:
+            n = min(nbytes, end - off)
+            if n <= 0:
+                continue
+            src = psw.host_bytes(ds_id)
+            if src is not None:
+                buf[off:off + n].copy_(src[:n])
+                self.master_copied_bytes += n
+            else:
+                g.pending[ds_id] = (off, n)
+                self._pending_owner[ds_id] = g
+
+    def take_master_bytes(self, ds_id: int, src: torch.Tensor) -> None:
+        """The parameter swapper lets go of partition ``ds_id`` 's host bytes ``src`` (uint8): copy them
+        into the master slot that waits for them, if any (a drop listener)."""
+        g = self._pending_owner.pop(ds_id, None)
+        if g is None or g.slice is None or ds_id not in g.pending:
+            return
+        off, n = g.pending.pop(ds_id)
+        g.slice.buf[off:off + n].copy_(src[:n])
+        self.master_copied_bytes += n
+
+    def wait_slice(self, g: _Group, s: Slice) -> None:
+        """Wait for ``s`` (``g`` 's slice) to hold all its bytes: its read, then the master ranges no
+        parameter slice supplied (from a parameter slice now in DRAM, else read on demand, coalesced)."""
+        with self.rt.io_wait:
+            s.wait_ready()
+        if not g.pending:
+            return
+        psw = self.rt.param_swapper
+        missing = []
+        for ds_id, (off, n) in sorted(g.pending.items(), key=lambda kv: kv[1][0]):
+            src = psw.host_bytes(ds_id) if psw is not None else None
+            if src is not None:
+                s.buf[off:off + n].copy_(src[:n])
+                self.master_copied_bytes += n
+            else:
+                missing.append((off, off + n))
+        self._forget_pending(g)
+        align = self.rt.store.alignment
+        runs: list[list[int]] = []
+        for a, b in missing:
+            a, b = round_down(a, align), round_up(b, align)
+            if runs and a <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], b)
+            else:
+                runs.append([a, b])
+        futs = [self.rt.store.read(self._extent_key(g), s.buf[a:b], a, READ_DEMAND) for a, b in runs]
+        with self.rt.io_wait:
+            for f in futs:
+                f.wait()
+        self.master_demand_bytes += sum(b - a for a, b in runs)
+
+    def set_alias(self, g: _Group, entries) -> None:
+        """``entries``: ``(ds_id, byte offset, bytes)`` of the fp32 partitions read from ``g`` 's master slot."""
+        g.alias = tuple((int(d), int(o), int(n)) for d, o, n in entries)
 
     # ------------------------------------------------------------------ DeepSpeed API
     def init_timers(self) -> None:
@@ -239,8 +318,7 @@ class AidaptivOptimizerSwapper:
                 self._load(nxt, READ_PREFETCH)
                 if self.gradients is not None:
                     self.gradients.prefetch(nxt.index)
-        with self.rt.io_wait:
-            s.wait_ready()
+        self.wait_slice(g, s)
         self.rt.tier.acquire(s)
         parameter.data = self._slot(g, s, 0)
         state = self.optimizer.state.get(parameter, {})
@@ -299,9 +377,11 @@ class AidaptivOptimizerSwapper:
         """Host bytes of ``g`` 's slice (master weights and every state slot, aligned)."""
         return self._span(g, g.slots)
 
-    def prefetch(self, g: _Group) -> None:
-        """Start reading ``g`` 's master weights and state if they are not in DRAM."""
-        self._load(g, READ_PREFETCH)
+    def prefetch(self, g: _Group, master_from_params: bool = False, demand: bool = False) -> None:
+        """Start reading ``g`` 's master weights and state if they are not in DRAM; ``master_from_params``:
+        backward is reading its parameters, take the master bytes from them ([Note: master weights from
+        the parameter reads]); ``demand``: the step waits for it next (demand priority)."""
+        self._load(g, READ_DEMAND if demand else READ_PREFETCH, master_from_params)
 
     # ------------------------------------------------------------------ speculative steps
     def can_speculate(self, g: _Group) -> bool:

@@ -55,6 +55,11 @@ def _status():
     return PartitionedParamStatus
 
 
+def _read_done(s: Slice) -> bool:
+    """``s`` holds its bytes: no read, or a read that completed without error (never waits)."""
+    return s.ready is None or (s.ready.done() and s.ready.exception() is None)
+
+
 def _gathered_status():
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     return ZeroParamStatus
@@ -154,6 +159,12 @@ class AidaptivParamSwapper:
         self.aliased_skipped_bytes = 0  # parameter writes saved by reading fp32 partitions from their masters
         self.skipped_init_bytes = 0
         self.swap_folder = runtime.namespace.rank_dir(0)
+        #: ``fn(ds_id, uint8 bytes)`` called for each fp32 partition read from a master slot whose host
+        #: slice leaves the DRAM tier with its bytes current (the optimizer swappers fill master slots)
+        self.drop_listeners: list = []
+        #: ``fn(ds_ids)`` called with the partitions each ``swap_in`` publishes (the Stage-3 optimizer
+        #: starts reading the state of their sub-groups inside the boundary backward)
+        self.use_listeners: list = []
 
     # ------------------------------------------------------------------ layout
     def _region(self, dtype: torch.dtype) -> PackedRegion:
@@ -272,6 +283,9 @@ class AidaptivParamSwapper:
             self._publish(p)
             p.ds_tensor.status = S.INFLIGHT
             self._inflight.append(p)
+        if todo:
+            for fn in self.use_listeners:
+                fn([p.ds_id for p in todo])
         if not async_op:
             self.synchronize_reads()
 
@@ -489,9 +503,14 @@ class AidaptivParamSwapper:
         return out
 
     def _on_drop(self, s: Slice) -> None:
+        listen = self.drop_listeners and _read_done(s)
         for i in s.members:
             rec = self._parts.get(i)
             if rec is not None and rec.host is s:
+                if listen and rec.loc.aliased:
+                    src = self.host_bytes(i)
+                    for fn in self.drop_listeners:
+                        fn(i, src)
                 rec.host = None
 
     def _write(self, items: list, keep: bool) -> list:
@@ -625,14 +644,15 @@ class AidaptivParamSwapper:
                              f"(`aidaptiv-ds unpack MODEL_DIR ...`), or remove \"from_unpacked\"")
         return adopted
 
-    def alias_to_master(self, params, view) -> int:
+    def alias_to_master(self, params, view) -> list[tuple[int, int, int]]:
         """Read ``params`` (one sub-group's fp32 partitions, in sub-group order) from ``view``, the
-        master slot of their sub-group, and never write them on their own; returns the bytes aliased.
+        master slot of their sub-group, and never write them on their own; returns ``(ds_id, byte
+        offset in the slot, bytes)`` per partition.
 
         Raises:
-            ValueError: a partition is not fp32 or the partitions do not fill the view in order.
+            DeepSpeedContractError: a partition is not fp32 or the partitions do not fill the view in order.
         """
-        off = 0
+        off, out = 0, []
         for p in params:
             rec = self._parts.get(p.ds_id)
             if rec is None or rec.loc.dtype != torch.float32:
@@ -641,10 +661,23 @@ class AidaptivParamSwapper:
             rec.detach_host()
             rec.loc = _Loc(view, off, loc.numel, loc.dtype, loc.elsize, aliased=True)
             rec.unadopted = False
+            out.append((p.ds_id, off, loc.nbytes))
             off += loc.nbytes
         if off != view.size:
             raise DeepSpeedContractError(f"aidaptiv_ds: partitions of {view.name} cover {off} bytes, its master slot {view.size}")
-        return off
+        return out
+
+    def host_bytes(self, ds_id: int) -> torch.Tensor | None:
+        """The current bytes (uint8, a view: copy before the next swap call) of partition ``ds_id`` when a
+        host slice holds them with its read complete; None when they are only on the drive or still being
+        read (never waits)."""
+        rec = self._parts.get(ds_id)
+        s = rec.host if rec is not None else None
+        if s is None or not _read_done(s):
+            return None
+        loc = rec.loc
+        off = loc.start - s.key[2]
+        return s.buf[off:off + loc.nbytes]
 
     def _dead_chunks(self, leaving: set[int]) -> dict[torch.dtype, list[int]]:
         """Per dtype, the chunks of our own regions that hold no partition of a live parameter once the

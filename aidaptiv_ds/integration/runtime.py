@@ -229,6 +229,8 @@ class Runtime:
             "optimizer_steps": _sum_counters(st.counters.as_dict() for st in self.steppers),
             "grad_spilled_bytes": sum(sw.gradients.spilled_bytes for sw in self.optimizer_swappers
                                       if sw.gradients is not None),
+            "master_from_params_bytes": sum(sw.master_copied_bytes for sw in self.optimizer_swappers),
+            "master_demand_bytes": sum(sw.master_demand_bytes for sw in self.optimizer_swappers),
         }
 
     def check(self) -> None:

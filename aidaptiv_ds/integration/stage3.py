@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -85,6 +86,17 @@ def auto_reduce_bucket_size(ds_config: dict) -> int | None:
     return CPU_REDUCE_BUCKET_NUMEL
 
 
+def _weak_method(method):
+    """``method`` as a callback that does not keep its object alive (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        fn = ref()
+        if fn is not None:
+            fn(*args)
+    return call
+
+
 def make_stage3_class(base: type) -> type:
     """Subclass DeepSpeed's Stage-3 optimizer class ``base`` (kept as ``AidaptivStage3.__base__``)."""
 
@@ -145,7 +157,12 @@ def make_stage3_class(base: type) -> type:
                 if g is None or g.resident or any(getattr(p.ds_tensor, "final_location", None) is None or
                                                   not psw.holds(p.ds_id) for p in params):
                     continue
-                psw.alias_to_master(params, ExtentView(self._aidaptiv_rt.store, sw._extent_key(g), g.slot_bytes))
+                sw.set_alias(g, psw.alias_to_master(params, ExtentView(self._aidaptiv_rt.store, sw._extent_key(g),
+                                                                       g.slot_bytes)))
+            if not getattr(self, "_aidaptiv_listening", False):  # weakly: the swapper outlives engines
+                self._aidaptiv_listening = True
+                psw.drop_listeners.append(_weak_method(sw.take_master_bytes))
+                psw.use_listeners.append(_weak_method(self._aidaptiv_params_used))
             freed = psw.release_dead_chunks()  # the partitions' first copy, written by zero.Init, is not read again
             if freed and self._aidaptiv_rt.rank == 0:
                 log.info("aidaptiv_ds: fp32 parameters are read from their master slots; %s of their first copy "
@@ -262,6 +279,7 @@ def make_stage3_class(base: type) -> type:
             speculate = may_speculate
             while True:
                 sizes.grads_transient = speculate and not clip
+                sizes.steps_in_backward = speculate
                 plan = plan_residency(sizes, rt.budget)
                 grads_stored = sum(b for i, b in enumerate(grad_slices) if i not in plan.resident_grad_subgroups)
                 shadows = sum(round_up(numels[i] * sw.elsize * slots, align) for i in range(len(numels))

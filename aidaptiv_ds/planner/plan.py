@@ -463,6 +463,7 @@ def _core(inp: PlanInput) -> dict:
     usable = usable_cache_bytes(inp.drives)
     while True:
         sizes.grads_transient = speculate and not inp.gradient_clipping > 0
+        sizes.steps_in_backward = speculate
         res = plan_residency(sizes, dram.per_rank_bytes)
         shadows = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in res.resident_subgroups) \
             if speculate else 0

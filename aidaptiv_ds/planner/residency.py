@@ -47,6 +47,10 @@ class StateSizes:
             split like ``subgroup_bytes``).
         grads_transient: each sub-group's gradient is consumed by its optimizer step inside the backward
             pass: it needs no DRAM budget and is never written.
+        steps_in_backward: sub-groups not kept in DRAM are stepped inside the backward pass (whatever
+            happens to their gradients); with ``alias_params`` such a step reads only the moments, its
+            master weights coming from the parameters backward has read (``integration/optimizer_swapper.py``,
+            [Note: master weights from the parameter reads]).
     """
     param_bytes: int
     grad_bytes: int
@@ -55,6 +59,7 @@ class StateSizes:
     subgroup_param_bytes: list[int] = dataclasses.field(default_factory=list)
     subgroup_grad_bytes: list[int] = dataclasses.field(default_factory=list)
     grads_transient: bool = False
+    steps_in_backward: bool = False
 
     def grad_slices(self) -> list[int]:
         """Bytes of each sub-group's gradient slice (sums to ``grad_bytes``)."""
@@ -116,7 +121,8 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     step = non-resident parameters (with ``alias_params``: only those of resident sub-groups) +
     non-resident gradient slices + non-resident sub-groups; bytes read per step = 2 x the parameters
     unless they are resident (forward and backward; with ``alias_params`` from the master slots) +
-    non-resident gradient slices + non-resident sub-groups.
+    non-resident gradient slices + non-resident sub-groups (with ``alias_params`` and
+    ``steps_in_backward`` their moments only).
     """
     left = max(int(budget), 0)
     slices = sizes.grad_slices()
@@ -157,11 +163,15 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     # forward and backward each read every parameter not in DRAM: with alias_params from the fp32 master
     # slot (never written on its own), so reads follow the parameters' bytes, not their writes
     p_r = 0 if params else sizes.param_bytes
+    # a step inside backward takes the fp32 master weights of an aliased sub-group from the parameters just read
+    opt_read = opt_written
+    if sizes.alias_params and sizes.steps_in_backward and not params:
+        opt_read -= sum(b for i, b in enumerate(sizes.subgroup_param_bytes) if i not in resident)
     return ResidencyPlan(
         budget=int(budget), grads_resident=sizes.grads_transient or len(grad_res) == len(slices),
         resident_grad_subgroups=grad_res,
         params_resident=params, resident_subgroups=resident,
         resident_bytes=max(int(budget), 0) - left, cache_bytes=left,
         write_bytes_per_step=p_w + g_w + opt_written,
-        read_bytes_per_step=2 * p_r + g_w + opt_written,
+        read_bytes_per_step=2 * p_r + g_w + opt_read,
     )

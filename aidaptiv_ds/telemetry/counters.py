@@ -30,11 +30,17 @@ Snapshot keys (all ints unless noted):
         :class:`aidaptiv_ds.integration.backward_step.StepCounters`), and ``window_waits``: reads of a
         sub-group's state inside backward that first waited for write-backs (the in-backward window).
     ``grad_spilled_bytes``: gradient bytes written to the cache tier (part of ``bytes_written``).
+    ``master_from_params_bytes``: fp32 master-weight bytes a step inside backward took from the parameter
+        partitions backward had read instead of reading them again; ``master_demand_bytes``: those it
+        still read (on demand) because no parameter slice held them any more (part of ``bytes_read``).
 """
 from __future__ import annotations
 
 import threading
 from typing import Callable
+
+#: Cumulative byte counters summed over providers (their per-interval delta is ``after - before``).
+_SUMMED = ("grad_spilled_bytes", "master_from_params_bytes", "master_demand_bytes")
 
 _providers: dict[str, Callable[[], dict]] = {}
 _settlers: dict[str, Callable[[], None]] = {}
@@ -93,7 +99,7 @@ def snapshot(settle_first: bool = False) -> dict:
     if settle_first:
         settle()
     snap: dict = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, "dram_bytes": 0, "dram_peak_bytes": 0,
-                  "io_wait_s": 0.0, "optimizer_steps": {}, "grad_spilled_bytes": 0}
+                  "io_wait_s": 0.0, "optimizer_steps": {}, **{k: 0 for k in _SUMMED}}
     with _lock:
         providers = list(_providers.values())
     for fn in providers:
@@ -105,7 +111,7 @@ def snapshot(settle_first: bool = False) -> dict:
             cur = snap["per_path"].setdefault(path, {"bytes_read": 0, "bytes_written": 0})
             for k in cur:
                 cur[k] += v.get(k, 0)
-        for k in ("dram_bytes", "dram_peak_bytes", "io_wait_s", "grad_spilled_bytes"):
+        for k in ("dram_bytes", "dram_peak_bytes", "io_wait_s") + _SUMMED:
             snap[k] += d.get(k, 0)
         for k, v in d.get("optimizer_steps", {}).items():
             snap["optimizer_steps"][k] = snap["optimizer_steps"].get(k, 0) + v
@@ -124,7 +130,8 @@ def delta(after: dict, before: dict) -> dict:
     out["io_wait_s"] = after["io_wait_s"] - before["io_wait_s"]
     out["optimizer_steps"] = {k: v - before.get("optimizer_steps", {}).get(k, 0)
                               for k, v in after.get("optimizer_steps", {}).items()}
-    out["grad_spilled_bytes"] = after.get("grad_spilled_bytes", 0) - before.get("grad_spilled_bytes", 0)
+    for k in _SUMMED:
+        out[k] = after.get(k, 0) - before.get(k, 0)
     out["proc_read_bytes"] = after["proc_read_bytes"] - before["proc_read_bytes"]
     out["proc_write_bytes"] = after["proc_write_bytes"] - before["proc_write_bytes"]
     out["dram_bytes"], out["dram_peak_bytes"] = after["dram_bytes"], after["dram_peak_bytes"]
