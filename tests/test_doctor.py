@@ -208,3 +208,20 @@ def test_cli_exit_codes_and_json(tmp_path, monkeypatch):
     text = out.getvalue()
     assert "UNUSABLE" in text and "fix: mount the cache drive there or create the directory" in text
     assert "NVML not available" in text
+
+
+def test_huge_pages_check_names_the_switch_and_the_fix(tmp_path):
+    """The kernel's THP mode from /sys and PyTorch's THP_MEM_ALLOC_ENABLE: "madvise" without the switch
+    is a warning with the export to run; "never" a warning with the kernel setting; never an error."""
+    from aidaptiv_ds.cli.doctor import check_huge_pages
+
+    mm = tmp_path / "kernel" / "mm" / "transparent_hugepage"
+    mm.mkdir(parents=True)
+    (mm / "enabled").write_text("always [madvise] never\n")
+    r = check_huge_pages(str(tmp_path), environ={})
+    assert r["kernel_mode"] == "madvise" and r["torch_env"] is None
+    assert [p["severity"] for p in r["problems"]] == ["warning"] and "export THP_MEM_ALLOC_ENABLE=1" in r["problems"][0]["fix"]
+    assert check_huge_pages(str(tmp_path), environ={"THP_MEM_ALLOC_ENABLE": "1"})["problems"] == []
+    (mm / "enabled").write_text("always madvise [never]\n")
+    assert "transparent_hugepage/enabled" in check_huge_pages(str(tmp_path), environ={})["problems"][0]["fix"]
+    assert check_huge_pages(str(tmp_path / "absent"), environ={})["kernel_mode"] is None

@@ -230,8 +230,10 @@ def format_table(result: dict) -> str:
              f"Native aio: {result['aio']['status']}"
              + ("; DeepSpeed's swap_in de-duplicates its list (DeepSpeed 0.19.8 asserts on the duplicate "
                 "lm_head its prefetch passes)." if cfg.get("native_dedup") and "native" in cfg["backends"] else "."),
-             "Allocator: " + ("glibc mmap threshold 1 GiB in every backend (aidaptiv_ds's runtime sets it with "
-                              "mallopt; the DeepSpeed processes get MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_)."
+             "Allocator: " + ("the DeepSpeed processes keep freed heap for reuse (glibc mmap threshold 1 GiB, "
+                              "MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), as aidaptiv_ds's runtime does when its "
+                              "DRAM budget has room for it (io.reuse_host_memory; at budget 0 it returns freed memory); "
+                              "every backend allocates on huge pages (THP_MEM_ALLOC_ENABLE=1)."
                               if cfg.get("same_allocator") else
                               "as shipped (aidaptiv_ds raises glibc's mmap threshold in its process, DeepSpeed "
                               "does not): part of any difference is the allocator's."),

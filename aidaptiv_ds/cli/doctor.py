@@ -211,12 +211,40 @@ def check_deepspeed_aio() -> dict:
     return out
 
 
+def check_huge_pages(sys_root: str = "/sys", environ=None) -> dict:
+    """The kernel's transparent-huge-page mode and PyTorch's switch (:mod:`aidaptiv_ds.hostenv`), with a
+    warning when fresh host memory will fault in 4 KiB at a time (slower budget-0 steps, no failure)."""
+    from ..hostenv import TORCH_HUGE_PAGES_ENV
+
+    env = os.environ if environ is None else environ
+    mode = None
+    try:
+        with open(os.path.join(sys_root, "kernel/mm/transparent_hugepage/enabled")) as f:
+            mode = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        pass
+    out = {"kernel_mode": mode, "torch_env": env.get(TORCH_HUGE_PAGES_ENV), "problems": []}
+    if mode == "never":
+        out["problems"].append(_problem("warning", "transparent huge pages are off in the kernel: fresh host "
+                                                   "buffers page-fault in 4 KiB at a time (slower steps at a small "
+                                                   "DRAM budget)",
+                                        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled (as root)"))
+    elif mode == "madvise" and out["torch_env"] != "1":
+        out["problems"].append(_problem("warning", f"{TORCH_HUGE_PAGES_ENV} is not set: PyTorch's own "
+                                                   f"allocations (DeepSpeed's gathered parameters, the optimizer's "
+                                                   f"temporaries) will not use huge pages (aidaptiv_ds's buffers do)",
+                                        f"export {TORCH_HUGE_PAGES_ENV}=1 before starting training (python -m "
+                                        f"aidaptiv_ds.run and launch/finetune.py set it)"))
+    return out
+
+
 def run_doctor(paths: list[str], probe=direct_io_probe, nvml_backend=None, proc_root: str = "/proc") -> dict:
     """The full report; ``ok`` is False when a path or the versions have an ``error``."""
     versions = check_versions()
     cache = [check_cache_path(p, probe, proc_root) for p in paths]
     report = {"versions": versions, "cache_paths": cache, "nvml": nvml_status(nvml_backend),
-              "host_memory": host_memory(proc_root), "deepspeed_aio": check_deepspeed_aio()}
+              "host_memory": host_memory(proc_root), "deepspeed_aio": check_deepspeed_aio(),
+              "huge_pages": check_huge_pages()}
     errors = [p for p in versions["problems"] if p["severity"] == "error"]
     report["ok"] = not errors and all(c["usable"] for c in cache)
     return report
@@ -253,6 +281,12 @@ def format_report(rep: dict) -> str:
         lines.append(f"gpus        {n['status']}")
     m = rep["host_memory"]
     lines.append(f"host memory {_fmt(m['available_bytes'])} available of {_fmt(m['total_bytes'])}")
+    h = rep.get("huge_pages")
+    if h is not None:
+        lines.append(f"huge pages  kernel {h['kernel_mode'] or 'unknown'}, THP_MEM_ALLOC_ENABLE "
+                     f"{h['torch_env'] if h['torch_env'] is not None else 'not set'}")
+        for p in h["problems"]:
+            lines += [f"  {p['severity'].upper()}: {p['problem']}", f"    fix: {p['fix']}"]
     a = rep["deepspeed_aio"]
     lines.append(f"ds async_io installed: {a['installed']}, JIT-buildable: {a['jit_compatible']} ({a['note']})")
     lines.append("result      " + ("OK" if rep["ok"] else "PROBLEMS: fix the errors above"))

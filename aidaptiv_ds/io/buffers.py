@@ -113,6 +113,8 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
             raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=True)
     else:
         raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
+        if nbytes >= HUGE_PAGE_BYTES:
+            advise_huge_pages(raw)
     skip = (-raw.data_ptr()) % alignment
     buf = raw[skip:skip + nbytes]
     if zero:
@@ -121,6 +123,34 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
     if register:
         REGISTRY.add(out)
     return out
+
+
+#: Transparent huge page size on x86-64 and most aarch64 kernels.
+HUGE_PAGE_BYTES = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask the kernel to back the 2 MiB-aligned interior of CPU tensor ``t`` 's bytes with transparent
+    huge pages (``madvise(MADV_HUGEPAGE)``) before they are first touched.
+
+    [Note: why huge pages] A DRAM budget of 0 keeps no freed heap (:func:`return_freed_host_memory`), so
+    every swap buffer of every step is fresh memory that page-faults in: 4 KiB at a time, at 2.4-2.9
+    GiB/s alloc+fill on this project's VM against 27 GiB/s for memory already mapped; with huge pages
+    3.6-6.7 GiB/s. Where the kernel's THP mode is ``madvise`` (the default of many distributions) only
+    advised ranges get huge pages; PyTorch advises its own allocations of 2 MiB and more when
+    ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation (the training launchers of this
+    package set it). Host memory is unchanged: the buffers are filled whole anyway. Returns False where
+    ``madvise`` is unavailable or refused (never raises).
+    """
+    start = round_up(t.data_ptr(), HUGE_PAGE_BYTES)
+    end = round_down(t.data_ptr() + t.numel() * t.element_size(), HUGE_PAGE_BYTES)
+    if end <= start:
+        return False
+    try:
+        return _glibc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
