@@ -20,7 +20,6 @@ import runpy
 import sys
 
 import aidaptiv_ds  # noqa: F401 - installs the hooks (now, or when the script imports deepspeed)
-from aidaptiv_ds.hostenv import prefer_huge_pages
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,7 +34,6 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or not os.path.isfile(argv[0]):
         raise SystemExit(f"usage: python -m aidaptiv_ds.run SCRIPT [ARGS...]\n"
                          f"{'no script given' if not argv else repr(argv[0]) + ' is not a file'}")
-    prefer_huge_pages()  # before the script's torch allocates (hostenv.py, [Note: PyTorch's huge pages])
     script = os.path.abspath(argv[0])
     sys.argv = [script] + argv[1:]
     sys.path.insert(0, os.path.dirname(script))

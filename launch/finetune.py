@@ -40,11 +40,7 @@ except ModuleNotFoundError:  # running from a source checkout that is not pip-in
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import aidaptiv_ds  # noqa: F401
 
-from aidaptiv_ds.hostenv import prefer_huge_pages  # noqa: E402
-
-prefer_huge_pages()  # before torch allocates (aidaptiv_ds/hostenv.py)
-
-from aidaptiv_ds.finetune.job import parse_args, run  # noqa: E402
+from aidaptiv_ds.finetune.job import parse_args, run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -210,18 +210,17 @@ def test_cli_exit_codes_and_json(tmp_path, monkeypatch):
     assert "NVML not available" in text
 
 
-def test_huge_pages_check_names_the_switch_and_the_fix(tmp_path):
-    """The kernel's THP mode from /sys and PyTorch's THP_MEM_ALLOC_ENABLE: "madvise" without the switch
-    is a warning with the export to run; "never" a warning with the kernel setting; never an error."""
+def test_huge_pages_check_reads_the_kernel_mode(tmp_path):
+    """The kernel's THP mode from /sys: "never" is a warning with the setting to change, never an error."""
     from aidaptiv_ds.cli.doctor import check_huge_pages
 
     mm = tmp_path / "kernel" / "mm" / "transparent_hugepage"
     mm.mkdir(parents=True)
     (mm / "enabled").write_text("always [madvise] never\n")
-    r = check_huge_pages(str(tmp_path), environ={})
-    assert r["kernel_mode"] == "madvise" and r["torch_env"] is None
-    assert [p["severity"] for p in r["problems"]] == ["warning"] and "export THP_MEM_ALLOC_ENABLE=1" in r["problems"][0]["fix"]
-    assert check_huge_pages(str(tmp_path), environ={"THP_MEM_ALLOC_ENABLE": "1"})["problems"] == []
+    r = check_huge_pages(str(tmp_path))
+    assert r["kernel_mode"] == "madvise" and r["problems"] == []
     (mm / "enabled").write_text("always madvise [never]\n")
-    assert "transparent_hugepage/enabled" in check_huge_pages(str(tmp_path), environ={})["problems"][0]["fix"]
-    assert check_huge_pages(str(tmp_path / "absent"), environ={})["kernel_mode"] is None
+    r = check_huge_pages(str(tmp_path))
+    assert [p["severity"] for p in r["problems"]] == ["warning"]
+    assert "transparent_hugepage/enabled" in r["problems"][0]["fix"]
+    assert check_huge_pages(str(tmp_path / "absent"))["kernel_mode"] is None

@@ -1,19 +1,14 @@
-"""Huge pages for fresh host memory (io/buffers.py ``advise_huge_pages``, hostenv.py ``prefer_huge_pages``).
+"""Huge pages for fresh host memory (io/buffers.py ``advise_huge_pages``).
 
 The speed-up itself is a benchmark figure (README, the 148M budget-0 run); here: the advice lands on the
-2 MiB-aligned interior of a buffer where the kernel allows it, never fails the allocation, and the
-launchers' environment switch keeps what a user set.
+2 MiB-aligned interior of a buffer where the kernel allows it and never fails the allocation.
 """
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
-import pytest
 import torch
 
-from aidaptiv_ds.hostenv import TORCH_HUGE_PAGES_ENV, prefer_huge_pages
 from aidaptiv_ds.io.buffers import HUGE_PAGE_BYTES, advise_huge_pages, alloc_aligned
 
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -58,21 +53,3 @@ def test_a_large_buffer_gets_huge_pages_where_the_kernel_allows():
     # "madvise" kernel with free memory backs most of the advised range with 2 MiB pages
     assert huge == 0 or huge >= 2048, huge
     assert advise_huge_pages(buf) is True
-
-
-def test_prefer_huge_pages_keeps_the_users_choice():
-    env = {}
-    assert prefer_huge_pages(env) is True and env[TORCH_HUGE_PAGES_ENV] == "1"
-    env = {TORCH_HUGE_PAGES_ENV: "0"}
-    assert prefer_huge_pages(env) is False and env[TORCH_HUGE_PAGES_ENV] == "0"
-
-
-@pytest.mark.subprocess
-def test_the_run_launcher_sets_it_before_the_script_imports_torch(tmp_path):
-    script = tmp_path / "probe.py"
-    script.write_text("import os\nprint('THP=' + os.environ.get('THP_MEM_ALLOC_ENABLE', '-'))\n")
-    env = {k: v for k, v in os.environ.items() if k != TORCH_HUGE_PAGES_ENV}
-    out = subprocess.run([sys.executable, "-m", "aidaptiv_ds.run", str(script)], env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "THP=1" in out.stdout

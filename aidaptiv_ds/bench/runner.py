@@ -22,7 +22,6 @@ import time
 
 import aidaptiv_ds
 
-from ..hostenv import prefer_huge_pages
 from ..io.atomic import atomic_write
 from ..ports import free_port  # noqa: F401 - re-exported (callers import it from here)
 from ..telemetry.sysinfo import host_memory
@@ -46,10 +45,8 @@ def worker_env(backend: str, base: dict, same_allocator: bool = True) -> dict:
     aidaptiv_ds's DeepSpeed hooks only for the aidaptiv_ds backends (DeepSpeed runs untouched otherwise).
 
     With ``same_allocator`` the DeepSpeed backends get :func:`allocator_env`, so every backend runs
-    with the allocator settings aidaptiv_ds's runtime applies to its own process, and every backend gets
-    ``THP_MEM_ALLOC_ENABLE=1`` (:mod:`aidaptiv_ds.hostenv`, what this package's launchers set) unless
-    the caller's environment sets it; without it each backend runs as shipped (the difference is then
-    partly the allocator's, not the storage path's).
+    with the allocator settings aidaptiv_ds's runtime applies to its own process; without it each
+    backend runs as shipped (the difference is then partly the allocator's, not the storage path's).
     """
     env = dict(base)
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -58,8 +55,6 @@ def worker_env(backend: str, base: dict, same_allocator: bool = True) -> dict:
     alloc = allocator_env()
     for k in alloc:  # never inherited from the caller: each backend gets exactly what is described above
         env.pop(k, None)
-    if same_allocator:  # every backend: PyTorch's allocations on huge pages (hostenv.py), as our launchers set
-        prefer_huge_pages(env)
     if backend.startswith("aidaptiv"):
         env.pop("AIDAPTIV_DS_NO_AUTOINSTALL", None)
     else:

@@ -232,8 +232,7 @@ def format_table(result: dict) -> str:
                 "lm_head its prefetch passes)." if cfg.get("native_dedup") and "native" in cfg["backends"] else "."),
              "Allocator: " + ("the DeepSpeed processes keep freed heap for reuse (glibc mmap threshold 1 GiB, "
                               "MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), as aidaptiv_ds's runtime does when its "
-                              "DRAM budget has room for it (io.reuse_host_memory; at budget 0 it returns freed memory); "
-                              "every backend allocates on huge pages (THP_MEM_ALLOC_ENABLE=1)."
+                              "DRAM budget has room for it (io.reuse_host_memory; at budget 0 it returns freed memory)."
                               if cfg.get("same_allocator") else
                               "as shipped (aidaptiv_ds raises glibc's mmap threshold in its process, DeepSpeed "
                               "does not): part of any difference is the allocator's."),

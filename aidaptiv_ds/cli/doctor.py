@@ -211,30 +211,22 @@ def check_deepspeed_aio() -> dict:
     return out
 
 
-def check_huge_pages(sys_root: str = "/sys", environ=None) -> dict:
-    """The kernel's transparent-huge-page mode and PyTorch's switch (:mod:`aidaptiv_ds.hostenv`), with a
-    warning when fresh host memory will fault in 4 KiB at a time (slower budget-0 steps, no failure)."""
-    from ..hostenv import TORCH_HUGE_PAGES_ENV
-
-    env = os.environ if environ is None else environ
+def check_huge_pages(sys_root: str = "/sys") -> dict:
+    """The kernel's transparent-huge-page mode, with a warning when it is off: aidaptiv_ds's fresh host
+    buffers then page-fault in 4 KiB at a time (slower steps at a small DRAM budget, no failure;
+    :func:`aidaptiv_ds.io.buffers.advise_huge_pages`)."""
     mode = None
     try:
         with open(os.path.join(sys_root, "kernel/mm/transparent_hugepage/enabled")) as f:
             mode = f.read().split("[")[1].split("]")[0]
     except (OSError, IndexError):
         pass
-    out = {"kernel_mode": mode, "torch_env": env.get(TORCH_HUGE_PAGES_ENV), "problems": []}
+    out = {"kernel_mode": mode, "problems": []}
     if mode == "never":
         out["problems"].append(_problem("warning", "transparent huge pages are off in the kernel: fresh host "
                                                    "buffers page-fault in 4 KiB at a time (slower steps at a small "
                                                    "DRAM budget)",
                                         "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled (as root)"))
-    elif mode == "madvise" and out["torch_env"] != "1":
-        out["problems"].append(_problem("warning", f"{TORCH_HUGE_PAGES_ENV} is not set: PyTorch's own "
-                                                   f"allocations (DeepSpeed's gathered parameters, the optimizer's "
-                                                   f"temporaries) will not use huge pages (aidaptiv_ds's buffers do)",
-                                        f"export {TORCH_HUGE_PAGES_ENV}=1 before starting training (python -m "
-                                        f"aidaptiv_ds.run and launch/finetune.py set it)"))
     return out
 
 
@@ -283,8 +275,7 @@ def format_report(rep: dict) -> str:
     lines.append(f"host memory {_fmt(m['available_bytes'])} available of {_fmt(m['total_bytes'])}")
     h = rep.get("huge_pages")
     if h is not None:
-        lines.append(f"huge pages  kernel {h['kernel_mode'] or 'unknown'}, THP_MEM_ALLOC_ENABLE "
-                     f"{h['torch_env'] if h['torch_env'] is not None else 'not set'}")
+        lines.append(f"huge pages  kernel mode {h['kernel_mode'] or 'unknown'} (aidaptiv_ds advises its buffers)")
         for p in h["problems"]:
             lines += [f"  {p['severity'].upper()}: {p['problem']}", f"    fix: {p['fix']}"]
     a = rep["deepspeed_aio"]
