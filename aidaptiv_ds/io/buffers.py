@@ -141,7 +141,8 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     advised ranges get huge pages. Host memory is unchanged: the buffers are filled whole anyway.
     PyTorch can advise all its own allocations too (``THP_MEM_ALLOC_ENABLE=1``); measured, that helped
     at budget 0 but made the step 1.42x DeepSpeed's CPU offload at ``auto`` (bf16, where the heap is
-    kept for reuse; why is not profiled yet) against 1.01x without, so it is left to the user. Returns False where ``madvise`` is unavailable or refused (never raises).
+    kept for reuse; why is not profiled yet) against 1.01x without, so it is left to the user.
+    Returns False where ``madvise`` is unavailable or refused (never raises).
     """
     start = round_up(t.data_ptr(), HUGE_PAGE_BYTES)
     end = round_down(t.data_ptr() + t.numel() * t.element_size(), HUGE_PAGE_BYTES)
