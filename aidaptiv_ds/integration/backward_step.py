@@ -311,8 +311,8 @@ class BackwardStepMixin:
     ``_partitioned_params_swap_out`` (``stage3.py:1271-1290``) sends every NVMe partition to the swapper
     whatever its status; ``_get_norm_groups`` (``stage3.py:2573``) settles the speculations;
     ``_overflow_clean_up`` and ``_post_step`` (``stage3.py:2799, 2835``) end them; ``backward_prologue`` /
-``backward_epilogue`` (``stage3.py:3050-3068``) bound the backward in which published parameters start
-their sub-groups' reads)."""
+    ``backward_epilogue`` (``stage3.py:3050-3068``) bound the backward in which published parameters start
+    their sub-groups' reads)."""
 
     _aidaptiv_stepper: BackwardStepper | None = None
     _aidaptiv_backward_open = False  # between DeepSpeed's backward_prologue and backward_epilogue

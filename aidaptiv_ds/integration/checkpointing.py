@@ -97,8 +97,7 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
         slots = g.valid_slots
         nbytes = slots * g.slot_bytes
         if g.slice is not None:  # newest bytes in DRAM (resident, cached or dirty)
-            sw.wait_slice(g, g.slice)
-            data = g.slice.buf[:nbytes].view(torch.float32).reshape(slots, g.numel)
+            data = sw.wait_slice(g).buf[:nbytes].view(torch.float32).reshape(slots, g.numel)
             writer.write_tensors(fname, [("state", data)], {"aidaptiv": meta})
         else:
             key = sw._extent_key(g)

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from ..io.buffers import alloc_aligned, round_down, round_up
+from ..io.buffers import alloc_aligned, byte_view, round_down, round_up
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..planner.residency import ResidencyPlan
 from ..tiers.host_tier import Slice
@@ -162,19 +162,23 @@ class AidaptivOptimizerSwapper:
         self.rt.tier.add(s)
         return s
 
+    def _copy_param_bytes(self, buf: torch.Tensor, ds_id: int, off: int, n: int, src=None) -> bool:
+        """Copy the first ``n`` bytes of partition ``ds_id`` (``src``, or what the parameter swapper holds in
+        DRAM now) to ``buf[off:]``; False when no host slice has them."""
+        if src is None:
+            src = self.rt.param_swapper.host_bytes(ds_id)
+            if src is None:
+                return False
+        buf[off:off + n].copy_(src[:n])
+        self.master_copied_bytes += n
+        return True
+
     def _fill_from_params(self, g: _Group, buf: torch.Tensor, end: int) -> None:
         """Copy the master bytes below ``end`` from the parameter partitions in DRAM now; the rest wait in
         ``g.pending`` (filled by :meth:`take_master_bytes` or :meth:`wait_slice`)."""
-        psw = self.rt.param_swapper
         for ds_id, off, nbytes in g.alias:
             n = min(nbytes, end - off)
-            if n <= 0:
-                continue
-            src = psw.host_bytes(ds_id)
-            if src is not None:
-                buf[off:off + n].copy_(src[:n])
-                self.master_copied_bytes += n
-            else:
+            if n > 0 and not self._copy_param_bytes(buf, ds_id, off, n):
                 g.pending[ds_id] = (off, n)
                 self._pending_owner[ds_id] = g
 
@@ -182,42 +186,26 @@ class AidaptivOptimizerSwapper:
         """The parameter swapper lets go of partition ``ds_id`` 's host bytes ``src`` (uint8): copy them
         into the master slot that waits for them, if any (a drop listener)."""
         g = self._pending_owner.pop(ds_id, None)
-        if g is None or g.slice is None or ds_id not in g.pending:
-            return
-        off, n = g.pending.pop(ds_id)
-        g.slice.buf[off:off + n].copy_(src[:n])
-        self.master_copied_bytes += n
+        if g is not None and g.slice is not None and ds_id in g.pending:
+            off, n = g.pending.pop(ds_id)
+            self._copy_param_bytes(g.slice.buf, ds_id, off, n, src)
 
-    def wait_slice(self, g: _Group, s: Slice) -> None:
-        """Wait for ``s`` (``g`` 's slice) to hold all its bytes: its read, then the master ranges no
-        parameter slice supplied (from a parameter slice now in DRAM, else read on demand, coalesced)."""
+    def wait_slice(self, g: _Group) -> Slice:
+        """Wait for ``g`` 's slice to hold all its bytes and return it: its read, then the master ranges no
+        parameter slice supplied (from a parameter slice now in DRAM, else the parameter swapper reads
+        those partitions on demand, coalesced)."""
+        s = g.slice
         with self.rt.io_wait:
             s.wait_ready()
-        if not g.pending:
-            return
-        psw = self.rt.param_swapper
-        missing = []
-        for ds_id, (off, n) in sorted(g.pending.items(), key=lambda kv: kv[1][0]):
-            src = psw.host_bytes(ds_id) if psw is not None else None
-            if src is not None:
-                s.buf[off:off + n].copy_(src[:n])
-                self.master_copied_bytes += n
-            else:
-                missing.append((off, off + n))
-        self._forget_pending(g)
-        align = self.rt.store.alignment
-        runs: list[list[int]] = []
-        for a, b in missing:
-            a, b = round_down(a, align), round_up(b, align)
-            if runs and a <= runs[-1][1]:
-                runs[-1][1] = max(runs[-1][1], b)
-            else:
-                runs.append([a, b])
-        futs = [self.rt.store.read(self._extent_key(g), s.buf[a:b], a, READ_DEMAND) for a, b in runs]
-        with self.rt.io_wait:
-            for f in futs:
-                f.wait()
-        self.master_demand_bytes += sum(b - a for a, b in runs)
+        if g.pending:
+            missing = [(d, off, n) for d, (off, n) in g.pending.items() if not self._copy_param_bytes(s.buf, d, off, n)]
+            self._forget_pending(g)
+            if missing:
+                data = self.rt.param_swapper.read_partitions([d for d, _, _ in missing])
+                for (_, off, n), t in zip(missing, data, strict=True):
+                    s.buf[off:off + n].copy_(byte_view(t)[:n])
+                    self.master_demand_bytes += n
+        return s
 
     def set_alias(self, g: _Group, entries) -> None:
         """``entries``: ``(ds_id, byte offset, bytes)`` of the fp32 partitions read from ``g`` 's master slot."""
@@ -318,7 +306,7 @@ class AidaptivOptimizerSwapper:
                 self._load(nxt, READ_PREFETCH)
                 if self.gradients is not None:
                     self.gradients.prefetch(nxt.index)
-        self.wait_slice(g, s)
+        self.wait_slice(g)
         self.rt.tier.acquire(s)
         parameter.data = self._slot(g, s, 0)
         state = self.optimizer.state.get(parameter, {})

@@ -309,7 +309,7 @@ class IOEngine:
                     with self._lock:
                         self.failed_write = self.failed_write or e
                 chunk.future._chunk_done(e)
-            chunk = None  # the chunk's memoryviews pin its buffer until dropped (io/buffers.py: POOL)
+            chunk = None  # its memoryviews pin the buffer: let it go now, not at the drive's next request
 
     def _run(self, drive: _Drive, c: _Chunk) -> None:
         segs = c.segs
