@@ -203,14 +203,14 @@ class AidaptivParamSwapper:
     def largest_partition_bytes(self) -> int:
         return max((r.loc.nbytes for r in self._parts.values()), default=0)
 
-    def _bytes(self, s: Slice, ds_id: int) -> torch.Tensor:
+    def _partition_bytes(self, s: Slice, ds_id: int) -> torch.Tensor:
         """Partition ``ds_id`` 's bytes in host slice ``s`` (uint8, a view)."""
         loc = self._parts[ds_id].loc
         off = loc.start - s.key[2]
         return s.buf[off:off + loc.nbytes]
 
     def _view(self, s: Slice, ds_id: int) -> torch.Tensor:
-        return self._bytes(s, ds_id).view(self._parts[ds_id].loc.dtype)
+        return self._partition_bytes(s, ds_id).view(self._parts[ds_id].loc.dtype)
 
     # ------------------------------------------------------------------ DeepSpeed API
     def swappable_tensor(self, param=None, numel=None) -> bool:
@@ -677,7 +677,7 @@ class AidaptivParamSwapper:
         read (never waits)."""
         rec = self._parts.get(ds_id)
         s = rec.host if rec is not None else None
-        return self._bytes(s, ds_id) if s is not None and _read_done(s) else None
+        return self._partition_bytes(s, ds_id) if s is not None and _read_done(s) else None
 
     def _dead_chunks(self, leaving: set[int]) -> dict[torch.dtype, list[int]]:
         """Per dtype, the chunks of our own regions that hold no partition of a live parameter once the
