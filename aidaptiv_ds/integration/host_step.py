@@ -1,0 +1,128 @@
+"""The optimizer step of a host (CPU) sub-group in cache-sized tiles: torch's own Adam/AdamW arithmetic,
+run over slices of the flat fp32 partition instead of the whole of it at once.
+
+A mixin of the Stage-3 subclass (:func:`aidaptiv_ds.integration.stage3.make_stage3_class`); DeepSpeed
+0.19.8 seam: ``_optimizer_step`` (``stage3.py:1235-1262``), which points the optimizer's param group at the
+sub-group's flat fp32 partition and calls ``optimizer.step()`` on all of it.
+
+[Note: why tiles]
+torch's single-tensor Adam (``torch/optim/adam.py``, ``_single_tensor_adam``; the CPU path, ``foreach`` and
+``fused`` being CUDA-only defaults) makes full passes over the partition and allocates two temporaries of
+its size (``exp_avg_sq.sqrt()`` and the division by ``bias_correction2_sqrt``). For a sub-group of 148M
+fp32 elements that is 1.2 GB of fresh memory per step, and at a DRAM budget of 0, where no freed heap is
+kept (:func:`aidaptiv_ds.io.buffers.return_freed_host_memory`), every byte of it page-faults in, and each
+pass streams the partition through DRAM again. Stepping tiles of :data:`TILE_NUMEL` elements keeps the
+temporaries in the heap (512 KiB) and the tile's master, gradient and moments in cache across the passes.
+
+[Note: bit-identity]
+Every operation of the single-tensor path is elementwise (``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``,
+``div``, ``add_``, ``addcdiv_``; ``maximum`` for amsgrad; ``add`` / ``mul_`` for weight decay) with
+scalars computed from the step count, so a slice's result does not depend on the elements around it.
+Each tile gets a copy of the step counter, which ``adam`` increments once; the partition's counter takes
+the last copy's value. Probed bit-identical with one whole-partition call on 1e3..24.6M elements, Adam and
+AdamW, weight decay, amsgrad, maximize, tiles of 64K/100003/128K, 1-3 threads, ATen AVX512/AVX2/scalar
+kernels (``tests/test_host_step.py`` keeps the check).
+
+The tiled path runs only where it is exactly torch's step: the optimizer is ``torch.optim.Adam`` or
+``AdamW`` (not a subclass), the partition is a real fp32 CPU tensor with a dense gradient, its state is
+initialised by ``_init_group`` as torch does, ``foreach``/``fused`` are off or unset (unset resolves to
+off on CPU), ``capturable``/``differentiable`` are off, there is no ``grad_scale``/``found_inf``, no
+optimizer step hook, and DeepSpeed would step ``self.optimizer`` (not its GPU ``backup_optimizer``, a
+torch-autocast grad scaler, ZenFlow or Muon). Anything else goes to DeepSpeed's ``_optimizer_step``.
+"""
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam
+
+#: elements per tile: 512 KiB of fp32, below glibc's mmap threshold and within a core's L2
+TILE_NUMEL = 1 << 17
+
+
+def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
+                    tile_numel: int | None = None) -> bool:
+    """One Adam/AdamW step of ``param`` (the only tensor of ``group``) in tiles of ``tile_numel`` elements.
+
+    Args:
+        optimizer: a ``torch.optim.Adam`` or ``torch.optim.AdamW`` whose ``group`` holds ``param`` alone.
+        group: the param group (``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``...).
+        param: a flat fp32 CPU tensor with ``param.grad`` set (a sub-group's partition, shape ``(n,)``).
+        tile_numel: elements per tile (> 0; default :data:`TILE_NUMEL`, read at the call).
+
+    Returns:
+        True when the step ran here (tiled); False when it did not and nothing was changed, so the caller
+        steps the usual way (see the module docstring for when).
+    """
+    tile_numel = int(TILE_NUMEL if tile_numel is None else tile_numel)
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not _plain_group(group):
+        return False
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return False
+    if _has_step_hooks(optimizer) or len(group["params"]) != 1 or group["params"][0] is not param:
+        return False
+    g = param.grad
+    if (g is None or param.device.type != "cpu" or param.dtype != torch.float32 or param.dim() != 1
+            or g.is_sparse or g.dtype != param.dtype or g.shape != param.shape or param.numel() <= tile_numel):
+        return False
+    params, grads, m, v, vmax, steps = [], [], [], [], [], []
+    with torch.no_grad():
+        if optimizer._init_group(group, params, grads, m, v, vmax, steps):  # torch's own state init; complex: no
+            return False
+        step = steps[0]
+        if step.device.type != "cpu" or step.dim() != 0:
+            return False
+        beta1, beta2 = group["betas"]
+        kw = dict(amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"], foreach=False,
+                  capturable=False, differentiable=False, fused=False, grad_scale=None, found_inf=None,
+                  decoupled_weight_decay=group["decoupled_weight_decay"])
+        tensors = [params[0].detach(), grads[0], m[0], v[0]] + ([vmax[0]] if group["amsgrad"] else [])
+        n, last = param.numel(), step
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+            for a in range(0, n, tile_numel):
+                sl = [t[a:a + tile_numel] for t in tensors]
+                last = step.clone()
+                adam([sl[0]], [sl[1]], [sl[2]], [sl[3]], sl[4:], [last], **kw)
+            step.copy_(last)
+    optimizer._opt_called = True  # what torch's lr_scheduler step wrapper records (its order warning)
+    return True
+
+
+def _plain_group(group: dict) -> bool:
+    return (not group.get("foreach") and not group.get("fused") and not group.get("capturable")
+            and not group.get("differentiable") and "decoupled_weight_decay" in group)
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.optim import optimizer as _opt
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or _opt._global_optimizer_pre_hooks or _opt._global_optimizer_post_hooks)
+
+
+class HostStepMixin:
+    """``_optimizer_step`` of a CPU sub-group in tiles (:func:`tiled_adam_step`) where that is exactly
+    DeepSpeed's step; DeepSpeed's ``_optimizer_step`` otherwise."""
+
+    def _optimizer_step(self, sub_group_id):
+        if not self._aidaptiv_tiled_step_applies(sub_group_id):
+            return super()._optimizer_step(sub_group_id)
+        gid = self.sub_group_to_group_id[sub_group_id]
+        fp32_param = self.fp32_partitioned_groups_flat[sub_group_id]
+        group = self.optimizer.param_groups[gid]
+        group["params"] = [fp32_param]  # DeepSpeed's protocol (stage3.py:1252-1254)
+        try:
+            if not tiled_adam_step(self.optimizer, group, fp32_param):
+                return super()._optimizer_step(sub_group_id)
+        finally:
+            group["params"] = []
+        return None
+
+    def _aidaptiv_tiled_step_applies(self, sub_group_id) -> bool:
+        """The branch of DeepSpeed's ``_optimizer_step`` that plainly calls ``self.optimizer.step()``."""
+        if getattr(self, "torch_autocast_gradscaler", None) or getattr(self, "zenflow", False):
+            return False
+        if getattr(self, "use_muon", False) and self.sub_groups_using_muon[sub_group_id]:
+            return False
+        if self.offload_optimizer and self.subgroup_to_device[sub_group_id] != "cpu":
+            return False
+        return self.fp32_partitioned_groups_flat[sub_group_id].device.type == "cpu"
