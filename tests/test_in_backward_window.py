@@ -138,3 +138,16 @@ def test_room_left_ahead_counts_only_the_stretch_still_in_backward():
     assert st._done_from == 5
     st.end_step(0)
     assert st._done_from == 8 and st._ahead_without_slice(2) == brute(2) == 4
+
+
+def test_norm_scratch_counts_in_backward_only():
+    """The gradient-norm scratch (integration/grad_norms.py) is 8 B per element of the largest partition's
+    largest split, counted in the backward phase; a split above the cap takes DeepSpeed's own copy (0)."""
+    from aidaptiv_ds.planner.auto import NORM_SCRATCH_MAX_NUMEL, norm_scratch_bytes
+    assert norm_scratch_bytes(24_576_000) == 8 * 24_576_000
+    assert norm_scratch_bytes(NORM_SCRATCH_MAX_NUMEL + 1) == 0
+    assert norm_scratch_bytes(0) == 0
+    kw = dict(readahead_bytes=1 << 28, grad_window_bytes=1 << 28, deepspeed_bytes=1 << 28, activation_bytes=0,
+              subgroup_numels=[10_000_000], moment_bytes_per_param=8)
+    off, on = cpu_rank_working_set(**kw), cpu_rank_working_set(**kw, norm_scratch=8 << 20)
+    assert on["backward"] - off["backward"] == 8 << 20 and on["optimizer"] == off["optimizer"]

@@ -11,6 +11,8 @@ A mixin of the Stage-3 subclass (:func:`aidaptiv_ds.integration.stage3.make_stag
   in-backward step of every sub-group whose gradient became final;
 * ``_finalize_offload_gradient_accumulation`` (unmanaged accumulation), ``independent_gradient_partition_epilogue``
   (end of a backward), ``reset_cpu_buffers`` (after a step or an overflow), ``has_overflow`` (fp16);
+* ``_constant_buffered_norm2`` (``stage3.py:1960-1967``): the fp64 copy of a host partition goes to a
+  reusable scratch (:class:`aidaptiv_ds.integration.grad_norms.NormScratch`), same arithmetic;
 * ``offload_states`` refuses with the reason.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from .config import AidaptivConfigError
+from .grad_norms import NormScratch
 
 
 class NoFlatGradientBuffer(dict):
@@ -132,6 +135,21 @@ class GradientPathMixin:
                 grads.close(i)
         return buffers
 
+    _aidaptiv_norm_scratch: NormScratch | None = None
+
+    def _constant_buffered_norm2(self, input, buffer_size=250000000):
+        """DeepSpeed's per-partition norm (``stage3.py:1960-1967``); a host partition's fp64 copy goes to
+        :class:`NormScratch` (same arithmetic, no fresh buffer per partition)."""
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+        if self._aidaptiv_norm_scratch is None:
+            self._aidaptiv_norm_scratch = NormScratch()
+        norm = self._aidaptiv_norm_scratch.norm2(input, buffer_size, get_norm_dtype())
+        return super()._constant_buffered_norm2(input, buffer_size) if norm is None else norm
+
+    def _aidaptiv_release_norm_scratch(self) -> None:
+        if self._aidaptiv_norm_scratch is not None:
+            self._aidaptiv_norm_scratch.release()
+
     def has_overflow(self, partition_gradients=True):
         """fp16: DeepSpeed's overflow check (``stage3.py:3009-3044``) over the gradient store instead of
         its flat buffer: the slices' inf/NaN flags, kept while accumulating, reduced as DeepSpeed does."""
@@ -160,12 +178,14 @@ class GradientPathMixin:
                         grads.device_sync()
                     t = t.to(get_accelerator().current_device_name(), non_blocking=True)
                 self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(t)
+        self._aidaptiv_release_norm_scratch()
         grads.end_backward()
 
     def independent_gradient_partition_epilogue(self):
         super().independent_gradient_partition_epilogue()
         if self.is_gradient_accumulation_boundary():
             self._aidaptiv_norms_of_earlier_gradients()
+        self._aidaptiv_release_norm_scratch()  # the norms of this backward are taken
         self._aidaptiv_grads.end_backward()
         if self.is_gradient_accumulation_boundary():
             self._aidaptiv_rt.end_of_step()  # the activations are freed: return them before the step
@@ -202,6 +222,7 @@ class GradientPathMixin:
         """After every step and after an fp16 overflow (``_overflow_clean_up``): the window's
         gradients are consumed or thrown away."""
         super().reset_cpu_buffers()
+        self._aidaptiv_release_norm_scratch()
         self._aidaptiv_grads.discard_all()
 
     def offload_states(self, *args, **kwargs):

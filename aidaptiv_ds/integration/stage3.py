@@ -24,7 +24,8 @@ from deepspeed.accelerator import get_accelerator
 
 from ..io.buffers import round_up
 from ..planner.auto import (CPU_REDUCE_BUCKET_NUMEL, OPTIMIZER_PIPELINE_DEPTH, RANK_OVERHEAD_BYTES,
-                            cpu_rank_working_set, deepspeed_cpu_rank_bytes, host_working_set)
+                            cpu_rank_working_set, deepspeed_cpu_rank_bytes, host_working_set,
+                            norm_scratch_bytes)
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
@@ -32,6 +33,7 @@ from .config import AidaptivConfigError, section_enabled, validate
 from ..io.errors import StorageFullError
 from .backward_step import BackwardStepMixin, BackwardStepper
 from .grad_path import GradientPathMixin
+from .host_step import HostStepMixin
 from .gradients import GradientStore
 from .optimizer_swapper import AidaptivOptimizerSwapper
 from .runtime import auto_dram_budget, get_runtime
@@ -100,7 +102,7 @@ def _weak_method(method):
 def make_stage3_class(base: type) -> type:
     """Subclass DeepSpeed's Stage-3 optimizer class ``base`` (kept as ``AidaptivStage3.__base__``)."""
 
-    class AidaptivZeroOptimizer_Stage3(BackwardStepMixin, GradientPathMixin, base):
+    class AidaptivZeroOptimizer_Stage3(BackwardStepMixin, HostStepMixin, GradientPathMixin, base):
         """DeepSpeed ZeRO-3 optimizer whose NVMe offload runs on aidaptiv_ds (see module docstring)."""
 
         def __new__(cls, *args, **kwargs):
@@ -257,7 +259,9 @@ def make_stage3_class(base: type) -> type:
                     deepspeed_bytes=self._aidaptiv_deepspeed_cpu_bytes(module_params),
                     activation_bytes=0,  # the sequence length is not known yet: the safety margin holds them
                     subgroup_numels=numels, moment_bytes_per_param=sw.elsize * sw.expected_states,
-                    in_backward_slice_bytes=largest_opt_slice if may_speculate else 0)
+                    in_backward_slice_bytes=largest_opt_slice if may_speculate else 0,
+                    norm_scratch=norm_scratch_bytes(max((p.partition_numel() for group in self.fp16_groups
+                                                         for p in group), default=0)))
                 ws, overhead = parts["total"], parts["baseline"]
                 in_backward_window = parts["in_backward"]
             else:

@@ -27,6 +27,7 @@ host's), so what the plan promises is what the runtime does:
 
       per rank = baseline (0.8 GiB) + max(forward/backward, optimizer)
       forward/backward = read-ahead window + gradient window + DeepSpeed's working set + activations
+                         + norm scratch (8 B x the largest gradient partition, :func:`norm_scratch_bytes`)
       optimizer        = the 3 largest sub-groups x (4 B master + moment B + 4 B gradient) per element
 
   Where optimizer steps may run inside backward, the backward phase also holds their window of
@@ -232,9 +233,29 @@ def in_backward_window_bytes(largest_slice_bytes: int) -> int:
     return max(int(largest_slice_bytes), 0) * IN_BACKWARD_SLICES
 
 
+#: the largest split (elements) of a gradient partition whose fp64 norm copy goes to the reused scratch
+#: (:class:`aidaptiv_ds.integration.grad_norms.NormScratch`): 256 MiB of fp64
+NORM_SCRATCH_MAX_NUMEL = 1 << 25
+#: DeepSpeed's split of ``_constant_buffered_norm2`` (``stage3.py:1960``, ``buffer_size``)
+DEEPSPEED_NORM_SPLIT_NUMEL = 250_000_000
+
+
+def norm_scratch_bytes(largest_partition_numel: int) -> int:
+    """Host bytes of the norm scratch in the backward phase of a CPU rank: 8 x the largest split of the
+    rank's largest gradient partition (``min(numel, 250M)``), or 0 above :data:`NORM_SCRATCH_MAX_NUMEL`,
+    where DeepSpeed's own fresh copy is taken instead (``integration/grad_norms.py``).
+
+    Args:
+        largest_partition_numel: elements of the rank's largest parameter partition.
+    """
+    need = min(max(int(largest_partition_numel), 0), DEEPSPEED_NORM_SPLIT_NUMEL)
+    return 8 * need if need <= NORM_SCRATCH_MAX_NUMEL else 0
+
+
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
                          activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
-                         baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0) -> dict:
+                         baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0,
+                         norm_scratch: int = 0) -> dict:
     """Host memory (bytes) one CPU rank needs besides the DRAM budget, by phase (module docstring).
 
     Args:
@@ -247,12 +268,14 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
         baseline_bytes: the process itself (:data:`CPU_RANK_BASELINE_BYTES`).
         in_backward_slice_bytes: the largest sub-group's host slice when steps may run inside backward
             (0 when they cannot): the backward phase then also holds :func:`in_backward_window_bytes`.
+        norm_scratch: the gradient-norm scratch of the backward phase (:func:`norm_scratch_bytes`).
 
     Returns:
         ``{"baseline", "backward", "optimizer", "in_backward", "total"}``, bytes; ``backward`` includes the
         ``in_backward`` window; ``total = baseline + max(backward, optimizer)``.
     """
-    backward = int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
+    backward = (int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
+                + int(norm_scratch))
     in_flight = sorted((int(n) for n in subgroup_numels), reverse=True)[:OPTIMIZER_PIPELINE_DEPTH]
     optimizer = sum(in_flight) * (MASTER_BYTES_PER_PARAM + int(moment_bytes_per_param) + GRAD_BYTES_PER_PARAM)
     window = in_backward_window_bytes(in_backward_slice_bytes)

@@ -85,6 +85,7 @@ from .auto import (
     deepspeed_cpu_rank_bytes,
     explain_dram_budget,
     host_working_set,
+    norm_scratch_bytes,
     prefetch_bytes_from_budget,
 )
 from .model_size import ModelShape
@@ -527,7 +528,8 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
                                  moment_bytes_per_param=MOMENT_BYTES[inp.optimizer],
                                  baseline_bytes=inp.cpu_rank_baseline,
                                  in_backward_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[
-                                     inp.optimizer]) if speculate else 0)
+                                     inp.optimizer]) if speculate else 0,
+                                 norm_scratch=norm_scratch_bytes(-(-largest_param // dp)))
     return {**parts, "deepspeed": ds, "activations": int(activations), "readahead": readahead}
 
 
