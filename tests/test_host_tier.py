@@ -163,3 +163,18 @@ def test_working_bytes_by_kind_and_waiting_for_the_oldest_write(store):
     assert "w" not in tier  # written, unreferenced: cached, and a budget of 0 evicts it
     assert tier.working_bytes("opt") == 3 * UNIT
     assert tier.wait_oldest_write() is False  # nothing left in flight
+
+
+def test_waiting_for_a_write_that_already_finished_still_evicts(store):
+    """A write that completed before ``wait_oldest_write`` (reaped there, or by an earlier call) must
+    still let the budget evict its now-clean slice; otherwise a caller looping ``while not fits and
+    wait_oldest_write()`` stops with memory it could free (the clean-clone CI run hit this race)."""
+    tier = HostTier(budget=0)
+    store.allocate("w", UNIT)
+    w = tier.add(Slice("w", alloc_aligned(UNIT), kind="opt", dirty=True,
+                       writeback=lambda sl: store.write(sl.key, sl.buf, 0)))
+    tier.write_back(w)
+    w.writing.wait()  # the write is done before anyone asks
+    assert tier.wait_oldest_write() is True
+    assert "w" not in tier
+    assert tier.wait_oldest_write() is False

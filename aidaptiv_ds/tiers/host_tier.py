@@ -204,11 +204,15 @@ class HostTier:
 
     def wait_oldest_write(self) -> bool:
         """Wait for the oldest write-back in flight, then evict what the budget no longer holds
-        (a written slice nobody references becomes cached). Returns False when no write was in flight."""
+        (a written slice nobody references becomes cached). Returns True when a write completed since
+        the last check (waited for here, or found finished), False when none was in flight or done: a
+        caller looping ``while not fits and wait_oldest_write()`` then re-checks after each eviction."""
         with self._lock:
-            self._reap_writes()
-            if not self._writes:
-                return False
+            reaped = self._reap_writes()
+            if not self._writes:  # nothing to wait for; a write reaped earlier may have left a cached slice
+                held = self.resident_bytes() + self.cached_bytes()
+                self.enforce_budget()
+                return reaped > 0 or self.resident_bytes() + self.cached_bytes() < held
             self._writes[0][1].wait()
             self.enforce_budget()
             return True
@@ -237,12 +241,16 @@ class HostTier:
     def _pending_write_bytes(self) -> int:
         return sum(n for n, f, _ in self._writes if not f.done())
 
-    def _reap_writes(self) -> None:
+    def _reap_writes(self) -> int:
+        """Drop the finished writes at the head of the queue; returns how many."""
+        reaped = 0
         while self._writes and self._writes[0][1].done():
+            reaped += 1
             n, fut, sl = self._writes.popleft()
             if sl is not None and sl.writing is fut:
                 sl.writing = None
             fut.wait()  # raises the write's error here, on the training thread
+        return reaped
 
     def wait_writes(self) -> None:
         """Wait for every write-back in flight (raises the first error)."""
