@@ -368,6 +368,32 @@ def test_compare_refuses_a_negative_gradient_clipping():
     assert settings_from_args(p.parse_args([]), "fp32").clip == 1.0
 
 
+def test_aidaptiv_extra_reaches_only_the_aidaptiv_sections_merged_key_by_key():
+    """``--aidaptiv-extra`` (ablations): a JSON object merged into the "aidaptiv" section of the aidaptiv_ds
+    backends only, nested dicts key by key; bad input names the flag and the fix."""
+    import argparse
+
+    from aidaptiv_ds.cli.compare import configure, settings_from_args
+
+    p = argparse.ArgumentParser()
+    configure(p)
+    s = settings_from_args(p.parse_args(["--aidaptiv-extra", '{"step_in_backward": false, "io": {"direct": false}}']),
+                           "fp32")
+    assert s.aidaptiv_extra == {"step_in_backward": False, "io": {"direct": False}}
+    cfg = ds_config("aidaptiv0", s, "/x", 1 << 20)
+    assert cfg["aidaptiv"]["step_in_backward"] is False and cfg["aidaptiv"]["io"] == {"direct": False}
+    assert cfg["aidaptiv"]["dram_budget"] == 0 and cfg["aidaptiv"]["cache_paths"] == ["/x"]  # the backend's own keys
+    assert "aidaptiv" not in ds_config("cpu", s, "/x", 1 << 20)
+    s2 = TrainSettings(aidaptiv_extra={"cache_paths": ["/y"]})
+    assert ds_config("aidaptiv_auto", s2, "/x", 1 << 20)["aidaptiv"]["cache_paths"] == ["/y"]  # an override wins
+    assert s2.aidaptiv_extra == {"cache_paths": ["/y"]}  # the settings are not changed by building a config
+    for bad, why in (("{not json", "not valid JSON"), ("[1, 2]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=why) as e:
+            settings_from_args(p.parse_args(["--aidaptiv-extra", bad]), "fp32")
+        assert "--aidaptiv-extra" in str(e.value)
+    assert settings_from_args(p.parse_args([]), "fp32").aidaptiv_extra is None
+
+
 def test_phase_peaks_give_each_phase_its_own_high_water_mark():
     """The bench worker's per-phase peak RSS (:class:`aidaptiv_ds.bench.worker.PhasePeaks`): 256 MiB touched and
     freed in the middle phase raise that phase's peak, not the phases before or after it."""

@@ -73,6 +73,9 @@ class TrainSettings:
             (``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``):
             backward recomputes each layer's forward, so activations are the layers' inputs (``2*s*b*h``
             per layer) instead of growing by a layer's full activations per layer.
+        aidaptiv_extra: keys merged into the ``"aidaptiv"`` section of the aidaptiv_ds backends (nested
+            dicts merged key by key), for ablations, e.g. ``{"step_in_backward": false}`` or
+            ``{"io": {"reuse_host_memory": true}}``; the section's own validation judges them.
     """
     dtype: str = "fp32"
     micro_batch: int = 1
@@ -92,6 +95,7 @@ class TrainSettings:
     prefetch_bucket_size: int | None = None
     max_live_parameters: int | None = None
     activation_checkpointing: bool = False
+    aidaptiv_extra: dict | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -155,5 +159,14 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
     if backend.startswith("aidaptiv"):
         budget = {"aidaptiv0": 0, "aidaptiv_auto": "auto",
                   "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
-        cfg["aidaptiv"] = {"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget}
+        cfg["aidaptiv"] = _merged({"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget},
+                                  s.aidaptiv_extra or {})
     return copy.deepcopy(cfg)
+
+
+def _merged(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra``'s keys set, dicts on both sides merged recursively (a new dict)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out

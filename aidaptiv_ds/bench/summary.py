@@ -34,6 +34,7 @@ launch-to-first-step.
 """
 from __future__ import annotations
 
+import json
 import statistics
 
 from ..units import GiB
@@ -225,7 +226,9 @@ def format_table(result: dict) -> str:
     lines = [f"**{cfg['model']}**, {cfg['dtype']}, seq {cfg['seq']}, micro-batch {cfg['micro_batch']}, "
              f"{cfg['steps']} steps ({cfg['warmup']} warm-up), {cfg['repeats']} interleaved repeat(s), "
              f"sub_group_size {cfg['sub_group_size']:,}, gradient_clipping {cfg.get('clip', 1.0):g}"
-             + (", activation checkpointing" if cfg.get("activation_checkpointing") else "") + "; "
+             + (", activation checkpointing" if cfg.get("activation_checkpointing") else "")
+             + (f", aidaptiv section + {json.dumps(cfg['aidaptiv_extra'], sort_keys=True)}"
+                if cfg.get("aidaptiv_extra") else "") + "; "
              "ratios (in brackets) are to DeepSpeed native NVMe.",
              f"Native aio: {result['aio']['status']}"
              + ("; DeepSpeed's swap_in de-duplicates its list (DeepSpeed 0.19.8 asserts on the duplicate "

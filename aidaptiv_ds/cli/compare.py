@@ -66,6 +66,10 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient-clipping", type=float, default=1.0,
                    help="gradient_clipping (default 1.0, HF Trainer's default; 0 turns clipping off, which lets "
                         "aidaptiv_ds step every sub-group inside backward and never keep the gradients)")
+    g.add_argument("--aidaptiv-extra", metavar="JSON", default=None,
+                   help="a JSON object merged into the \"aidaptiv\" section of the aidaptiv_ds backends "
+                        "(ablations), e.g. '{\"step_in_backward\": false}' or "
+                        "'{\"io\": {\"reuse_host_memory\": true}}'")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="HF gradient checkpointing of every decoder layer (non-reentrant), in every backend")
     g.add_argument("--persistence-threshold", type=float, default=0,
@@ -113,12 +117,32 @@ def settings_from_args(args, dtype: str):
     clip = float(getattr(args, "gradient_clipping", 1.0))
     if not clip >= 0.0 or clip == float("inf"):
         raise ValueError(f"--gradient-clipping {clip}: must be a finite number >= 0 (0 turns clipping off)")
-    return TrainSettings(dtype=dtype, micro_batch=args.micro_batch, seq=args.seq,
+    extra = _aidaptiv_extra(getattr(args, "aidaptiv_extra", None))
+    return TrainSettings(dtype=dtype, micro_batch=args.micro_batch, seq=args.seq, aidaptiv_extra=extra,
                          sub_group_size=int(args.sub_group_size), persistence_threshold=int(args.persistence_threshold),
                          max_reuse_distance=int(args.max_reuse_distance),
                          native_pipeline=args.native_pipeline, param_buffer_count=args.param_buffer_count,
                          aio_intra_op=args.aio_intra_op, pin_memory=bool(getattr(args, "pin_memory", False)),
                          clip=clip, activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)))
+
+
+def _aidaptiv_extra(text: str | None) -> dict | None:
+    """``--aidaptiv-extra``'s JSON object, or None when not given.
+
+    Raises:
+        ValueError: not valid JSON, or not a JSON object (names the flag, the value and the fix).
+    """
+    if not text:
+        return None
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--aidaptiv-extra {text!r}: not valid JSON ({e}); give an object such as "
+                         f"'{{\"step_in_backward\": false}}'") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--aidaptiv-extra {text!r}: must be a JSON object of \"aidaptiv\" keys, "
+                         f"e.g. '{{\"io\": {{\"reuse_host_memory\": true}}}}'")
+    return extra
 
 
 def _drive_gbps(text: str | None) -> tuple[float, float] | None:
