@@ -22,13 +22,11 @@ from aidaptiv_ds.io.buffers import return_freed_host_memory
 pytestmark = pytest.mark.benchmark
 
 
-@pytest.fixture(scope="module")
-def NUMEL(request):
+@pytest.fixture
+def NUMEL(timing):
     if "AIDAPTIV_BENCH_NUMEL" in os.environ:
         return int(float(os.environ["AIDAPTIV_BENCH_NUMEL"]))
-    cfg = request.config
-    disabled = cfg.getoption("benchmark_disable", False) and not cfg.getoption("benchmark_enable", False)
-    return 1_000_000 if disabled else 20_000_000
+    return 20_000_000 if timing else 1_000_000
 
 
 @pytest.fixture(scope="module", autouse=True)
