@@ -30,6 +30,7 @@ from ..telemetry import counters
 from ..tiers.eviction import AccessOrder
 from ..tiers.host_tier import HostTier
 from ..units import format_bytes
+from .blas_threads import pin_blas_threads
 from .config import AidaptivConfig
 
 log = logging.getLogger("aidaptiv_ds")
@@ -111,6 +112,7 @@ class Runtime:
         self.rank, self.world = _dist_rank_world()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_world = local_world_size()
+        pin_blas_threads()  # GEMMs on a fixed thread count: same bits as DeepSpeed's CPU offload
         self.reuse_host_memory = cfg.io.reuse_host_memory is True and reuse_freed_host_memory()
         if not self.reuse_host_memory:  # until the plan shows the budget can hold a reusing heap
             return_freed_host_memory()
