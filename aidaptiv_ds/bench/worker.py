@@ -141,6 +141,11 @@ def build_engine(spec: dict, out: ResultFile, clock) -> tuple:
     out.update(phase="import", ds_config=cfg)
     import torch
 
+    from ..integration.blas_threads import pin_blas_threads
+
+    # every backend's GEMMs on a fixed thread count, the references too: with MKL's dynamic mode DeepSpeed's
+    # CPU offload itself is not reproducible run to run on a loaded machine (docs/profiling.md)
+    out.update(blas_threads_pinned=pin_blas_threads())
     if backend == "native":
         out.update(aio=install_native_aio(spec.get("aio", "compiled"), clock))
         if spec.get("native_dedup", True):

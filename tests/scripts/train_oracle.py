@@ -43,6 +43,10 @@ import torch  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
+from aidaptiv_ds.integration.blas_threads import pin_blas_threads  # noqa: E402
+
+pin_blas_threads()  # the reference backends' GEMMs on a fixed thread count too (integration/blas_threads.py)
+
 
 def parse():
     ap = argparse.ArgumentParser()
