@@ -128,6 +128,9 @@ def test_grads_budget_and_allocator_env():
     assert not any(k in ours for k in alloc) and "AIDAPTIV_DS_NO_AUTOINSTALL" not in ours
     assert not any(k in worker_env("cpu", base, same_allocator=False) for k in alloc)
     assert os.path.isdir(os.path.join(native["PYTHONPATH"].split(os.pathsep)[0], "aidaptiv_ds"))
+    # reproducible MKL numerics in every backend, unless the caller chose a mode
+    assert native["MKL_CBWR"] == ours["MKL_CBWR"] == "AUTO,STRICT"
+    assert worker_env("cpu", {**base, "MKL_CBWR": "COMPATIBLE"})["MKL_CBWR"] == "COMPATIBLE"
 
 
 def test_gpu_backend_has_no_offload_and_no_drive():

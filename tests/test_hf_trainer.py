@@ -19,8 +19,9 @@ SCRIPT = os.path.join(REPO, "tests", "scripts", "hf_trainer.py")
 def trainer_run(cfg: dict, tmp_path, name: str) -> dict:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    # MKL on a fixed thread count in both runs, as the runtime sets it (integration/blas_threads.py)
-    env = dict(os.environ, PYTHONPATH=REPO, MASTER_PORT=str(free_port()), MKL_DYNAMIC="FALSE")
+    # MKL on a fixed thread count (as the runtime sets it, integration/blas_threads.py) and alignment-independent
+    # (aidaptiv_ds/bench/runner.py REPRODUCIBLE_MKL) in both runs
+    env = dict(os.environ, PYTHONPATH=REPO, MASTER_PORT=str(free_port()), MKL_DYNAMIC="FALSE", MKL_CBWR="AUTO,STRICT")
     p = subprocess.run([sys.executable, "-m", "aidaptiv_ds.run", SCRIPT, STORIES, str(path), str(tmp_path / name)],
                        env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stderr[-5000:]

@@ -248,6 +248,7 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
                    "warmup": warmup, "repeats": repeats, "seed": seed, "backends": backends, "order": order,
                    "reference": REFERENCE, "profiled": profile, "native_dedup": native_dedup,
                    "same_allocator": same_allocator, "timeline": timeline,
+                   "mkl_cbwr": worker_env(REFERENCE, env).get("MKL_CBWR"),
                    "drive_gbps": list(drive_gbps) if drive_gbps else None, "deadline": deadline,
                    "work_dir": work_dir},
         "command": command,

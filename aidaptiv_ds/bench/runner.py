@@ -40,6 +40,20 @@ def allocator_env() -> dict:
     return {"MALLOC_MMAP_THRESHOLD_": str(threshold), "MALLOC_TRIM_THRESHOLD_": str(4 * threshold)}
 
 
+#: MKL's conditional numerical reproducibility for every worker unless the caller set a mode: the
+#: instruction set MKL would pick anyway, in strict mode, whose GEMM results do not depend on the
+#: inputs' memory alignment. Without it DeepSpeed's CPU offload and aidaptiv_ds alike came out in one of
+#: two last-bit variants from run to run (148M fp32: 2 of 8 runs the other one); with it 8 of 8 alike
+#: (docs/profiling.md). The thread count is pinned in the worker (integration/blas_threads.py).
+REPRODUCIBLE_MKL = {"MKL_CBWR": "AUTO,STRICT"}
+
+
+def numerics_env(base: dict) -> dict:
+    """What :func:`worker_env` adds for bit-reproducible CPU numerics: :data:`REPRODUCIBLE_MKL`, less any
+    key the caller's environment ``base`` already sets (the user's choice wins)."""
+    return {k: v for k, v in REPRODUCIBLE_MKL.items() if k not in base}
+
+
 def worker_env(backend: str, base: dict, same_allocator: bool = True) -> dict:
     """``base`` plus what one worker needs: a free rendezvous port, the package on ``PYTHONPATH``, and
     aidaptiv_ds's DeepSpeed hooks only for the aidaptiv_ds backends (DeepSpeed runs untouched otherwise).
@@ -47,8 +61,10 @@ def worker_env(backend: str, base: dict, same_allocator: bool = True) -> dict:
     With ``same_allocator`` the DeepSpeed backends get :func:`allocator_env`, so every backend runs
     with the allocator settings aidaptiv_ds's runtime applies to its own process; without it each
     backend runs as shipped (the difference is then partly the allocator's, not the storage path's).
+    Every backend also gets :func:`numerics_env`, so losses compare bit for bit.
     """
     env = dict(base)
+    env.update(numerics_env(base))
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

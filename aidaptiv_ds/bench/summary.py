@@ -239,6 +239,9 @@ def format_table(result: dict) -> str:
                               if cfg.get("same_allocator") else
                               "as shipped (aidaptiv_ds raises glibc's mmap threshold in its process, DeepSpeed "
                               "does not): part of any difference is the allocator's."),
+             *([f"Numerics: MKL_CBWR={cfg['mkl_cbwr']} and MKL's thread count pinned in every backend, so losses "
+                "compare bit for bit (with MKL's defaults DeepSpeed's CPU offload itself varies in the last bit "
+                "from run to run)."] if cfg.get("mkl_cbwr") else []),
              *(["Profiled runs (cProfile): step times are inflated."] if cfg.get("profiled") else []),
              *([_io_line(result)] if result.get("io_bench") else []), "",
              "| backend | step s (median) | written B/param/step | read B/param/step | I/O wait share | "

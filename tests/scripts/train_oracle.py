@@ -38,6 +38,10 @@ if "LOCAL_SIZE" not in os.environ:  # the deepspeed launcher sets LOCAL_SIZE (no
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29611")
 
+# MKL's GEMMs independent of memory alignment in every backend (aidaptiv_ds/bench/runner.py REPRODUCIBLE_MKL);
+# read when MKL starts, so before torch is imported
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 import torch  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
