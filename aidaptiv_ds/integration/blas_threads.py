@@ -16,6 +16,13 @@ sub_group_size 4e6, ``io.reuse_host_memory: true``: 1 divergent run of 6 and 1 o
 parameters after step 0 differed in scattered elements of every matrix, never a contiguous range
 (``docs/profiling.md``). So the runtime switches dynamic mode off, as ``torch.set_num_threads`` would,
 unless the user chose a mode with the ``MKL_DYNAMIC`` environment variable.
+
+A fixed thread count is not all bit-reproducibility needs: MKL's default mode may also pick its kernel by
+the inputs' memory alignment, so at 148M both DeepSpeed's CPU offload and aidaptiv_ds came out in one of
+two last-bit variants from run to run. Strict reproducible mode (``MKL_CBWR=AUTO,STRICT``, read when MKL
+starts) removes that; the runtime does not set it, since it changes the numbers against a user's own run
+made with MKL's defaults, but ``launch/compare.py`` and the oracle tests run every backend with it
+(``aidaptiv_ds/bench/runner.py`` ``REPRODUCIBLE_MKL``).
 """
 from __future__ import annotations
 
