@@ -51,5 +51,10 @@ def pin_blas_threads() -> bool:
                  "set (with it on, results may differ in the last bit from DeepSpeed's CPU offload)",
                  os.environ["MKL_DYNAMIC"])
         return False
-    torch.set_num_threads(torch.get_num_threads())
+    try:
+        torch.set_num_threads(torch.get_num_threads())
+    except RuntimeError as exc:  # a native (non-OpenMP) intra-op pool refuses once parallel work has started
+        log.info("aidaptiv_ds: could not pin MKL's thread count (%s); results may differ in the last bit from "
+                 "DeepSpeed's CPU offload", exc)
+        return False
     return True
