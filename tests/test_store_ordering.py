@@ -7,6 +7,7 @@ the test opens a gate, and logs each system call as it starts and ends.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -123,3 +124,103 @@ def test_disjoint_requests_do_not_wait_for_each_other(tmp_path):
     finally:
         io.gate.set()
         st.close()
+
+
+class SizedGatedIO(GatedIO):
+    """:class:`GatedIO` logging ``(op, bytes)`` of every call as it starts."""
+
+    def pwritev(self, fd, bufs, offset, path):
+        self.gate.wait(FALLBACK_S)
+        self.note("write", sum(len(b) for b in bufs))
+        return SysIO.pwritev(self, fd, bufs, offset, path)
+
+    def preadv(self, fd, bufs, offset, path):
+        self.note("read", sum(len(b) for b in bufs))
+        return SysIO.preadv(self, fd, bufs, offset, path)
+
+
+def test_a_write_a_read_waits_for_inherits_the_reads_priority(tmp_path):
+    """[Note: priority inheritance] (io/engine.py): a demand read of bytes a write-back is still writing
+    waits for that write, so the write is served at the read's priority (before queued prefetch reads),
+    and the read then keeps the place it was issued in. One worker, so the queue decides the order."""
+    from aidaptiv_ds.io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
+
+    io = SizedGatedIO()
+    st = SlabStore(Namespace([str(tmp_path)], "order", 0), [PathSpec(str(tmp_path), capacity=64 << 20)],
+                   engine=IOEngine(sysio=io, threads_per_drive=1))
+    KiB = 1 << 10
+    try:
+        for key, n in (("plug", 1024 * KiB), ("b", 256 * KiB), ("c", 512 * KiB)):
+            st.allocate(key, n)
+        io.gate.set()
+        st.write("c", alloc_aligned(512 * KiB)).wait()
+        io.gate.clear()
+        io.log.clear()
+        plug = st.write("plug", alloc_aligned(1024 * KiB), 0, WRITE_BACK)  # holds the one worker
+        new = alloc_aligned(256 * KiB)
+        new.fill_(7)
+        w = st.write("b", new, 0, WRITE_BACK)
+        prefetch = [st.read("c", alloc_aligned(512 * KiB), 0, READ_PREFETCH) for _ in range(3)]
+        out = alloc_aligned(256 * KiB)
+        r = st.read("b", out, 0, READ_DEMAND)
+        io.open_gate()
+        for f in [plug, w, r, *prefetch]:
+            f.wait()
+        assert torch.equal(out, new)  # still ordered after the write
+        calls = [e for e in io.log if e[0] in ("read", "write")]
+        assert calls[:3] == [("write", 1024 * KiB), ("write", 256 * KiB), ("read", 256 * KiB)], calls
+        assert calls[3:] == [("read", 512 * KiB)] * 3, calls
+    finally:
+        st.close()
+
+
+def test_a_prefetch_read_someone_waits_for_becomes_demand(tmp_path):
+    """``IOFuture.wait`` expedites what it waits for: a queued prefetch read jumps the other prefetches."""
+    from aidaptiv_ds.io.engine import READ_PREFETCH, WRITE_BACK
+
+    io = SizedGatedIO()
+    st = SlabStore(Namespace([str(tmp_path)], "order", 0), [PathSpec(str(tmp_path), capacity=64 << 20)],
+                   engine=IOEngine(sysio=io, threads_per_drive=1))
+    KiB = 1 << 10
+    sizes = (128 * KiB, 256 * KiB, 512 * KiB)
+    try:
+        st.allocate("plug", 1024 * KiB)
+        for i, n in enumerate(sizes):
+            st.allocate(f"c{i}", n)
+        io.gate.set()
+        for i, n in enumerate(sizes):
+            st.write(f"c{i}", alloc_aligned(n)).wait()
+        io.gate.clear()
+        io.log.clear()
+        plug = st.write("plug", alloc_aligned(1024 * KiB), 0, WRITE_BACK)  # holds the one worker
+        reads = [st.read(f"c{i}", alloc_aligned(n), 0, READ_PREFETCH) for i, n in enumerate(sizes)]
+        waiter = threading.Thread(target=reads[-1].wait)
+        waiter.start()
+        deadline = time.monotonic() + FALLBACK_S
+        while not _queued_at_demand(reads[-1]) and time.monotonic() < deadline:  # wait() expedites, then blocks
+            time.sleep(0.001)
+        io.open_gate()
+        waiter.join(FALLBACK_S)
+        for f in [plug, *reads]:
+            f.wait()
+        calls = [e for e in io.log if e[0] in ("read", "write")]
+        assert calls == [("write", 1024 * KiB), ("read", sizes[2]), ("read", sizes[0]), ("read", sizes[1])], calls
+    finally:
+        st.close()
+
+
+def _queued_at_demand(fut) -> bool:
+    """The store request behind ``fut`` is queued at demand priority (its expedite hook's request)."""
+    return fut._expedite.__defaults__[0].priority == 0
+
+
+def test_wait_expedites_before_blocking():
+    from aidaptiv_ds.io.futures import DEMAND, IOFuture
+
+    f = IOFuture(1, 1)
+    seen = []
+    f._expedite = lambda p: (seen.append(p), f._chunk_done())
+    f.wait()
+    assert seen == [DEMAND]
+    f.wait()  # done: no second call
+    assert seen == [DEMAND]

@@ -17,7 +17,7 @@ class IOFuture:
     """
 
     __slots__ = ("nbytes", "_pending", "_lock", "_event", "_error", "_error_tb", "_callbacks", "submitted_at",
-                 "finished_at", "_keepalive")
+                 "finished_at", "_keepalive", "_expedite")
 
     def __init__(self, nbytes: int, chunks: int, keepalive=None) -> None:
         self.nbytes = nbytes
@@ -31,6 +31,8 @@ class IOFuture:
         self.submitted_at = time.perf_counter()
         self.finished_at: float | None = None
         self._keepalive = keepalive  # the buffer: must outlive the I/O
+        #: how to serve it sooner (:meth:`expedite`): a callable taking a priority, or the futures it combines
+        self._expedite = None
         if chunks == 0:
             self._finish()
 
@@ -78,6 +80,8 @@ class IOFuture:
         A wait that blocks while a timeline records is a span ``aidaptiv::io_blocked`` (category
         ``"wait"``) on the waiting thread's lane, with the request's bytes.
         """
+        if not self._event.is_set():
+            self.expedite(DEMAND)  # someone is blocked on it now: whatever it is queued behind must not be
         if spans.ACTIVE is not None and not self._event.is_set():
             with spans.span("aidaptiv::io_blocked", cat="wait", bytes=self.nbytes):
                 ready = self._event.wait(timeout)
@@ -90,6 +94,26 @@ class IOFuture:
             # so the traceback shows this wait and the failed transfer, not every earlier waiter too
             raise self._error.with_traceback(self._error_tb)
         return self.nbytes
+
+
+    def expedite(self, priority: int) -> None:
+        """Serve this request (and what it is ordered after) at ``priority`` if that is more urgent than
+        the priority it was queued at (``io.engine.READ_DEMAND`` < ``READ_PREFETCH`` < ``WRITE_BACK``).
+        :meth:`wait` does it with ``READ_DEMAND`` before it blocks: a prefetch read or a write-back that
+        a caller waits for has become demand (the store's [Note: priority inheritance], io/engine.py).
+        A no-op when done, or for requests not made through the store."""
+        e = self._expedite
+        if e is None or self._event.is_set():
+            return
+        if callable(e):
+            e(priority)
+        else:
+            for f in e:
+                f.expedite(priority)
+
+
+#: ``io.engine.READ_DEMAND`` (not imported: the engine imports this module)
+DEMAND = 0
 
 
 def wait_all(futures) -> int:
@@ -118,6 +142,7 @@ def combine(futures: list[IOFuture], nbytes: int, finalizer=None, keepalive=None
     if not futures:
         _finish(out, None, finalizer)
         return out
+    out._expedite = list(futures)
     lock = threading.Lock()
     remaining = [len(futures)]
     first_error: list[BaseException | None] = [None]

@@ -76,6 +76,17 @@ class Extent:
     nbytes: int
 
 
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """One store request's scheduling state: its priority (raised while something more urgent waits
+    behind it), its reserved place in the engine's order, its queued chunks (until it completes) and
+    the earlier overlapping requests it is still ordered after (until it is submitted)."""
+    priority: int
+    order: int
+    chunks: list = dataclasses.field(default_factory=list)
+    deps: list = dataclasses.field(default_factory=list)
+
+
 class _Segment:
     def __init__(self, start: int, end: int, layout: StripeLayout) -> None:
         self.start, self.end, self.layout = start, end, layout
@@ -139,8 +150,8 @@ class SlabStore:
         self.bytes_written = [0] * len(paths)
         self.bytes_read = [0] * len(paths)
         self._ledgered = [0] * len(paths)
-        self._writes_inflight: list[tuple[int, int, IOFuture]] = []  # (logical start, end, future)
-        self._reads_inflight: list[tuple[int, int, IOFuture]] = []
+        self._writes_inflight: list[tuple[int, int, IOFuture, _Request]] = []  # (logical start, end, future, request)
+        self._reads_inflight: list[tuple[int, int, IOFuture, _Request]] = []
         self._inflight: set[IOFuture] = set()  # requests not yet complete; close() waits for them
         self._ledger_warned: set = set()  # (ledger file, errno) already reported by flush_ledger
         self._closed = False
@@ -388,36 +399,61 @@ class SlabStore:
         with self._lock:
             self._writes_inflight = [w for w in self._writes_inflight if not w[2].done()]
             self._reads_inflight = [r for r in self._reads_inflight if not r[2].done()]
-            deps = [f for a, b, f in self._writes_inflight if a < logical + n and logical < b]
+            req = _Request(priority, self.engine.next_order())
+            before = [(f, r) for a, b, f, r in self._writes_inflight if a < logical + n and logical < b]
             if write:  # nor may a write change bytes an earlier read is still transferring
-                deps += [f for a, b, f in self._reads_inflight if a < logical + n and logical < b]
-            if deps:  # ordered after the overlapping requests issued before it, without blocking the caller
+                before += [(f, r) for a, b, f, r in self._reads_inflight if a < logical + n and logical < b]
+            if before:  # ordered after the overlapping requests issued before it, without blocking the caller
+                req.deps = [r for _, r in before]
+                for r in req.deps:  # [Note: priority inheritance] (io/engine.py)
+                    self._boost(r, priority)
                 out = IOFuture(n, 1, keepalive=buf)
-                after = combine(deps, 0)
-                after.add_done_callback(lambda _f: self._chain(out, write, logical, n, raw, priority, finalizer))
+                after = combine([f for f, _ in before], 0)
+                after.add_done_callback(lambda _f: self._chain(out, write, logical, n, raw, req, finalizer))
             else:
-                out = self._submit(write, logical, n, raw, priority, finalizer, buf)
+                out = self._submit(write, logical, n, raw, req, finalizer, buf)
             self._inflight.add(out)
-            (self._writes_inflight if write else self._reads_inflight).append((logical, logical + n, out))
+            (self._writes_inflight if write else self._reads_inflight).append((logical, logical + n, out, req))
+        out._expedite = lambda p, req=req: self._expedite(req, p)
         out.add_done_callback(self._retire)
+        out.add_done_callback(lambda _f: req.chunks.clear())  # the chunks' views pin the buffer: let it go
         return out
 
-    def _submit(self, write: bool, logical: int, n: int, raw: torch.Tensor, priority: int, finalizer, keepalive
+    def _expedite(self, req: "_Request", priority: int) -> None:
+        with self._lock:
+            self._boost(req, priority)
+
+    def _boost(self, req: "_Request", priority: int) -> None:
+        """Serve ``req`` (and what it still waits for) at ``priority`` when that is more urgent: a request
+        someone waits behind must not wait behind less urgent ones itself. Called under the lock."""
+        if priority >= req.priority:
+            return
+        req.priority = priority
+        self.engine.boost(req.chunks, priority)
+        for r in req.deps:
+            self._boost(r, priority)
+
+    def _submit(self, write: bool, logical: int, n: int, raw: torch.Tensor, req: "_Request", finalizer, keepalive
                 ) -> IOFuture:
-        """Hand the request's runs to the engine (one sequential transfer per run)."""
+        """Hand the request's runs to the engine (one sequential transfer per run), at its priority and
+        in its place in the order (reserved when it was issued, so a request that waited for an earlier
+        overlapping one is not queued behind everything issued meanwhile). Called under the lock."""
         futs = []
+        req.deps = []
         for path, phys, parts in self._map(logical, n):
-            f = self.engine.submit(self.slabs[path].fh, write, phys, [raw[o:o + m] for o, m in parts], priority)
+            f = self.engine.submit(self.slabs[path].fh, write, phys, [raw[o:o + m] for o, m in parts], req.priority,
+                                   order=req.order, chunks_out=req.chunks)
             f.add_done_callback(self._counter(path, write, sum(m for _, m in parts)))
             futs.append(f)
         return combine(futs, n, finalizer, keepalive=keepalive)
 
-    def _chain(self, out: IOFuture, write: bool, logical: int, n: int, raw: torch.Tensor, priority: int,
+    def _chain(self, out: IOFuture, write: bool, logical: int, n: int, raw: torch.Tensor, req: "_Request",
                finalizer) -> None:
         """Submit a request whose earlier overlapping writes completed (an engine thread calls this);
         ``out`` completes with it. A failed earlier write does not stop it: its owner gets that error."""
         try:
-            inner = self._submit(write, logical, n, raw, priority, finalizer, None)
+            with self._lock:  # the priority may be raised while it waited: read it with the boosts excluded
+                inner = self._submit(write, logical, n, raw, req, finalizer, None)
         except BaseException as e:  # noqa: BLE001 - delivered to the waiter of out
             out._chunk_done(e)
             return
