@@ -133,7 +133,8 @@ class _Chunk:
     def __init__(self, fh, write, offset, segs, future, priority=READ_DEMAND, queued_at=0.0, order=0, index=0):
         self.fh, self.write, self.offset, self.segs, self.future = fh, write, offset, segs, future
         self.priority, self.queued_at = priority, queued_at
-        self.order, self.index = order, index  # the queue's order within a priority: request order, then a unique tie-break
+        # the queue's order within a priority: the request's order, then a unique tie-break
+        self.order, self.index = order, index
         self.taken = False  # a worker started it (a boosted chunk is queued twice: the second entry is skipped)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from .. import spans
@@ -32,7 +33,7 @@ class IOFuture:
         self.finished_at: float | None = None
         self._keepalive = keepalive  # the buffer: must outlive the I/O
         #: how to serve it sooner (:meth:`expedite`): a callable taking a priority, or the futures it combines
-        self._expedite = None
+        self._expedite: Callable[[int], None] | list[IOFuture] | None = None
         if chunks == 0:
             self._finish()
 

@@ -419,11 +419,11 @@ class SlabStore:
         out.add_done_callback(lambda _f: req.chunks.clear())  # the chunks' views pin the buffer: let it go
         return out
 
-    def _expedite(self, req: "_Request", priority: int) -> None:
+    def _expedite(self, req: _Request, priority: int) -> None:
         with self._lock:
             self._boost(req, priority)
 
-    def _boost(self, req: "_Request", priority: int) -> None:
+    def _boost(self, req: _Request, priority: int) -> None:
         """Serve ``req`` (and what it still waits for) at ``priority`` when that is more urgent: a request
         someone waits behind must not wait behind less urgent ones itself. Called under the lock."""
         if priority >= req.priority:
@@ -433,7 +433,7 @@ class SlabStore:
         for r in req.deps:
             self._boost(r, priority)
 
-    def _submit(self, write: bool, logical: int, n: int, raw: torch.Tensor, req: "_Request", finalizer, keepalive
+    def _submit(self, write: bool, logical: int, n: int, raw: torch.Tensor, req: _Request, finalizer, keepalive
                 ) -> IOFuture:
         """Hand the request's runs to the engine (one sequential transfer per run), at its priority and
         in its place in the order (reserved when it was issued, so a request that waited for an earlier
@@ -447,7 +447,7 @@ class SlabStore:
             futs.append(f)
         return combine(futs, n, finalizer, keepalive=keepalive)
 
-    def _chain(self, out: IOFuture, write: bool, logical: int, n: int, raw: torch.Tensor, req: "_Request",
+    def _chain(self, out: IOFuture, write: bool, logical: int, n: int, raw: torch.Tensor, req: _Request,
                finalizer) -> None:
         """Submit a request whose earlier overlapping writes completed (an engine thread calls this);
         ``out`` completes with it. A failed earlier write does not stop it: its owner gets that error."""
