@@ -127,9 +127,15 @@ def test_disjoint_requests_do_not_wait_for_each_other(tmp_path):
 
 
 class SizedGatedIO(GatedIO):
-    """:class:`GatedIO` logging ``(op, bytes)`` of every call as it starts."""
+    """:class:`GatedIO` logging ``(op, bytes)`` of every call as it starts; :attr:`started` is set when a
+    write has reached the drive (the one worker then holds it until the gate opens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
 
     def pwritev(self, fd, bufs, offset, path):
+        self.started.set()  # a worker holds this write now
         self.gate.wait(FALLBACK_S)
         self.note("write", sum(len(b) for b in bufs))
         return SysIO.pwritev(self, fd, bufs, offset, path)
@@ -156,7 +162,9 @@ def test_a_write_a_read_waits_for_inherits_the_reads_priority(tmp_path):
         st.write("c", alloc_aligned(512 * KiB)).wait()
         io.gate.clear()
         io.log.clear()
+        io.started.clear()
         plug = st.write("plug", alloc_aligned(1024 * KiB), 0, WRITE_BACK)  # holds the one worker
+        assert io.started.wait(FALLBACK_S)  # ... once it has reached the drive
         new = alloc_aligned(256 * KiB)
         new.fill_(7)
         w = st.write("b", new, 0, WRITE_BACK)
@@ -192,7 +200,9 @@ def test_a_prefetch_read_someone_waits_for_becomes_demand(tmp_path):
             st.write(f"c{i}", alloc_aligned(n)).wait()
         io.gate.clear()
         io.log.clear()
+        io.started.clear()
         plug = st.write("plug", alloc_aligned(1024 * KiB), 0, WRITE_BACK)  # holds the one worker
+        assert io.started.wait(FALLBACK_S)  # ... once it has reached the drive
         reads = [st.read(f"c{i}", alloc_aligned(n), 0, READ_PREFETCH) for i, n in enumerate(sizes)]
         waiter = threading.Thread(target=reads[-1].wait)
         waiter.start()
