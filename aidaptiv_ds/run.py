@@ -9,9 +9,10 @@ enabled ``"aidaptiv"`` section. Works under every launcher::
     torchrun --nproc_per_node 8 -m aidaptiv_ds.run train.py --deepspeed ds_config.json
     deepspeed --num_gpus 8 --module aidaptiv_ds.run train.py --deepspeed ds_config.json
 
-(``launch/aidaptiv_run.py`` is the same as a file, for launchers that want a script path.) The
-alternative for every process of an environment is the opt-in site hook, ``aidaptiv-ds site-hook
-install``.
+(``launch/aidaptiv_run.py`` is the same as a file, for launchers that want a script path.) At exit,
+a gloo default process group the script left is destroyed, so it cannot abort the finished process
+(:mod:`aidaptiv_ds.integration.process_group`). The alternative for every process of an
+environment is the opt-in site hook, ``aidaptiv-ds site-hook install``.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import runpy
 import sys
 
 import aidaptiv_ds  # noqa: F401 - installs the hooks (now, or when the script imports deepspeed)
+from aidaptiv_ds.integration.process_group import destroy_gloo_group_at_exit
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     script = os.path.abspath(argv[0])
     sys.argv = [script] + argv[1:]
     sys.path.insert(0, os.path.dirname(script))
+    destroy_gloo_group_at_exit()  # a script without destroy_process_group() exits cleanly (process_group.py)
     runpy.run_path(script, run_name="__main__")
 
 

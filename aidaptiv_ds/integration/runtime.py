@@ -31,6 +31,7 @@ from ..tiers.eviction import AccessOrder
 from ..tiers.host_tier import HostTier
 from ..units import format_bytes
 from .blas_threads import pin_blas_threads
+from .process_group import destroy_gloo_group_at_exit
 from .config import AidaptivConfig
 
 log = logging.getLogger("aidaptiv_ds")
@@ -113,6 +114,7 @@ class Runtime:
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_world = local_world_size()
         pin_blas_threads()  # GEMMs on a fixed thread count: same bits as DeepSpeed's CPU offload
+        destroy_gloo_group_at_exit()  # no SIGABRT at exit when the script leaves its gloo group (process_group.py)
         self.reuse_host_memory = cfg.io.reuse_host_memory is True and reuse_freed_host_memory()
         if not self.reuse_host_memory:  # until the plan shows the budget can hold a reusing heap
             return_freed_host_memory()
