@@ -131,6 +131,19 @@ def test_grads_budget_and_allocator_env():
     # reproducible MKL numerics in every backend, unless the caller chose a mode
     assert native["MKL_CBWR"] == ours["MKL_CBWR"] == "AUTO,STRICT"
     assert worker_env("cpu", {**base, "MKL_CBWR": "COMPATIBLE"})["MKL_CBWR"] == "COMPATIBLE"
+    # PyTorch's huge pages where no heap is kept (torch_env.py), the caller's choice winning
+    assert ours["THP_MEM_ALLOC_ENABLE"] == "1" and "THP_MEM_ALLOC_ENABLE" not in native
+    assert "THP_MEM_ALLOC_ENABLE" not in worker_env("aidaptiv_auto", base)
+    assert worker_env("aidaptiv0", {**base, "THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def test_thp_line_of_the_table():
+    from aidaptiv_ds.bench.summary import _thp_line
+
+    assert _thp_line({"cpu": None, "aidaptiv0": "1"}).startswith("PyTorch's huge pages (THP_MEM_ALLOC_ENABLE=1) in "
+                                                                 "aidaptiv0 (")
+    assert "every backend" in _thp_line({"cpu": "1", "aidaptiv0": "1"})
+    assert "off in every backend" in _thp_line({"cpu": "0", "aidaptiv0": None})
 
 
 def test_gpu_backend_has_no_offload_and_no_drive():

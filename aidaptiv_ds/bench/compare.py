@@ -249,6 +249,8 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
                    "reference": REFERENCE, "profiled": profile, "native_dedup": native_dedup,
                    "same_allocator": same_allocator, "timeline": timeline,
                    "mkl_cbwr": worker_env(REFERENCE, env).get("MKL_CBWR"),
+                   "torch_thp": {b: worker_env(b, env, same_allocator).get("THP_MEM_ALLOC_ENABLE")
+                                 for b in backends},
                    "drive_gbps": list(drive_gbps) if drive_gbps else None, "deadline": deadline,
                    "work_dir": work_dir},
         "command": command,

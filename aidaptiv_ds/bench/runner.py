@@ -25,6 +25,7 @@ import aidaptiv_ds
 from ..io.atomic import atomic_write
 from ..ports import free_port  # noqa: F401 - re-exported (callers import it from here)
 from ..telemetry.sysinfo import host_memory
+from ..torch_env import torch_huge_pages_env
 from ..units import GiB
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(aidaptiv_ds.__file__)))
@@ -48,6 +49,11 @@ def allocator_env() -> dict:
 REPRODUCIBLE_MKL = {"MKL_CBWR": "AUTO,STRICT"}
 
 
+#: the aidaptiv_ds backends whose fixed DRAM budget keeps no freed heap (bench/backends.py): PyTorch's huge
+#: pages pay there (aidaptiv_ds/torch_env.py)
+FRESH_HEAP_BACKENDS = ("aidaptiv0", "aidaptiv_grads")
+
+
 def numerics_env(base: dict) -> dict:
     """What :func:`worker_env` adds for bit-reproducible CPU numerics: :data:`REPRODUCIBLE_MKL`, less any
     key the caller's environment ``base`` already sets (the user's choice wins)."""
@@ -61,7 +67,10 @@ def worker_env(backend: str, base: dict, same_allocator: bool = True) -> dict:
     With ``same_allocator`` the DeepSpeed backends get :func:`allocator_env`, so every backend runs
     with the allocator settings aidaptiv_ds's runtime applies to its own process; without it each
     backend runs as shipped (the difference is then partly the allocator's, not the storage path's).
-    Every backend also gets :func:`numerics_env`, so losses compare bit for bit.
+    The aidaptiv_ds backends with a fixed DRAM budget (no heap kept) start PyTorch with its huge pages, as
+    the runtime's log advises there (:mod:`aidaptiv_ds.torch_env`); the others, which keep their heap, do
+    not. A key the caller's ``base`` sets stays as set. Every backend also gets :func:`numerics_env`, so
+    losses compare bit for bit.
     """
     env = dict(base)
     env.update(numerics_env(base))
@@ -73,6 +82,8 @@ def worker_env(backend: str, base: dict, same_allocator: bool = True) -> dict:
         env.pop(k, None)
     if backend.startswith("aidaptiv"):
         env.pop("AIDAPTIV_DS_NO_AUTOINSTALL", None)
+        if backend in FRESH_HEAP_BACKENDS:
+            env.update(torch_huge_pages_env(base))
     else:
         env["AIDAPTIV_DS_NO_AUTOINSTALL"] = "1"
         if same_allocator:

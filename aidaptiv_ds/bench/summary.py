@@ -202,6 +202,17 @@ def _r(f: dict, key: str) -> str:
     return "" if r is None else f" ({r:.2f}x)"
 
 
+def _thp_line(thp: dict) -> str:
+    """The table's line on PyTorch's huge pages (``THP_MEM_ALLOC_ENABLE`` per backend, None when unset)."""
+    on = [b for b, v in thp.items() if v == "1"]
+    if not on:
+        return "PyTorch's huge pages: off in every backend (THP_MEM_ALLOC_ENABLE unset or 0)."
+    if len(on) == len(thp):
+        return "PyTorch's huge pages (THP_MEM_ALLOC_ENABLE=1) in every backend."
+    return (f"PyTorch's huge pages (THP_MEM_ALLOC_ENABLE=1) in {', '.join(on)} (no heap kept, as the runtime's log "
+            f"advises; aidaptiv_ds/torch_env.py), not in the backends that keep their heap.")
+
+
 def _io_line(result: dict) -> str:
     io = result["io_bench"]
     if io.get("read_gbps") is None:
@@ -239,6 +250,7 @@ def format_table(result: dict) -> str:
                               if cfg.get("same_allocator") else
                               "as shipped (aidaptiv_ds raises glibc's mmap threshold in its process, DeepSpeed "
                               "does not): part of any difference is the allocator's."),
+             *([_thp_line(cfg["torch_thp"])] if cfg.get("torch_thp") else []),
              *([f"Numerics: MKL_CBWR={cfg['mkl_cbwr']} and MKL's thread count pinned in every backend, so losses "
                 "compare bit for bit (with MKL's defaults DeepSpeed's CPU offload itself varies in the last bit "
                 "from run to run)."] if cfg.get("mkl_cbwr") else []),

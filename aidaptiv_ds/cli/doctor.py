@@ -214,14 +214,13 @@ def check_deepspeed_aio() -> dict:
 def check_huge_pages(sys_root: str = "/sys") -> dict:
     """The kernel's transparent-huge-page mode, with a warning when it is off: aidaptiv_ds's fresh host
     buffers then page-fault in 4 KiB at a time (slower steps at a small DRAM budget, no failure;
-    :func:`aidaptiv_ds.io.buffers.advise_huge_pages`)."""
-    mode = None
-    try:
-        with open(os.path.join(sys_root, "kernel/mm/transparent_hugepage/enabled")) as f:
-            mode = f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        pass
-    out = {"kernel_mode": mode, "problems": []}
+    :func:`aidaptiv_ds.io.buffers.advise_huge_pages`), and whether this environment starts PyTorch with its
+    own huge pages (``torch_thp``: ``THP_MEM_ALLOC_ENABLE``, worth setting at DRAM budget 0;
+    :mod:`aidaptiv_ds.torch_env`)."""
+    from ..torch_env import kernel_huge_page_mode, torch_huge_pages_on
+
+    mode = kernel_huge_page_mode(sys_root)
+    out = {"kernel_mode": mode, "torch_thp": torch_huge_pages_on(), "problems": []}
     if mode == "never":
         out["problems"].append(_problem("warning", "transparent huge pages are off in the kernel: fresh host "
                                                    "buffers page-fault in 4 KiB at a time (slower steps at a small "
@@ -275,7 +274,9 @@ def format_report(rep: dict) -> str:
     lines.append(f"host memory {_fmt(m['available_bytes'])} available of {_fmt(m['total_bytes'])}")
     h = rep.get("huge_pages")
     if h is not None:
-        lines.append(f"huge pages  kernel mode {h['kernel_mode'] or 'unknown'} (aidaptiv_ds advises its buffers)")
+        torch_thp = "on" if h.get("torch_thp") else "off (THP_MEM_ALLOC_ENABLE=1 speeds up DRAM budget 0)"
+        lines.append(f"huge pages  kernel mode {h['kernel_mode'] or 'unknown'} (aidaptiv_ds advises its buffers); "
+                     f"PyTorch's {torch_thp}")
         for p in h["problems"]:
             lines += [f"  {p['severity'].upper()}: {p['problem']}", f"    fix: {p['fix']}"]
     a = rep["deepspeed_aio"]

@@ -29,6 +29,7 @@ from ..store.store import PathSpec, SlabStore
 from ..telemetry import counters
 from ..tiers.eviction import AccessOrder
 from ..tiers.host_tier import HostTier
+from ..torch_env import huge_pages_advice, kernel_huge_page_mode
 from ..units import format_bytes
 from .blas_threads import pin_blas_threads
 from .process_group import destroy_gloo_group_at_exit
@@ -116,6 +117,7 @@ class Runtime:
         pin_blas_threads()  # GEMMs on a fixed thread count: same bits as DeepSpeed's CPU offload
         destroy_gloo_group_at_exit()  # no SIGABRT at exit when the script leaves its gloo group (process_group.py)
         self.reuse_host_memory = cfg.io.reuse_host_memory is True and reuse_freed_host_memory()
+        self._huge_pages_advised = False  # the THP_MEM_ALLOC_ENABLE advice is logged once (torch_env.py)
         if not self.reuse_host_memory:  # until the plan shows the budget can hold a reusing heap
             return_freed_host_memory()
         self.engine = IOEngine(block_size=cfg.io.block_size, threads_per_drive=cfg.io.threads_per_drive,
@@ -160,6 +162,10 @@ class Runtime:
         if self.cfg.io.reuse_host_memory == "auto" and not self.reuse_host_memory:
             if int(heap_bytes) <= int(budget_free_bytes):
                 self.reuse_host_memory = reuse_freed_host_memory()
+        advice = huge_pages_advice(self.reuse_host_memory, kernel_huge_page_mode())
+        if advice and self.rank == 0 and not self._huge_pages_advised:
+            log.info(advice)
+            self._huge_pages_advised = True
         return self.reuse_host_memory
 
     def end_of_step(self) -> None:
