@@ -11,7 +11,7 @@ enabled ``"aidaptiv"`` section. Works under every launcher::
 
 (``launch/aidaptiv_run.py`` is the same as a file, for launchers that want a script path.) At exit,
 a gloo default process group the script left is destroyed, so it cannot abort the finished process
-(:mod:`aidaptiv_ds.integration.process_group`). The alternative for every process of an
+(:mod:`aidaptiv_ds.process_group`). The alternative for every process of an
 environment is the opt-in site hook, ``aidaptiv-ds site-hook install``.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import runpy
 import sys
 
 import aidaptiv_ds  # noqa: F401 - installs the hooks (now, or when the script imports deepspeed)
-from aidaptiv_ds.integration.process_group import destroy_gloo_group_at_exit
+from aidaptiv_ds.process_group import destroy_gloo_group_at_exit
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,11 +1,11 @@
-"""The exit handler destroys a gloo default process group a script left (integration/process_group.py)."""
+"""The exit handler destroys a gloo default process group a script left (aidaptiv_ds/process_group.py)."""
 from __future__ import annotations
 
 import atexit
 
 import torch.distributed as dist
 
-from aidaptiv_ds.integration import process_group
+from aidaptiv_ds import process_group
 
 
 def test_destroys_a_gloo_group_left_initialized(tmp_path):

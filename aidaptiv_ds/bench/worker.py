@@ -331,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     out = ResultFile(argv[1], backend=spec["backend"], pid=os.getpid())
+    from ..process_group import destroy_gloo_group_at_exit
+
+    destroy_gloo_group_at_exit()  # every backend, DeepSpeed's too: no abort at exit (process_group.py)
     try:
         run(spec, out)
     except BaseException as e:  # noqa: BLE001 - recorded for the report, then re-raised as an exit code

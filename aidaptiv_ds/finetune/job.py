@@ -32,6 +32,7 @@ from .cost import run_cost
 from .ds_config import describe_created_dir, is_zero3, load_ds_config, model_dtype, resolve, uses_nvme
 from .evaluate import EVAL_SPLIT_FILE, RUN_ARGS_FILE
 from .loop import LoopSettings, ResumeState, plan_steps, train
+from ..process_group import destroy_gloo_group_at_exit
 from ..telemetry import sysinfo
 from ..telemetry.metrics import MetricsWriter
 from ..units import format_bytes
@@ -238,6 +239,7 @@ def run(args: FinetuneArgs) -> dict:
     _check_save_flags(args)
     distributed.ensure_env()
     distributed.init()
+    destroy_gloo_group_at_exit()  # the gloo group of a CPU run cannot abort the finished process (process_group.py)
     rank, world = distributed.rank(), distributed.world_size()
     random.seed(args.seed)
     torch.manual_seed(args.seed)

@@ -19,10 +19,11 @@ import time
 import torch
 
 from .. import spans
-from ..planner.auto import auto_prefetch_bytes
 from ..io.buffers import release_free_host_memory, return_freed_host_memory, reuse_freed_host_memory
 from ..io.engine import IOEngine
 from ..io.errors import StorageError
+from ..planner.auto import auto_prefetch_bytes
+from ..process_group import destroy_gloo_group_at_exit
 from ..store.layout import Namespace
 from ..store.ledger import EnduranceRating
 from ..store.store import PathSpec, SlabStore
@@ -32,7 +33,6 @@ from ..tiers.host_tier import HostTier
 from ..torch_env import huge_pages_advice, kernel_huge_page_mode
 from ..units import format_bytes
 from .blas_threads import pin_blas_threads
-from .process_group import destroy_gloo_group_at_exit
 from .config import AidaptivConfig
 
 log = logging.getLogger("aidaptiv_ds")

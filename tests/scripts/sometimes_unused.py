@@ -136,4 +136,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from aidaptiv_ds.process_group import destroy_gloo_group_at_exit
+
+    destroy_gloo_group_at_exit()  # no abort at exit with gloo (aidaptiv_ds/process_group.py)
     main()

@@ -11,8 +11,10 @@ DeepSpeed CPU-offload reference run of ``tests/test_hf_trainer.py`` printed its 
 Destroying the group in an ``atexit`` handler, while the interpreter is still whole, is what PyTorch
 documents as the clean shutdown (``docs/source/distributed.rst``, "Shutdown"). Only gloo groups are
 destroyed here: an NCCL group's destroy may wait on peers, and NCCL does not have this abort.
-The handler is registered once, by ``python -m aidaptiv_ds.run`` and by the runtime; it does nothing
-when the user destroyed the group already or never made one.
+The handler is registered once per process, by ``python -m aidaptiv_ds.run``, by the runtime, and by
+aidaptiv_ds's own training scripts (the benchmark worker, the fine-tuning job, the tests' scripts: a
+DeepSpeed reference run of ``tests/test_gradient_semantics.py`` with two ranks aborted the same way in 1 of
+13 runs); it does nothing when the user destroyed the group already or never made one.
 """
 from __future__ import annotations
 
