@@ -127,12 +127,14 @@ class FileHandle:
 
 class _Chunk:
     """One system call's worth of a request: a file offset and its (address, memoryview) pieces;
-    ``priority`` and ``queued_at`` (perf_counter at submission, 0.0 when no timeline records) for the timeline."""
-    __slots__ = ("fh", "write", "offset", "segs", "future", "priority", "queued_at", "order", "index", "taken")
+    ``priority`` (raised by :meth:`IOEngine.boost`; ``issued``: the one it was submitted with) and ``queued_at``
+    (perf_counter at submission, 0.0 when no timeline records) for the timeline."""
+    __slots__ = ("fh", "write", "offset", "segs", "future", "priority", "issued", "queued_at", "order", "index",
+                 "taken")
 
     def __init__(self, fh, write, offset, segs, future, priority=READ_DEMAND, queued_at=0.0, order=0, index=0):
         self.fh, self.write, self.offset, self.segs, self.future = fh, write, offset, segs, future
-        self.priority, self.queued_at = priority, queued_at
+        self.priority, self.issued, self.queued_at = priority, priority, queued_at
         # the queue's order within a priority: the request's order, then a unique tie-break
         self.order, self.index = order, index
         self.taken = False  # a worker started it (a boosted chunk is queued twice: the second entry is skipped)
@@ -176,6 +178,8 @@ def _trace_call(drive: str, c: _Chunk, op: str, k: int, off: int, t0: float, dt:
     worker = threading.current_thread().name.rsplit("-", 1)[-1]
     args = {"drive": drive, "bytes": k, "offset": off, "file": os.path.basename(c.fh.path),
             "priority": _PRIORITY_NAMES.get(c.priority, c.priority)}
+    if c.issued != c.priority:  # raised while queued (priority inheritance, a wait on it)
+        args["issued"] = _PRIORITY_NAMES.get(c.issued, c.issued)
     if c.queued_at:
         args["queued_s"] = max(t0 - c.queued_at, 0.0)
     spans.complete(op, t0, t0 + dt, f"io {drive} #{worker}", op, **args)
