@@ -251,6 +251,7 @@ def test_examples_found_by_the_fuzz(section, key):
     (lambda z: z["offload_param"].__setitem__("max_in_cpu", False), "zero_optimization.offload_param.max_in_cpu"),
     (lambda z: z.__setitem__("sub_group_size", 1.5), "zero_optimization.sub_group_size"),
     (lambda z: z.__setitem__("sub_group_size", "1e9"), "zero_optimization.sub_group_size"),
+    (lambda z: z.__setitem__("sub_group_size", 2.0 ** 63), "zero_optimization.sub_group_size"),  # found by the fuzz
 ])
 def test_deepspeed_examples_found_by_the_fuzz(cache, edit, key):
     ds = good_ds(cache)

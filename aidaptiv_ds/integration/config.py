@@ -443,10 +443,11 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig, training: bool | None = N
                         f"set\n      \"zero_optimization\": {{\"stage\": 3, ...}}")
     if "sub_group_size" in zero:
         n = zero["sub_group_size"]
-        if not (_number(n) and math.isfinite(n) and n >= 1 and float(n).is_integer()):
+        # below 2**63: DeepSpeed's config model parses it as a 64-bit integer (pydantic refuses 2**63 and up)
+        if not (_number(n) and math.isfinite(n) and 1 <= n < 2 ** 63 and float(n).is_integer()):
             problems.append(f"zero_optimization.sub_group_size is {_short(n)}; it must be a whole number of "
-                            f"parameters >= 1 (the optimizer state moves in sub-groups of that size). Fix: e.g. "
-                            f"\"sub_group_size\": 1e9")
+                            f"parameters from 1 to 2**63-1 (the optimizer state moves in sub-groups of that size). "
+                            f"Fix: e.g. \"sub_group_size\": 1e9")
     sections = {}
     for which in ("offload_param", "offload_optimizer"):
         sec = zero.get(which)
