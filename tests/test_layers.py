@@ -7,7 +7,8 @@ Ranks, bottom-up (a module may import its own package and anything of a lower ra
 the same rank are independent of each other):
 
 0. ``errors``: the error root (imports nothing);
-1. ``units``, ``jsonsafe``, ``ports``, ``spans``: leaf utilities (standard library and ``errors`` only);
+1. ``units``, ``jsonsafe``, ``ports``, ``spans``, ``torch_env``, ``process_group``: leaf utilities (standard
+   library and ``errors`` only);
 2. ``io``: reads and writes of bytes at file offsets;
 3. ``store``: slabs, extents, striping, the ledger;
 4. ``tiers``: the DRAM tier and eviction;
@@ -34,7 +35,8 @@ import pathlib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PKG = REPO / "aidaptiv_ds"
 
-RANK = {"errors": 0, "units": 1, "jsonsafe": 1, "ports": 1, "spans": 1, "io": 2, "store": 3, "tiers": 4, "telemetry": 5,
+RANK = {"errors": 0, "units": 1, "jsonsafe": 1, "ports": 1, "spans": 1, "torch_env": 1, "process_group": 1,
+        "io": 2, "store": 3, "tiers": 4, "telemetry": 5,
         "planner": 6, "checkpoint": 6, "integration": 7, "inference": 8, "bench": 9, "cli": 10, "finetune": 10,
         "_autoload": 11, "__init__": 12, "run": 12}
 
