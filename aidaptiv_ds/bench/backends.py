@@ -37,6 +37,22 @@ LABELS = {
 REFERENCE = "native"
 
 
+def dram_budget(backend: str, n_params: int) -> int | str:
+    """The ``aidaptiv.dram_budget`` of an aidaptiv_ds backend (bytes, or ``"auto"``) for a model of
+    ``n_params`` parameters.
+
+    Raises:
+        KeyError: ``backend`` is not an aidaptiv_ds backend.
+    """
+    return {"aidaptiv0": 0, "aidaptiv_auto": "auto", "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
+
+
+def keeps_no_heap(backend: str) -> bool:
+    """An aidaptiv_ds backend with a fixed DRAM budget: its runtime returns freed host memory instead of
+    keeping it for reuse, so PyTorch's huge pages pay there (:mod:`aidaptiv_ds.torch_env`)."""
+    return backend.startswith("aidaptiv") and dram_budget(backend, 1) != "auto"
+
+
 def uses_drive(backend: str) -> bool:
     """True for the backends that keep training state on the cache path (``nvme_path``)."""
     return backend == "native" or backend.startswith("aidaptiv")
@@ -157,8 +173,7 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
         cfg["aio"] = {"block_size": int(s.aio_block_size), "queue_depth": int(s.aio_queue_depth),
                       "intra_op_parallelism": int(s.aio_intra_op), "single_submit": False, "overlap_events": True}
     if backend.startswith("aidaptiv"):
-        budget = {"aidaptiv0": 0, "aidaptiv_auto": "auto",
-                  "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
+        budget = dram_budget(backend, n_params)
         cfg["aidaptiv"] = _merged({"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget},
                                   s.aidaptiv_extra or {})
     return copy.deepcopy(cfg)

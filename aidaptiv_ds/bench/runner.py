@@ -27,6 +27,7 @@ from ..ports import free_port  # noqa: F401 - re-exported (callers import it fro
 from ..telemetry.sysinfo import host_memory
 from ..torch_env import torch_huge_pages_env
 from ..units import GiB
+from .backends import keeps_no_heap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(aidaptiv_ds.__file__)))
 
@@ -47,11 +48,6 @@ def allocator_env() -> dict:
 #: two last-bit variants from run to run (148M fp32: 2 of 8 runs the other one); with it 8 of 8 alike
 #: (docs/profiling.md). The thread count is pinned in the worker (integration/blas_threads.py).
 REPRODUCIBLE_MKL = {"MKL_CBWR": "AUTO,STRICT"}
-
-
-#: the aidaptiv_ds backends whose fixed DRAM budget keeps no freed heap (bench/backends.py): PyTorch's huge
-#: pages pay there (aidaptiv_ds/torch_env.py)
-FRESH_HEAP_BACKENDS = ("aidaptiv0", "aidaptiv_grads")
 
 
 def numerics_env(base: dict) -> dict:
@@ -82,7 +78,7 @@ def worker_env(backend: str, base: dict, same_allocator: bool = True) -> dict:
         env.pop(k, None)
     if backend.startswith("aidaptiv"):
         env.pop("AIDAPTIV_DS_NO_AUTOINSTALL", None)
-        if backend in FRESH_HEAP_BACKENDS:
+        if keeps_no_heap(backend):
             env.update(torch_huge_pages_env(base))
     else:
         env["AIDAPTIV_DS_NO_AUTOINSTALL"] = "1"

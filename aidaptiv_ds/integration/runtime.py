@@ -157,7 +157,8 @@ class Runtime:
         buffers live at once: ``heap_bytes`` (the working windows: read-ahead, write-back, optimizer
         pipeline, gradient window). That retention is host memory like any other, so it must fit in the
         part of the DRAM budget the residency plan left free (``budget_free_bytes``); at a budget of 0
-        reuse stays off and the freed heap is returned after every step (:meth:`end_of_step`).
+        reuse stays off and the freed heap is returned after every step (:meth:`end_of_step`); the advice to
+        start PyTorch with huge pages is then logged once (:func:`aidaptiv_ds.torch_env.huge_pages_advice`).
         """
         if self.cfg.io.reuse_host_memory == "auto" and not self.reuse_host_memory:
             if int(heap_bytes) <= int(budget_free_bytes):
