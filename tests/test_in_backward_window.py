@@ -151,3 +151,17 @@ def test_norm_scratch_counts_in_backward_only():
               subgroup_numels=[10_000_000], moment_bytes_per_param=8)
     off, on = cpu_rank_working_set(**kw), cpu_rank_working_set(**kw, norm_scratch=8 << 20)
     assert on["backward"] - off["backward"] == 8 << 20 and on["optimizer"] == off["optimizer"]
+
+
+def test_master_hold_counts_in_backward_only():
+    """The parameter bytes kept for a master slot (optimizer_swapper.py, [Note: master weights from the
+    parameter reads]) are one master slot, counted in the backward phase of a CPU rank and in the host
+    working set of a GPU rank."""
+    from aidaptiv_ds.planner.auto import host_working_set, master_hold_bytes
+    assert master_hold_bytes(80_000_000) == 80_000_000 and master_hold_bytes(-1) == 0
+    kw = dict(readahead_bytes=1 << 28, grad_window_bytes=1 << 28, deepspeed_bytes=1 << 28, activation_bytes=0,
+              subgroup_numels=[10_000_000], moment_bytes_per_param=8)
+    off, on = cpu_rank_working_set(**kw), cpu_rank_working_set(**kw, master_hold=40 << 20)
+    assert on["backward"] - off["backward"] == 40 << 20 and on["optimizer"] == off["optimizer"]
+    g = dict(largest_slice_partition_bytes=1 << 20, largest_subgroup_numel=1 << 20, moment_bytes_per_param=8)
+    assert host_working_set(**g, master_hold_bytes=4 << 20) - host_working_set(**g) == 4 << 20

@@ -116,3 +116,20 @@ def test_master_weights_come_from_the_parameter_reads(tmp_path_factory):
         # after backward the step reads master + moments and the gradients (written in backward) once more
         read, read_off = d["bytes_read"]["cache"], o["bytes_read"]["cache"]
         assert read <= read_off - 4 * n - 0.9 * d["master_from_params_bytes"], (read, read_off)
+
+
+def test_master_bytes_backward_left_early_are_kept(tmp_path_factory):
+    """One reduce bucket for the whole model: every gradient arrives at the end of backward, long after
+    backward left the parameters of the sub-groups stepped then. The parameter bytes left while a
+    sub-group had no slice are kept for its master slot up to one master slot ([Note: master weights
+    from the parameter reads]), the rest is read on demand; the results stay bit-identical."""
+    args = LLAMA + ["--dtype", "fp32", "--steps", "4", "--reduce_bucket_size", "5e8"]
+    ref = oracle(args, str(tmp_path_factory.getbasetemp()))
+    got = run("aidaptiv", args + ["--budget", "0"], str(tmp_path_factory.mktemp("held")))
+    assert_identical(ref, got)
+    n = got["nparams"]
+    for d in got["io"][1:]:
+        master = d["master_from_params_bytes"] + d["master_demand_bytes"]
+        assert 0.95 * 4 * n <= master <= 4 * n, (master, n)
+        assert 0 < d["master_held_bytes"] <= d["master_from_params_bytes"], d
+        assert d["master_demand_bytes"] > 0, d  # the hold is bounded: the model's masters do not all fit

@@ -25,7 +25,9 @@ model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a gener
 ``first_step_s`` (launch to the end of step 1), ``steps`` (per step: ``wall_s``, ``loss``,
 ``io_wait_s``, ``rt_io_wait_s``, ``proc_read_bytes``, ``proc_write_bytes``, ``cache_read_bytes``,
 ``cache_written_bytes``, ``dram_tier_bytes`` (aidaptiv_ds's DRAM tier after the step), ``optimizer_steps``
-(aidaptiv_ds: sub-group steps per path in this step, ``StepCounters``), ``rss_bytes``,
+(aidaptiv_ds: sub-group steps per path in this step, ``StepCounters``), ``master_bytes`` (aidaptiv_ds, fp32:
+the master-weight bytes of steps inside backward taken ``from_params``, of those ``held``, and read on
+``demand``), ``rss_bytes``,
 ``peak_rss_bytes`` (peak so far), ``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of
 the step: forward, backward, step; :class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset
 before step 1, the maximum of the phases' peaks),
@@ -198,6 +200,11 @@ def _engine_info(engine, backend: str) -> dict:
     return info
 
 
+#: the per-step ``master_bytes`` record: its key -> the runtime's counter
+_MASTER_COUNTERS = {"from_params": "master_from_params_bytes", "held": "master_held_bytes",
+                    "demand": "master_demand_bytes"}
+
+
 def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wait_s: float) -> dict:
     return {"step": i + 1, "wall_s": wall, "loss": loss, "io_wait_s": wait_s,
             "rt_io_wait_s": after["io_wait_s"] - before["io_wait_s"],
@@ -207,7 +214,8 @@ def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wa
             "cache_written_bytes": after["bytes_written"].get("cache", 0) - before["bytes_written"].get("cache", 0),
             "dram_tier_bytes": after["dram_bytes"],
             "optimizer_steps": {k: v - before.get("optimizer_steps", {}).get(k, 0)
-                                for k, v in after.get("optimizer_steps", {}).items()}}
+                                for k, v in after.get("optimizer_steps", {}).items()},
+            "master_bytes": {k: after.get(c, 0) - before.get(c, 0) for k, c in _MASTER_COUNTERS.items()}}
 
 
 class PhasePeaks:

@@ -347,6 +347,17 @@ class BackwardStepMixin:
     def backward_epilogue(self):
         self._aidaptiv_backward_open = False
         super().backward_epilogue()
+        sw = getattr(self, "optimizer_swapper", None)
+        if sw is not None and hasattr(sw, "release_held"):
+            sw.release_held()  # the steps inside this backward are over
+
+    def _aidaptiv_holds_master(self, index: int) -> bool:
+        """Inside the boundary backward, sub-group ``index`` is still to be stepped in it: the parameter bytes
+        backward leaves before the sub-group has a slice are kept for its master slot
+        (:meth:`AidaptivOptimizerSwapper.take_master_bytes`)."""
+        st = self._aidaptiv_stepper
+        return (st is not None and self._aidaptiv_backward_open and self.is_gradient_accumulation_boundary()
+                and st._waiting(index))
 
     def _aidaptiv_gradient_started(self, index: int) -> None:
         if self._aidaptiv_stepper is not None:

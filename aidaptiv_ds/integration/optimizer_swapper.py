@@ -62,6 +62,7 @@ class _Group:
     keep_gradient: bool = False  # its gradient outlives the speculative step (a redo may need it)
     alias: tuple = ()  # (ds_id, byte offset, bytes) of the fp32 partitions read from its master slot
     pending: dict = dataclasses.field(default_factory=dict)  # ds_id -> (offset, bytes) of master not filled yet
+    held: dict = dataclasses.field(default_factory=dict)  # ds_id -> bytes kept from a dropped parameter slice
 
     @property
     def valid_slots(self) -> int:
@@ -94,6 +95,13 @@ class AidaptivOptimizerSwapper:
         self._pending_owner: dict[int, _Group] = {}  # ds_id -> the sub-group whose master slot awaits its bytes
         self.master_copied_bytes = 0  # master bytes filled from parameter slices instead of read
         self.master_demand_bytes = 0  # master bytes read on demand because no parameter slice had them
+        self.master_held_bytes = 0  # of the copied bytes, those kept from a dropped slice until the slice came
+        # [Note: master weights from the parameter reads]: which sub-group's master slot a partition is
+        # read from; whether a sub-group waits for its slice (set by the Stage-3 subclass); the hold's bound
+        self._alias_owner: dict[int, _Group] = {}
+        self.holds_master = None  # fn(index) -> bool: keep a dropped partition's bytes for that sub-group
+        self.master_hold_limit = 0  # bytes of parameter slices kept alive for that at most
+        self._held_storage: dict[int, list[int]] = {}  # storage address -> [bytes, holds]
         self.swap_folder = os.path.join(runtime.namespace.rank_dir(0), f"optimizer{engine_id}")
         os.makedirs(self.swap_folder, exist_ok=True)
 
@@ -135,12 +143,36 @@ class AidaptivOptimizerSwapper:
         if g.slice is s:
             g.slice = None
             self._forget_pending(g)
+            self.release_held(g)
 
     def _forget_pending(self, g: _Group) -> None:
         for ds_id in g.pending:
             if self._pending_owner.get(ds_id) is g:
                 del self._pending_owner[ds_id]
         g.pending = {}
+
+    # [Note: master weights from the parameter reads]
+    #
+    # In fp32 a sub-group's parameters are read from its master slot (``set_alias``), so backward has
+    # just read the master weights its step inside backward needs. The slice's read then starts past the
+    # master slot and the slot is filled partition by partition from the parameter swapper's host slices:
+    #
+    # * at once, for the partitions a host slice holds when the slice is created (``_fill_from_params``);
+    # * when a host slice leaves DRAM, for those backward reads later (``take_master_bytes``, a drop
+    #   listener of the parameter swapper: ``g.pending``);
+    # * from a kept slice (``g.held``), for those backward read and left *before* the sub-group had a
+    #   slice: the in-backward window ([Note: the in-backward window] in ``backward_step.py``) holds two
+    #   optimizer slices, and while both are taken (one stepping, one being written back) backward goes
+    #   on through the next sub-group's layers. Without the hold their bytes were read again on demand
+    #   (148M fp32 Llama, budget 0: ~280 MB per step, 1.9 B/param, ~0.3 s of waiting in 5 demand reads).
+    #   A kept slice is the parameter swapper's own buffer (no copy), kept only for a sub-group still to
+    #   be stepped in this backward (``holds_master``) and only up to ``master_hold_limit`` bytes of
+    #   buffers (one master slot: the planner's ``master_hold_bytes``); kept bytes are released as they
+    #   are copied, when the slice is dropped, and at the end of every backward (``release_held``);
+    # * on demand, for what no slice supplied (``wait_slice``: ``master_demand_bytes``).
+    #
+    # The bytes are the master slot's own in every case, so the step is bit-identical with one that
+    # read the slot (the parameters of a sub-group not yet stepped are its current master weights).
 
     def _load(self, g: _Group, priority: int, master_from_params: bool = False) -> Slice:
         """The host slice of ``g``, reading it (master + valid state slots) if not in DRAM; with
@@ -159,6 +191,7 @@ class AidaptivOptimizerSwapper:
         g.slice = s
         if start:
             self._fill_from_params(g, buf, start)
+        self.release_held(g)  # a slice read whole (or filled above) needs no kept bytes
         self.rt.tier.add(s)
         return s
 
@@ -178,17 +211,58 @@ class AidaptivOptimizerSwapper:
         ``g.pending`` (filled by :meth:`take_master_bytes` or :meth:`wait_slice`)."""
         for ds_id, off, nbytes in g.alias:
             n = min(nbytes, end - off)
-            if n > 0 and not self._copy_param_bytes(buf, ds_id, off, n):
+            if n <= 0:
+                continue
+            kept = g.held.get(ds_id)
+            if kept is not None:
+                self._copy_param_bytes(buf, ds_id, off, n, kept)
+                self.master_held_bytes += n
+                self._unhold(g, ds_id)
+            elif not self._copy_param_bytes(buf, ds_id, off, n):
                 g.pending[ds_id] = (off, n)
                 self._pending_owner[ds_id] = g
+        self.release_held(g)  # bytes kept past the slot's filled part (none in practice)
 
     def take_master_bytes(self, ds_id: int, src: torch.Tensor) -> None:
         """The parameter swapper lets go of partition ``ds_id`` 's host bytes ``src`` (uint8): copy them
-        into the master slot that waits for them, if any (a drop listener)."""
+        into the master slot that waits for them, or keep them for a sub-group still to be stepped in
+        this backward that has no slice yet (a drop listener; [Note: master weights from the parameter
+        reads])."""
         g = self._pending_owner.pop(ds_id, None)
         if g is not None and g.slice is not None and ds_id in g.pending:
             off, n = g.pending.pop(ds_id)
             self._copy_param_bytes(g.slice.buf, ds_id, off, n, src)
+            return
+        g = self._alias_owner.get(ds_id)
+        if (g is None or g.slice is not None or ds_id in g.held or self.holds_master is None
+                or not self.holds_master(g.index)):
+            return
+        storage = src.untyped_storage()
+        key = storage.data_ptr()
+        extra = 0 if key in self._held_storage else storage.nbytes()
+        if self.held_bytes() + extra > self.master_hold_limit:
+            return
+        self._held_storage.setdefault(key, [storage.nbytes(), 0])[1] += 1
+        g.held[ds_id] = src
+
+    def held_bytes(self) -> int:
+        """Host bytes of parameter slices kept alive for master slots now (whole buffers, each once)."""
+        return sum(n for n, _ in self._held_storage.values())
+
+    def _unhold(self, g: _Group, ds_id: int) -> None:
+        src = g.held.pop(ds_id)
+        key = src.untyped_storage().data_ptr()
+        entry = self._held_storage[key]
+        entry[1] -= 1
+        if not entry[1]:
+            del self._held_storage[key]
+
+    def release_held(self, g: _Group | None = None) -> None:
+        """Let go of the parameter bytes kept for ``g`` 's master slot (every sub-group's when None): the
+        end of a backward, a dropped slice."""
+        for grp in (self.groups.values() if g is None else (g,)):
+            for ds_id in list(grp.held):
+                self._unhold(grp, ds_id)
 
     def wait_slice(self, g: _Group) -> Slice:
         """Wait for ``g`` 's slice to hold all its bytes and return it: its read, then the master ranges no
@@ -210,6 +284,8 @@ class AidaptivOptimizerSwapper:
     def set_alias(self, g: _Group, entries) -> None:
         """``entries``: ``(ds_id, byte offset, bytes)`` of the fp32 partitions read from ``g`` 's master slot."""
         g.alias = tuple((int(d), int(o), int(n)) for d, o, n in entries)
+        for d, _, _ in g.alias:
+            self._alias_owner[d] = g
 
     # ------------------------------------------------------------------ DeepSpeed API
     def init_timers(self) -> None:

@@ -242,6 +242,7 @@ class Runtime:
                                       if sw.gradients is not None),
             "master_from_params_bytes": sum(sw.master_copied_bytes for sw in self.optimizer_swappers),
             "master_demand_bytes": sum(sw.master_demand_bytes for sw in self.optimizer_swappers),
+            "master_held_bytes": sum(sw.master_held_bytes for sw in self.optimizer_swappers),
         }
 
     def check(self) -> None:

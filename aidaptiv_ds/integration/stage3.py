@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 from ..io.buffers import round_up
 from ..planner.auto import (CPU_REDUCE_BUCKET_NUMEL, OPTIMIZER_PIPELINE_DEPTH, RANK_OVERHEAD_BYTES,
                             cpu_rank_working_set, deepspeed_cpu_rank_bytes, host_working_set,
-                            norm_scratch_bytes)
+                            master_hold_bytes, norm_scratch_bytes)
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
@@ -250,6 +250,8 @@ def make_stage3_class(base: type) -> type:
                                subgroup_grad_bytes=grad_slices)
             grad_window = 2 * max(grad_slices, default=0)
             largest_opt_slice = max((round_up(n * sw.elsize * slots, align) for n in numels), default=0)
+            # parameter bytes kept for a master slot in backward ([Note: master weights from the parameter reads])
+            master_hold = master_hold_bytes(max(numels, default=0) * sw.elsize) if alias else 0
             may_speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 \
                 and sw.expected_states > 0
             if get_accelerator().device_name() == "cpu":  # what a GPU holds is host memory here, by phase
@@ -261,7 +263,8 @@ def make_stage3_class(base: type) -> type:
                     subgroup_numels=numels, moment_bytes_per_param=sw.elsize * sw.expected_states,
                     in_backward_slice_bytes=largest_opt_slice if may_speculate else 0,
                     norm_scratch=norm_scratch_bytes(max((p.partition_numel() for group in self.fp16_groups
-                                                         for p in group), default=0)))
+                                                         for p in group), default=0)),
+                    master_hold=master_hold if may_speculate else 0)
                 ws, overhead = parts["total"], parts["baseline"]
                 in_backward_window = parts["in_backward"]
             else:
@@ -269,7 +272,8 @@ def make_stage3_class(base: type) -> type:
                     largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
                     largest_subgroup_numel=max(numels, default=0),
                     moment_bytes_per_param=sw.elsize * sw.expected_states,
-                    local_ranks=1, grad_window_bytes=grad_window)
+                    local_ranks=1, grad_window_bytes=grad_window,
+                    master_hold_bytes=master_hold if may_speculate else 0)
                 overhead = RANK_OVERHEAD_BYTES
                 # the host working set already sums the parameter staging and the whole optimizer pipeline
                 in_backward_window = OPTIMIZER_PIPELINE_DEPTH * largest_opt_slice
@@ -318,6 +322,8 @@ def make_stage3_class(base: type) -> type:
             self._aidaptiv_stepper = BackwardStepper(self, enabled=speculate, keep_gradients=clip,
                                                      inflight_limit=in_backward_window)
             sw.wanted = self._aidaptiv_stepper.wanted
+            sw.holds_master = self._aidaptiv_holds_master
+            sw.master_hold_limit = master_hold if speculate else 0
             rt.steppers.append(self._aidaptiv_stepper)
             rt.preflight_checkpoints(sum(n * sw.elsize * slots + 4 * align for n in numels))
             if psw is not None and plan.params_resident:

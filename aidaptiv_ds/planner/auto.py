@@ -28,6 +28,8 @@ host's), so what the plan promises is what the runtime does:
       per rank = baseline (0.8 GiB) + max(forward/backward, optimizer)
       forward/backward = read-ahead window + gradient window + DeepSpeed's working set + activations
                          + norm scratch (8 B x the largest gradient partition, :func:`norm_scratch_bytes`)
+                         + master hold (one fp32 master slot, :func:`master_hold_bytes`; fp32 with
+                           steps inside backward)
       optimizer        = the 3 largest sub-groups x (4 B master + moment B + 4 B gradient) per element
 
   Where optimizer steps may run inside backward, the backward phase also holds their window of
@@ -177,7 +179,7 @@ def resolve_dram_budget(value: str | int | float, working_set_bytes: int = 0, *,
 
 def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel: int, moment_bytes_per_param: int,
                      local_ranks: int = 1, rank_overhead_bytes: int = RANK_OVERHEAD_BYTES,
-                     grad_window_bytes: int = 0) -> int:
+                     grad_window_bytes: int = 0, master_hold_bytes: int = 0) -> int:
     """Host memory (bytes) the local ranks need besides the DRAM budget (formula in the module docstring).
 
     Args:
@@ -187,10 +189,11 @@ def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel:
         local_ranks: ranks on the node; rank_overhead_bytes: per-rank process allowance.
         grad_window_bytes: gradient accumulation slices open at once in backward
             (:class:`aidaptiv_ds.integration.gradients.GradientStore` ``window_bytes``).
+        master_hold_bytes: parameter bytes kept for a master slot inside backward (:func:`master_hold_bytes`).
     """
     per_sg = largest_subgroup_numel * (MASTER_BYTES_PER_PARAM + moment_bytes_per_param + GRAD_BYTES_PER_PARAM)
     per_rank = (rank_overhead_bytes + PARAM_STAGING_SLICES * largest_slice_partition_bytes
-                + OPTIMIZER_PIPELINE_DEPTH * per_sg + int(grad_window_bytes))
+                + OPTIMIZER_PIPELINE_DEPTH * per_sg + int(grad_window_bytes) + int(master_hold_bytes))
     return int(local_ranks) * int(per_rank)
 
 
@@ -240,6 +243,19 @@ NORM_SCRATCH_MAX_NUMEL = 1 << 25
 DEEPSPEED_NORM_SPLIT_NUMEL = 250_000_000
 
 
+def master_hold_bytes(largest_master_slot_bytes: int) -> int:
+    """Host bytes of parameter slices backward may keep alive for a sub-group's master slot until the
+    sub-group's slice is read (fp32 parameters read from their master slots, steps inside backward):
+    one master slot, ``largest_master_slot_bytes`` (4 B x the largest sub-group's elements in fp32).
+    The runtime keeps no more (``AidaptivOptimizerSwapper.master_hold_limit``; [Note: master weights from
+    the parameter reads] in ``integration/optimizer_swapper.py``); what does not fit is read again.
+
+    Args:
+        largest_master_slot_bytes: bytes of the largest sub-group's master weights.
+    """
+    return max(int(largest_master_slot_bytes), 0)
+
+
 def norm_scratch_bytes(largest_partition_numel: int) -> int:
     """Host bytes of the norm scratch in the backward phase of a CPU rank: 8 x the largest split of the
     rank's largest gradient partition (``min(numel, 250M)``), or 0 above :data:`NORM_SCRATCH_MAX_NUMEL`,
@@ -255,7 +271,7 @@ def norm_scratch_bytes(largest_partition_numel: int) -> int:
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
                          activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
                          baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0,
-                         norm_scratch: int = 0) -> dict:
+                         norm_scratch: int = 0, master_hold: int = 0) -> dict:
     """Host memory (bytes) one CPU rank needs besides the DRAM budget, by phase (module docstring).
 
     Args:
@@ -269,13 +285,14 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
         in_backward_slice_bytes: the largest sub-group's host slice when steps may run inside backward
             (0 when they cannot): the backward phase then also holds :func:`in_backward_window_bytes`.
         norm_scratch: the gradient-norm scratch of the backward phase (:func:`norm_scratch_bytes`).
+        master_hold: parameter bytes kept for a master slot in the backward phase (:func:`master_hold_bytes`).
 
     Returns:
         ``{"baseline", "backward", "optimizer", "in_backward", "total"}``, bytes; ``backward`` includes the
         ``in_backward`` window; ``total = baseline + max(backward, optimizer)``.
     """
     backward = (int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
-                + int(norm_scratch))
+                + int(norm_scratch) + int(master_hold))
     in_flight = sorted((int(n) for n in subgroup_numels), reverse=True)[:OPTIMIZER_PIPELINE_DEPTH]
     optimizer = sum(in_flight) * (MASTER_BYTES_PER_PARAM + int(moment_bytes_per_param) + GRAD_BYTES_PER_PARAM)
     window = in_backward_window_bytes(in_backward_slice_bytes)

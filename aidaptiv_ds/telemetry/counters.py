@@ -32,7 +32,9 @@ Snapshot keys (all ints unless noted):
     ``grad_spilled_bytes``: gradient bytes written to the cache tier (part of ``bytes_written``).
     ``master_from_params_bytes``: fp32 master-weight bytes a step inside backward took from the parameter
         partitions backward had read instead of reading them again; ``master_demand_bytes``: those it
-        still read (on demand) because no parameter slice held them any more (part of ``bytes_read``).
+        still read (on demand) because no parameter slice held them any more (part of ``bytes_read``);
+        ``master_held_bytes``: of ``master_from_params_bytes``, those copied from a parameter slice kept
+        after backward left it, until the sub-group's slice was read.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import threading
 from typing import Callable
 
 #: Cumulative byte counters summed over providers (their per-interval delta is ``after - before``).
-_SUMMED = ("grad_spilled_bytes", "master_from_params_bytes", "master_demand_bytes")
+_SUMMED = ("grad_spilled_bytes", "master_from_params_bytes", "master_demand_bytes", "master_held_bytes")
 
 _providers: dict[str, Callable[[], dict]] = {}
 _settlers: dict[str, Callable[[], None]] = {}

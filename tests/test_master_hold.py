@@ -1,0 +1,83 @@
+"""The parameter bytes a step inside backward keeps for a master slot (``AidaptivOptimizerSwapper``,
+[Note: master weights from the parameter reads]): kept only for a sub-group still to be stepped and
+without a slice, within ``master_hold_limit`` bytes of buffers, copied once its slice is created, and
+let go at the end of backward."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from aidaptiv_ds.integration.optimizer_swapper import AidaptivOptimizerSwapper, _Group
+
+
+def _swapper(limit: int, waiting: set[int]) -> AidaptivOptimizerSwapper:
+    sw = object.__new__(AidaptivOptimizerSwapper)
+    sw.groups, sw._pending_owner, sw._alias_owner, sw._held_storage = {}, {}, {}, {}
+    sw.master_copied_bytes = sw.master_held_bytes = sw.master_demand_bytes = 0
+    sw.master_hold_limit = limit
+    sw.holds_master = lambda index: index in waiting
+    sw.rt = types.SimpleNamespace(param_swapper=types.SimpleNamespace(host_bytes=lambda ds_id: None))
+    return sw
+
+
+def _group(sw, index: int, parts: list[tuple[int, int]]) -> _Group:
+    g = _Group(str(index), numel=sum(n for _, n in parts) // 4, slot_bytes=sum(n for _, n in parts), slots=3,
+               index=index)
+    sw.groups[g.key] = g
+    off, entries = 0, []
+    for ds_id, n in parts:
+        entries.append((ds_id, off, n))
+        off += n
+    sw.set_alias(g, entries)
+    return g
+
+
+def test_kept_bytes_fill_the_master_slot_bit_for_bit():
+    sw = _swapper(limit=1 << 20, waiting={0})
+    g = _group(sw, 0, [(1, 4096), (2, 8192)])
+    a = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    b = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+    sw.take_master_bytes(1, a)
+    sw.take_master_bytes(2, b)
+    assert set(g.held) == {1, 2} and sw.held_bytes() == 4096 + 8192
+    buf = torch.zeros(3 * 12288, dtype=torch.uint8)
+    sw._fill_from_params(g, buf, 12288)
+    assert torch.equal(buf[:4096], a) and torch.equal(buf[4096:12288], b)
+    assert not g.pending and not g.held and sw.held_bytes() == 0
+    assert sw.master_held_bytes == sw.master_copied_bytes == 12288
+
+
+def test_nothing_kept_past_the_limit_or_for_a_sub_group_not_waiting():
+    sw = _swapper(limit=6000, waiting={0})
+    g0 = _group(sw, 0, [(1, 4096), (2, 4096)])
+    g1 = _group(sw, 1, [(3, 4096)])
+    sw.take_master_bytes(1, torch.ones(4096, dtype=torch.uint8))
+    sw.take_master_bytes(2, torch.ones(4096, dtype=torch.uint8))  # a second buffer would pass 6000 bytes
+    sw.take_master_bytes(3, torch.ones(4096, dtype=torch.uint8))  # sub-group 1 is not waiting
+    assert set(g0.held) == {1} and not g1.held
+    buf = torch.zeros(3 * 8192, dtype=torch.uint8)
+    sw._fill_from_params(g0, buf, 8192)
+    assert g0.pending == {2: (4096, 4096)}  # read on demand (or filled when a slice holds it again)
+
+
+def test_views_of_one_buffer_count_once_and_are_let_go_at_the_end_of_backward():
+    sw = _swapper(limit=12288, waiting={0})
+    g = _group(sw, 0, [(1, 4096), (2, 4096)])
+    run = torch.arange(3072, dtype=torch.int32).view(torch.uint8)  # one parameter slice (12288 B), two partitions
+    sw.take_master_bytes(1, run[:4096])
+    sw.take_master_bytes(2, run[4096:])
+    assert set(g.held) == {1, 2} and sw.held_bytes() == run.untyped_storage().nbytes()
+    sw.release_held()
+    assert not g.held and sw.held_bytes() == 0 and not sw._held_storage
+
+
+def test_a_slice_that_exists_takes_the_bytes_directly():
+    sw = _swapper(limit=1 << 20, waiting={0})
+    g = _group(sw, 0, [(1, 4096)])
+    g.slice = types.SimpleNamespace(buf=torch.zeros(3 * 4096, dtype=torch.uint8))
+    g.pending = {1: (0, 4096)}
+    sw._pending_owner[1] = g
+    src = torch.full((4096,), 7, dtype=torch.uint8)
+    sw.take_master_bytes(1, src)
+    assert torch.equal(g.slice.buf[:4096], src) and not g.held and not g.pending
