@@ -112,6 +112,7 @@ def test_master_weights_come_from_the_parameter_reads(tmp_path_factory):
         master = d["master_from_params_bytes"] + d["master_demand_bytes"]
         assert 0.95 * 4 * n <= master <= 4 * n, (master, n)  # every master slot but its last block's tail
         assert d["master_from_params_bytes"] > d["master_demand_bytes"], d
+        assert d["buffer_pool_bytes"] > 0 and d["buffer_pool_peak_bytes"] > 0, d  # budget 0: no heap, a pool
         assert o["master_from_params_bytes"] == o["master_demand_bytes"] == 0  # after backward: a full read
         # after backward the step reads master + moments and the gradients (written in backward) once more
         read, read_off = d["bytes_read"]["cache"], o["bytes_read"]["cache"]

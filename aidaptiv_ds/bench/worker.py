@@ -27,7 +27,8 @@ model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a gener
 ``cache_written_bytes``, ``dram_tier_bytes`` (aidaptiv_ds's DRAM tier after the step), ``optimizer_steps``
 (aidaptiv_ds: sub-group steps per path in this step, ``StepCounters``), ``master_bytes`` (aidaptiv_ds, fp32:
 the master-weight bytes of steps inside backward taken ``from_params``, of those ``held``, and read on
-``demand``), ``rss_bytes``,
+``demand``), ``buffer_pool`` (aidaptiv_ds: the host buffer pool's ``bytes``, the ``peak_bytes`` handed
+out so far, the ``miss_bytes`` of this step it had no room for), ``rss_bytes``,
 ``peak_rss_bytes`` (peak so far), ``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of
 the step: forward, backward, step; :class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset
 before step 1, the maximum of the phases' peaks),
@@ -215,7 +216,9 @@ def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wa
             "dram_tier_bytes": after["dram_bytes"],
             "optimizer_steps": {k: v - before.get("optimizer_steps", {}).get(k, 0)
                                 for k, v in after.get("optimizer_steps", {}).items()},
-            "master_bytes": {k: after.get(c, 0) - before.get(c, 0) for k, c in _MASTER_COUNTERS.items()}}
+            "master_bytes": {k: after.get(c, 0) - before.get(c, 0) for k, c in _MASTER_COUNTERS.items()},
+            "buffer_pool": {"bytes": after.get("buffer_pool_bytes", 0), "peak_bytes": after.get("buffer_pool_peak_bytes", 0),
+                            "miss_bytes": after.get("buffer_pool_miss_bytes", 0) - before.get("buffer_pool_miss_bytes", 0)}}
 
 
 class PhasePeaks:

@@ -72,12 +72,18 @@ class IOConfig(_Model):
     otherwise (always at a budget of 0), and then large freed buffers are unmapped at once
     (:func:`aidaptiv_ds.io.buffers.return_freed_host_memory`) and the heap trimmed after each backward
     pass and optimizer step.
+    ``buffer_pool``: carve swap buffers (parameter reads, optimizer and gradient slices, write staging)
+    from one fixed region of host memory sized by the plan's working windows, reused step after step,
+    instead of fresh memory for each (:mod:`aidaptiv_ds.io.pool`): ``"auto"`` (default): where no heap
+    is kept (``reuse_host_memory`` off); ``true``: also where it is; ``false``: never. Unpinned (CPU-rank)
+    buffers only.
     """
     block_size: Union[int, str] = 8 << 20
     threads_per_drive: int = Field(4, ge=1, le=64)
     direct: bool = True
     max_retries: int = Field(3, ge=0, le=20)
     reuse_host_memory: Union[bool, Literal["auto"]] = "auto"
+    buffer_pool: Union[bool, Literal["auto"]] = "auto"
 
     @field_validator("block_size", mode="before")
     @classmethod

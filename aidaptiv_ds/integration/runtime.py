@@ -19,9 +19,11 @@ import time
 import torch
 
 from .. import spans
-from ..io.buffers import release_free_host_memory, return_freed_host_memory, reuse_freed_host_memory
+from ..io.buffers import (cuda_pinning_available, current_pool, release_free_host_memory, return_freed_host_memory,
+                          reuse_freed_host_memory, use_pool)
 from ..io.engine import IOEngine
 from ..io.errors import StorageError
+from ..io.pool import POOL_GRANULE, HostBufferPool
 from ..planner.auto import auto_prefetch_bytes
 from ..process_group import destroy_gloo_group_at_exit
 from ..store.layout import Namespace
@@ -118,6 +120,7 @@ class Runtime:
         destroy_gloo_group_at_exit()  # no SIGABRT at exit when the script leaves its gloo group (process_group.py)
         self.reuse_host_memory = cfg.io.reuse_host_memory is True and reuse_freed_host_memory()
         self._huge_pages_advised = False  # the THP_MEM_ALLOC_ENABLE advice is logged once (torch_env.py)
+        self.buffer_pool: HostBufferPool | None = None  # where no heap is kept (settle_host_memory_reuse)
         if not self.reuse_host_memory:  # until the plan shows the budget can hold a reusing heap
             return_freed_host_memory()
         self.engine = IOEngine(block_size=cfg.io.block_size, threads_per_drive=cfg.io.threads_per_drive,
@@ -149,8 +152,9 @@ class Runtime:
             log.info("aidaptiv_ds: run %s, %d cache path(s) %s (%s), DRAM budget %s", run, len(paths), paths,
                      cfg.placement, format_bytes(self.budget))
 
-    def settle_host_memory_reuse(self, heap_bytes: int, budget_free_bytes: int) -> bool:
-        """Decide ``io.reuse_host_memory: "auto"`` once the plan is known; returns whether reuse is on.
+    def settle_host_memory_reuse(self, heap_bytes: int, budget_free_bytes: int, pool_bytes: int = 0) -> bool:
+        """Decide ``io.reuse_host_memory: "auto"`` and ``io.buffer_pool`` once the plan is known; returns
+        whether heap reuse is on.
 
         Reuse (:func:`~aidaptiv_ds.io.buffers.reuse_freed_host_memory`) saves page-faulting every swap
         buffer every step, but the heap then keeps what it freed, up to the high-water mark of the
@@ -159,10 +163,24 @@ class Runtime:
         part of the DRAM budget the residency plan left free (``budget_free_bytes``); at a budget of 0
         reuse stays off and the freed heap is returned after every step (:meth:`end_of_step`); the advice to
         start PyTorch with huge pages is then logged once (:func:`aidaptiv_ds.torch_env.huge_pages_advice`).
+
+        Where no heap is kept, the swap buffers come from a buffer pool of ``pool_bytes`` (the planner's
+        windows of those buffers, :func:`aidaptiv_ds.planner.auto.buffer_pool_bytes`: host memory the plan
+        counts outside the budget already) instead of fresh memory each time (``io.buffer_pool``,
+        :mod:`aidaptiv_ds.io.pool`). A second engine's plan adds its windows: the pool is replaced by one
+        of the summed size (buffers of the first stay valid and return to it).
         """
         if self.cfg.io.reuse_host_memory == "auto" and not self.reuse_host_memory:
             if int(heap_bytes) <= int(budget_free_bytes):
                 self.reuse_host_memory = reuse_freed_host_memory()
+        if int(pool_bytes) >= POOL_GRANULE and not cuda_pinning_available() and (
+                self.cfg.io.buffer_pool is True or (self.cfg.io.buffer_pool == "auto" and not self.reuse_host_memory)):
+            size = int(pool_bytes) + (self.buffer_pool.capacity if self.buffer_pool is not None else 0)
+            self.buffer_pool = HostBufferPool(size)
+            use_pool(self.buffer_pool)
+            if self.rank == 0:
+                log.info("aidaptiv_ds: swap buffers from a host buffer pool of %s (io.buffer_pool)",
+                         format_bytes(self.buffer_pool.capacity))
         advice = huge_pages_advice(self.reuse_host_memory, kernel_huge_page_mode())
         if advice and self.rank == 0 and not self._huge_pages_advised:
             log.info(advice)
@@ -243,7 +261,13 @@ class Runtime:
             "master_from_params_bytes": sum(sw.master_copied_bytes for sw in self.optimizer_swappers),
             "master_demand_bytes": sum(sw.master_demand_bytes for sw in self.optimizer_swappers),
             "master_held_bytes": sum(sw.master_held_bytes for sw in self.optimizer_swappers),
+            **self._pool_counters(),
         }
+
+    def _pool_counters(self) -> dict:
+        c = self.buffer_pool.counters() if self.buffer_pool is not None else {}
+        return {"buffer_pool_bytes": c.get("capacity", 0), "buffer_pool_peak_bytes": c.get("peak_in_use", 0),
+                "buffer_pool_miss_bytes": c.get("miss_bytes", 0)}
 
     def check(self) -> None:
         """Per-step health check: no write failed for good, and the store's files are still there.
@@ -286,6 +310,8 @@ class Runtime:
                 self.tier.flush()
         finally:
             counters.unregister_provider("aidaptiv_ds")
+            if self.buffer_pool is not None and current_pool() is self.buffer_pool:
+                use_pool(None)  # its buffers still alive keep the region; it is unmapped after the last
             try:
                 self.store.close()
             finally:

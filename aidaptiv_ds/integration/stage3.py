@@ -24,7 +24,7 @@ from deepspeed.accelerator import get_accelerator
 
 from ..io.buffers import round_up
 from ..planner.auto import (CPU_REDUCE_BUCKET_NUMEL, OPTIMIZER_PIPELINE_DEPTH, RANK_OVERHEAD_BYTES,
-                            cpu_rank_working_set, deepspeed_cpu_rank_bytes, host_working_set,
+                            buffer_pool_bytes, cpu_rank_working_set, deepspeed_cpu_rank_bytes, host_working_set,
                             master_hold_bytes, norm_scratch_bytes)
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
@@ -254,11 +254,13 @@ def make_stage3_class(base: type) -> type:
             master_hold = master_hold_bytes(max(numels, default=0) * sw.elsize) if alias else 0
             may_speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 \
                 and sw.expected_states > 0
+            pool_bytes = 0  # the host buffer pool, where one is used (CPU ranks)
             if get_accelerator().device_name() == "cpu":  # what a GPU holds is host memory here, by phase
+                ds_bytes = self._aidaptiv_deepspeed_cpu_bytes(module_params)
                 parts = cpu_rank_working_set(
                     readahead_bytes=min(psw.prefetch_window(), sizes.param_bytes) if psw is not None else 0,
                     grad_window_bytes=grad_window,
-                    deepspeed_bytes=self._aidaptiv_deepspeed_cpu_bytes(module_params),
+                    deepspeed_bytes=ds_bytes,
                     activation_bytes=0,  # the sequence length is not known yet: the safety margin holds them
                     subgroup_numels=numels, moment_bytes_per_param=sw.elsize * sw.expected_states,
                     in_backward_slice_bytes=largest_opt_slice if may_speculate else 0,
@@ -267,6 +269,7 @@ def make_stage3_class(base: type) -> type:
                     master_hold=master_hold if may_speculate else 0)
                 ws, overhead = parts["total"], parts["baseline"]
                 in_backward_window = parts["in_backward"]
+                pool_bytes = buffer_pool_bytes(parts, ds_bytes)
             else:
                 ws = host_working_set(
                     largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
@@ -311,7 +314,7 @@ def make_stage3_class(base: type) -> type:
                         log.warning("aidaptiv_ds: the cache paths lack room for a second copy of the optimizer "
                                     "state, so optimizer steps run after backward (step_in_backward: \"auto\")")
             sw.plan = plan
-            rt.settle_host_memory_reuse(ws - overhead, plan.cache_bytes)
+            rt.settle_host_memory_reuse(ws - overhead, plan.cache_bytes, pool_bytes)
             device_sync = None
             if not get_accelerator().is_synchronized_device() and self.reduce_and_partition_stream is not None:
                 device_sync = self.reduce_and_partition_stream.synchronize  # gradient copies run on that stream

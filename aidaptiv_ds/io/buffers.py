@@ -18,7 +18,25 @@ import threading
 
 import torch
 
+from .pool import POOL_MIN_BYTES, HostBufferPool
+
 PAGE_BYTES = 4096
+
+
+_POOL: HostBufferPool | None = None
+
+
+def use_pool(pool: HostBufferPool | None) -> HostBufferPool | None:
+    """Make ``pool`` the buffer pool :func:`alloc_aligned` carves unpinned buffers from (None: none);
+    returns the previous one. Buffers carved earlier stay valid either way."""
+    global _POOL
+    prev, _POOL = _POOL, pool
+    return prev
+
+
+def current_pool() -> HostBufferPool | None:
+    """The buffer pool in use, if any (:func:`use_pool`)."""
+    return _POOL
 
 
 def round_up(nbytes: int, alignment: int) -> int:
@@ -100,6 +118,10 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
         register: record the range in :data:`REGISTRY` (``is_pinned`` then holds for the buffer and
             its views until ``REGISTRY.remove`` is called).
 
+    An unpinned buffer of at least :data:`~aidaptiv_ds.io.pool.POOL_MIN_BYTES` is carved from the
+    process's buffer pool when one is in use (:func:`use_pool`) and has room; it goes back to the pool
+    when its last view dies (:mod:`aidaptiv_ds.io.pool`).
+
     Returns:
         A CPU tensor of ``ceil(nbytes / itemsize)`` elements (rounded as above).
     """
@@ -112,6 +134,17 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
         if raw.data_ptr() % alignment:
             raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=True)
     else:
+        pool = _POOL
+        carved = pool.take(nbytes) if pool is not None and nbytes >= POOL_MIN_BYTES and \
+            pool.granule % alignment == 0 else None
+        if carved is not None:  # granule-aligned already
+            buf = carved[:nbytes]
+            if zero:
+                buf.zero_()
+            out = buf.view(dtype)
+            if register:
+                REGISTRY.add(out)
+            return out
         raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
         if nbytes >= HUGE_PAGE_BYTES:
             advise_huge_pages(raw)

@@ -301,6 +301,22 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
             "total": int(baseline_bytes) + max(backward, optimizer)}
 
 
+def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int = 0) -> int:
+    """The host buffer pool of a CPU rank (:mod:`aidaptiv_ds.io.pool`), bytes: the part of the planned
+    working set that is aidaptiv_ds's own swap buffers, ``max(backward - DeepSpeed's working set -
+    activations, optimizer)`` of :func:`cpu_rank_working_set` (read-ahead, gradient window, in-backward
+    window, norm scratch, master hold; or the optimizer pipeline). The pool holds exactly that, so the
+    rank's host memory stays what the plan counts; buffers beyond it are fresh memory as before.
+
+    Args:
+        phases: the dict :func:`cpu_rank_working_set` returned.
+        deepspeed_bytes, activation_bytes: what went into its ``backward`` that is not ours (torch's own
+            allocations: DeepSpeed's gathered parameters and buckets, the activations).
+    """
+    ours = int(phases["backward"]) - int(deepspeed_bytes) - int(activation_bytes)
+    return max(ours, int(phases["optimizer"]), 0)
+
+
 def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_per_elem: int,
                              reduce_bucket_numel: int, grad_bytes_per_elem: int) -> int:
     """Host bytes of DeepSpeed's own ZeRO-3 working set on a CPU rank (module docstring).

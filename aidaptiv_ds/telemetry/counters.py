@@ -35,6 +35,9 @@ Snapshot keys (all ints unless noted):
         still read (on demand) because no parameter slice held them any more (part of ``bytes_read``);
         ``master_held_bytes``: of ``master_from_params_bytes``, those copied from a parameter slice kept
         after backward left it, until the sub-group's slice was read.
+    ``buffer_pool_bytes`` / ``buffer_pool_peak_bytes``: the host buffer pool's region and the most of it
+        handed out at once (gauges; :mod:`aidaptiv_ds.io.pool`); ``buffer_pool_miss_bytes``: bytes of
+        swap buffers the pool had no room for, served by fresh memory instead.
 """
 from __future__ import annotations
 
@@ -42,7 +45,10 @@ import threading
 from typing import Callable
 
 #: Cumulative byte counters summed over providers (their per-interval delta is ``after - before``).
-_SUMMED = ("grad_spilled_bytes", "master_from_params_bytes", "master_demand_bytes", "master_held_bytes")
+_SUMMED = ("grad_spilled_bytes", "master_from_params_bytes", "master_demand_bytes", "master_held_bytes",
+           "buffer_pool_miss_bytes")
+#: Gauges summed over providers and taken from the later snapshot in :func:`delta`.
+_GAUGES = ("dram_bytes", "dram_peak_bytes", "buffer_pool_bytes", "buffer_pool_peak_bytes")
 
 _providers: dict[str, Callable[[], dict]] = {}
 _settlers: dict[str, Callable[[], None]] = {}
@@ -100,7 +106,7 @@ def snapshot(settle_first: bool = False) -> dict:
     """
     if settle_first:
         settle()
-    snap: dict = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, "dram_bytes": 0, "dram_peak_bytes": 0,
+    snap: dict = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, **{k: 0 for k in _GAUGES},
                   "io_wait_s": 0.0, "optimizer_steps": {}, **{k: 0 for k in _SUMMED}}
     with _lock:
         providers = list(_providers.values())
@@ -113,7 +119,7 @@ def snapshot(settle_first: bool = False) -> dict:
             cur = snap["per_path"].setdefault(path, {"bytes_read": 0, "bytes_written": 0})
             for k in cur:
                 cur[k] += v.get(k, 0)
-        for k in ("dram_bytes", "dram_peak_bytes", "io_wait_s") + _SUMMED:
+        for k in _GAUGES + ("io_wait_s",) + _SUMMED:
             snap[k] += d.get(k, 0)
         for k, v in d.get("optimizer_steps", {}).items():
             snap["optimizer_steps"][k] = snap["optimizer_steps"].get(k, 0) + v
@@ -136,5 +142,6 @@ def delta(after: dict, before: dict) -> dict:
         out[k] = after.get(k, 0) - before.get(k, 0)
     out["proc_read_bytes"] = after["proc_read_bytes"] - before["proc_read_bytes"]
     out["proc_write_bytes"] = after["proc_write_bytes"] - before["proc_write_bytes"]
-    out["dram_bytes"], out["dram_peak_bytes"] = after["dram_bytes"], after["dram_peak_bytes"]
+    for k in _GAUGES:
+        out[k] = after.get(k, 0)
     return out

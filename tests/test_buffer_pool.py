@@ -1,0 +1,160 @@
+"""The host buffer pool (``aidaptiv_ds/io/pool.py``): buffers carved from one region never overlap while
+alive, come back when their last view (or NumPy array, or I/O future) dies, merge with free neighbours,
+and a request that does not fit is refused and counted (the caller takes fresh memory)."""
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aidaptiv_ds.io import buffers
+from aidaptiv_ds.io.pool import POOL_GRANULE, POOL_MIN_BYTES, HostBufferPool
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool():
+    p = HostBufferPool(16 * MiB)
+    prev = buffers.use_pool(p)
+    yield p
+    buffers.use_pool(prev)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def test_a_buffer_returns_when_its_last_view_dies(pool):
+    x = buffers.alloc_aligned(3 * MiB)
+    assert pool.contains(x) and x.data_ptr() % 4096 == 0 and x.numel() == 3 * MiB
+    view, arr = x[100:200], x.numpy()
+    ptr = x.data_ptr()
+    del x
+    assert pool.counters()["in_use"] == 3 * MiB  # the view and the NumPy array still hold it
+    del view
+    assert pool.counters()["in_use"] == 3 * MiB
+    del arr
+    assert pool.counters()["in_use"] == 0 and pool.free_bytes() == pool.capacity
+    assert buffers.alloc_aligned(3 * MiB).data_ptr() == ptr  # the same range, reused
+
+
+def test_zero_fill_of_reused_memory(pool):
+    x = buffers.alloc_aligned(2 * MiB)
+    x.fill_(0xAB)
+    del x
+    y = buffers.alloc_aligned(2 * MiB, dtype=torch.float32, zero=True)
+    assert pool.contains(y) and y.dtype == torch.float32 and int(y.count_nonzero()) == 0
+
+
+def test_small_and_pinned_requests_and_misses_bypass_the_pool(pool):
+    small = buffers.alloc_aligned(POOL_MIN_BYTES - 4096)
+    assert not pool.contains(small)
+    big = buffers.alloc_aligned(pool.capacity + MiB)  # larger than the region: fresh memory
+    assert not pool.contains(big) and big.numel() == pool.capacity + MiB
+    assert pool.counters()["miss_bytes"] == pool.capacity + MiB
+    odd = buffers.alloc_aligned(2 * MiB, alignment=2 * POOL_GRANULE)  # an alignment the granule cannot give
+    assert not pool.contains(odd) and odd.data_ptr() % (2 * POOL_GRANULE) == 0
+
+
+def test_free_neighbours_merge_so_a_large_request_fits_again(pool):
+    parts = [buffers.alloc_aligned(4 * MiB) for _ in range(4)]
+    assert all(pool.contains(p) for p in parts) and pool.largest_free() == 0
+    del parts[1], parts[1]  # the second and third: adjacent ranges
+    assert pool.largest_free() == 8 * MiB
+    merged = buffers.alloc_aligned(8 * MiB)
+    assert pool.contains(merged)
+
+
+def test_buffers_freed_in_other_threads_come_back(pool):
+    bufs = [buffers.alloc_aligned(MiB) for _ in range(8)]
+    done = threading.Event()
+
+    def drop(held):
+        held.clear()
+        done.set()
+
+    t = threading.Thread(target=drop, args=(bufs,))
+    t.start()
+    t.join()
+    assert done.is_set() and pool.free_bytes() == pool.capacity
+
+
+def test_the_region_outlives_the_pool_object_while_buffers_live():
+    p = HostBufferPool(4 * MiB)
+    x = p.take(2 * MiB)
+    x.fill_(7)
+    del p
+    gc.collect()
+    assert int(x[0]) == 7 and int(x[-1]) == 7  # still mapped: the buffer keeps the pool and its region
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="granule"):
+        HostBufferPool(4 * MiB, granule=1000)
+    with pytest.raises(ValueError, match="capacity"):
+        HostBufferPool(1000)
+
+
+def _take_into(p: HostBufferPool, n: int, live: list) -> None:
+    buf = p.take(n)
+    if buf is not None:
+        buf.fill_(len(live) % 251)
+        live.append(buf)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * MiB)), min_size=1, max_size=60))
+def test_live_buffers_never_overlap_and_bytes_add_up(ops):
+    p = HostBufferPool(16 * MiB)
+    live: list[torch.Tensor] = []
+    for alloc, n in ops:
+        if alloc or not live:
+            _take_into(p, n, live)
+        else:
+            live.pop(n % len(live))
+        spans = sorted(_span(b) for b in live)
+        assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:]))
+        assert all(p.contains(b) for b in live)
+        c = p.counters()
+        assert c["in_use"] == sum(b.numel() for b in live) and p.free_bytes() == p.capacity - c["in_use"]
+    assert all(int(b.min()) == int(b.max()) for b in live)  # nothing handed out twice: each keeps its fill
+    live.clear()
+    assert p.free_bytes() == p.capacity
+
+
+def test_the_runtime_makes_a_pool_only_where_no_heap_is_kept(monkeypatch):
+    """``io.buffer_pool: "auto"``: a pool of the planned windows where the heap is not kept; a second
+    engine's plan adds its windows; ``false`` never; ``true`` also beside a kept heap."""
+    from types import SimpleNamespace
+
+    from aidaptiv_ds.integration import runtime as rt_mod
+
+    monkeypatch.setattr(rt_mod, "cuda_pinning_available", lambda: False)
+    prev = buffers.current_pool()
+
+    def fake(pool, reuse):
+        return SimpleNamespace(cfg=SimpleNamespace(io=SimpleNamespace(reuse_host_memory=reuse, buffer_pool=pool)),
+                               reuse_host_memory=reuse is True, rank=1, _huge_pages_advised=False, buffer_pool=None)
+    try:
+        rt = fake("auto", "auto")
+        rt_mod.Runtime.settle_host_memory_reuse(rt, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
+        assert rt.buffer_pool is not None and rt.buffer_pool.capacity == 8 * MiB
+        assert buffers.current_pool() is rt.buffer_pool
+        rt_mod.Runtime.settle_host_memory_reuse(rt, heap_bytes=2, budget_free_bytes=1, pool_bytes=4 * MiB)
+        assert rt.buffer_pool.capacity == 12 * MiB and buffers.current_pool() is rt.buffer_pool
+        off = fake(False, "auto")
+        rt_mod.Runtime.settle_host_memory_reuse(off, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
+        assert off.buffer_pool is None
+        kept = fake("auto", True)  # the heap is kept: no pool by "auto", one by true
+        rt_mod.Runtime.settle_host_memory_reuse(kept, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
+        assert kept.buffer_pool is None
+        forced = fake(True, True)
+        rt_mod.Runtime.settle_host_memory_reuse(forced, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
+        assert forced.buffer_pool is not None
+    finally:
+        buffers.use_pool(prev)
