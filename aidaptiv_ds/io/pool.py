@@ -113,7 +113,7 @@ class HostBufferPool:
             self.hit_bytes += int(nbytes)
             self.live += 1
         cbuf = (ctypes.c_char * n).from_address(self._start + best)
-        setattr(cbuf, "_pool", self)  # the region lives as long as any buffer carved from it
+        cbuf._pool = self  # type: ignore[attr-defined]  # the region lives as long as any buffer carved from it
         arr = np.frombuffer(cbuf, dtype=np.uint8)  # type: ignore[call-overload]
         weakref.finalize(arr, self._returned.append, (best, n))
         return torch.from_numpy(arr)
