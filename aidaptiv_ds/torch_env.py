@@ -3,7 +3,7 @@ worth setting for runs whose freed host memory is not kept (a DRAM budget of 0).
 imports nothing heavy.
 
 [Note: PyTorch's huge pages, and why aidaptiv_ds does not set them for you]
-Without heap reuse (a budget of 0: :func:`aidaptiv_ds.io.buffers.return_freed_host_memory`) every
+Without heap reuse (a budget of 0: :func:`aidaptiv_ds.io.heap.return_freed_host_memory`) every
 activation, weight gradient and temporary of 1 MiB or more is a fresh mapping that page-faults in, 4 KiB
 at a time: 13.4 ms to allocate and fill 64 MiB on this project's VM against 1.3 ms for memory already
 mapped. aidaptiv_ds advises its own buffers to use transparent huge pages

@@ -34,9 +34,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(aidaptiv_ds.__file__)))
 
 def allocator_env() -> dict:
     """glibc tunables equal to what aidaptiv_ds's runtime sets with ``mallopt``
-    (:func:`aidaptiv_ds.io.buffers.reuse_freed_host_memory`: freed buffers below the mmap threshold
+    (:func:`aidaptiv_ds.io.heap.reuse_freed_host_memory`: freed buffers below the mmap threshold
     stay in the heap for reuse instead of being unmapped and page-faulted again)."""
-    from ..io.buffers import reuse_freed_host_memory
+    from ..io.heap import reuse_freed_host_memory
 
     threshold = reuse_freed_host_memory.__defaults__[0]
     return {"MALLOC_MMAP_THRESHOLD_": str(threshold), "MALLOC_TRIM_THRESHOLD_": str(4 * threshold)}

@@ -17,7 +17,7 @@ import torch
 from ..checkpoint.unpack import unpack
 from ..integration.config import load_ds_dict, parse_section
 from ..bench.bench_io import RawBaseline
-from ..io.buffers import reuse_freed_host_memory
+from ..io.heap import reuse_freed_host_memory
 from ..units import format_bytes
 
 

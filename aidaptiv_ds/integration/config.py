@@ -65,12 +65,12 @@ class IOConfig(_Model):
     ``direct``: use O_DIRECT where the filesystem allows (default true).
     ``max_retries``: retries of EIO/EAGAIN before a request fails (default 3).
     ``reuse_host_memory``: keep freed large host buffers in the heap for reuse instead of unmapping
-    them (glibc ``mallopt``, process-wide; see :func:`aidaptiv_ds.io.buffers.reuse_freed_host_memory`):
+    them (glibc ``mallopt``, process-wide; see :func:`aidaptiv_ds.io.heap.reuse_freed_host_memory`):
     ``true``, ``false``, or ``"auto"`` (default): on once the plan shows that the part of the DRAM
     budget the residency plan leaves free can hold a heap of the working windows (read-ahead,
     write-back, optimizer pipeline, gradient window), so the retained heap is inside the budget; off
     otherwise (always at a budget of 0), and then large freed buffers are unmapped at once
-    (:func:`aidaptiv_ds.io.buffers.return_freed_host_memory`) and the heap trimmed after each backward
+    (:func:`aidaptiv_ds.io.heap.return_freed_host_memory`) and the heap trimmed after each backward
     pass and optimizer step.
     ``buffer_pool``: carve swap buffers (parameter reads, optimizer and gradient slices, write staging)
     from one fixed region of host memory sized by the plan's working windows, reused step after step,

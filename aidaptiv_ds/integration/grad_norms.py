@@ -6,7 +6,7 @@ At every accumulation boundary DeepSpeed takes the norm of each gradient partiti
 ``part.data.to(fp64).norm(2) ** 2.0`` per split of ``buffer_size`` elements, summed, ``** 0.5``. On a CPU
 rank the ``.to(fp64)`` is a new host tensor twice the partition's fp32 size: 1.19 GB per step for a 148M
 fp32 Llama, and at a DRAM budget of 0, where every block of 1 MiB or more is a fresh ``mmap``
-(:func:`aidaptiv_ds.io.buffers.return_freed_host_memory`), each of them page-faults in (profiled: the
+(:func:`aidaptiv_ds.io.heap.return_freed_host_memory`), each of them page-faults in (profiled: the
 copies ran 6.2x slower than into mapped memory). :class:`NormScratch` copies into one buffer instead,
 grown to the largest split it met (at most :data:`NORM_SCRATCH_MAX_NUMEL` elements; larger splits take
 DeepSpeed's own path) and dropped at the end of each backward, so it lives in the backward phase only, where

@@ -19,8 +19,8 @@ import time
 import torch
 
 from .. import spans
-from ..io.buffers import (cuda_pinning_available, current_pool, release_free_host_memory, return_freed_host_memory,
-                          reuse_freed_host_memory, use_pool)
+from ..io.buffers import cuda_pinning_available, current_pool, use_pool
+from ..io.heap import release_free_host_memory, return_freed_host_memory, reuse_freed_host_memory
 from ..io.engine import IOEngine
 from ..io.errors import StorageError
 from ..io.pool import POOL_GRANULE, HostBufferPool
@@ -156,7 +156,7 @@ class Runtime:
         """Decide ``io.reuse_host_memory: "auto"`` and ``io.buffer_pool`` once the plan is known; returns
         whether heap reuse is on.
 
-        Reuse (:func:`~aidaptiv_ds.io.buffers.reuse_freed_host_memory`) saves page-faulting every swap
+        Reuse (:func:`~aidaptiv_ds.io.heap.reuse_freed_host_memory`) saves page-faulting every swap
         buffer every step, but the heap then keeps what it freed, up to the high-water mark of the
         buffers live at once: ``heap_bytes`` (the working windows: read-ahead, write-back, optimizer
         pipeline, gradient window). That retention is host memory like any other, so it must fit in the
@@ -198,7 +198,7 @@ class Runtime:
 
     def release_host_memory(self) -> None:
         """Wait for the write-backs in flight, then give the freed heap pages back to the OS
-        (:func:`~aidaptiv_ds.io.buffers.release_free_host_memory`): after a one-time drop of many host
+        (:func:`~aidaptiv_ds.io.heap.release_free_host_memory`): after a one-time drop of many host
         buffers (a budget shrinking, initialisation), before DeepSpeed's next large allocation."""
         self.tier.wait_writes()
         release_free_host_memory()

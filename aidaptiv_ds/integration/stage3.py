@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 from ..io.buffers import round_up
 from ..planner.auto import (CPU_REDUCE_BUCKET_NUMEL, OPTIMIZER_PIPELINE_DEPTH, RANK_OVERHEAD_BYTES,
                             buffer_pool_bytes, cpu_rank_working_set, deepspeed_cpu_rank_bytes, host_working_set,
-                            master_hold_bytes, norm_scratch_bytes)
+                            master_hold_bytes, norm_scratch_bytes, optimizer_scratch_bytes)
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
@@ -33,7 +33,7 @@ from .config import AidaptivConfigError, section_enabled, validate
 from ..io.errors import StorageFullError
 from .backward_step import BackwardStepMixin, BackwardStepper
 from .grad_path import GradientPathMixin
-from .host_step import HostStepMixin
+from .host_step import TILE_NUMEL, HostStepMixin
 from .gradients import GradientStore
 from .optimizer_swapper import AidaptivOptimizerSwapper
 from .runtime import auto_dram_budget, get_runtime
@@ -266,7 +266,8 @@ def make_stage3_class(base: type) -> type:
                     in_backward_slice_bytes=largest_opt_slice if may_speculate else 0,
                     norm_scratch=norm_scratch_bytes(max((p.partition_numel() for group in self.fp16_groups
                                                          for p in group), default=0)),
-                    master_hold=master_hold if may_speculate else 0)
+                    master_hold=master_hold if may_speculate else 0,
+                    step_scratch=optimizer_scratch_bytes(TILE_NUMEL, sw.elsize))
                 ws, overhead = parts["total"], parts["baseline"]
                 in_backward_window = parts["in_backward"]
                 pool_bytes = buffer_pool_bytes(parts, ds_bytes)

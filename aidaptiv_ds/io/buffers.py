@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import functools
 import threading
 
 import torch
 
+from .heap import glibc
 from .pool import POOL_MIN_BYTES, HostBufferPool
 
 PAGE_BYTES = 4096
@@ -182,7 +182,7 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     if end <= start:
         return False
     try:
-        return _glibc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+        return glibc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
 
@@ -206,64 +206,3 @@ def memview(t: torch.Tensor) -> memoryview:
 def address_aligned(t: torch.Tensor, alignment: int) -> bool:
     """True when the first byte of ``t`` sits at a multiple of ``alignment``."""
     return t.data_ptr() % alignment == 0
-
-
-@functools.lru_cache(maxsize=1)
-def _glibc() -> ctypes.CDLL:
-    """The C library (raises OSError where there is no ``libc.so.6``)."""
-    return ctypes.CDLL("libc.so.6")
-
-
-def reuse_freed_host_memory(threshold: int = 1 << 30) -> bool:
-    """Keep freed large host buffers in the process heap for reuse (glibc ``mallopt``).
-
-    glibc serves allocations above ``M_MMAP_THRESHOLD`` (128 KiB..32 MiB, adaptive) with fresh
-    ``mmap`` regions and unmaps them on free, so every swap-in or write-back buffer of every step
-    page-faults all of its pages again. Raising ``M_MMAP_THRESHOLD`` to ``threshold`` bytes and
-    ``M_TRIM_THRESHOLD`` to 4 x that keeps them in the heap, where the next allocation of a like
-    size reuses them (the same reason PyTorch recommends jemalloc/tcmalloc for CPU training).
-    Measured here: 40 x (allocate 64 MiB + fill) 2.83 s -> 1.81 s. Process-wide; a no-op (False)
-    where the C library is not glibc.
-    """
-    try:
-        libc = _glibc()
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, int(threshold))) and \
-            bool(libc.mallopt(m_trim_threshold, 4 * int(threshold)))
-    except (OSError, AttributeError):
-        return False
-
-
-def return_freed_host_memory(threshold: int = 1 << 20) -> bool:
-    """Serve every host allocation of at least ``threshold`` bytes with its own ``mmap`` and unmap it on
-    free (glibc ``mallopt(M_MMAP_THRESHOLD)``; setting it also turns off glibc's adaptive threshold).
-
-    By default glibc raises its mmap threshold to the size of each large block freed, up to 32 MiB, so
-    blocks below that (activations, gathered parameters, read-ahead slices of a few MiB) are served
-    from the heap, where interleaved lifetimes fragment it and freed memory stays resident. Measured
-    on a 169M-parameter fp32 Llama at DRAM budget 0: 0.6 GiB less host memory in the backward pass
-    (non-budget memory 1.64 -> 1.04 GiB). The price is page faults on first use of each large block.
-    The opposite policy of :func:`reuse_freed_host_memory`; process-wide; False where the C library is
-    not glibc.
-    """
-    try:
-        m_mmap_threshold = -3
-        return bool(_glibc().mallopt(m_mmap_threshold, int(threshold)))
-    except (OSError, AttributeError):
-        return False
-
-
-def release_free_host_memory() -> bool:
-    """Give the free pages of the process heap back to the OS (glibc ``malloc_trim(0)``).
-
-    With :func:`reuse_freed_host_memory` freed buffers stay in the heap; after a one-time drop of
-    many of them (the DRAM budget shrinking once the working set is known) this returns their
-    pages, so a large allocation that follows (DeepSpeed's flat gradient buffer, served by a fresh
-    ``mmap``) does not come on top of them. Costs page faults on the next use of those pages only.
-    Returns False where the C library is not glibc.
-    """
-    try:
-        _glibc().malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False

@@ -1,7 +1,7 @@
 """A fixed region of host memory that swap buffers are carved from and given back to: the buffer pool.
 
 [Note: why a pool] Where no heap is kept (a DRAM budget too small to hold a reusing heap, always at a
-budget of 0: :func:`aidaptiv_ds.io.buffers.return_freed_host_memory`), every swap buffer of every step
+budget of 0: :func:`aidaptiv_ds.io.heap.return_freed_host_memory`), every swap buffer of every step
 (parameter read-ahead, optimizer sub-group slices, gradient slices, write staging, the norm scratch)
 was fresh memory: mapped, page-faulted in and zeroed by the kernel, then unmapped when freed. On the
 148M fp32 Llama at budget 0 that is about 3.6 GB a step, 0.3-0.4 s of a 2.8-4.2 s step on a 2-core VM

@@ -31,10 +31,11 @@ host's), so what the plan promises is what the runtime does:
                          + master hold (one fp32 master slot, :func:`master_hold_bytes`; fp32 with
                            steps inside backward)
       optimizer        = the 3 largest sub-groups x (4 B master + moment B + 4 B gradient) per element
+                         + step scratch (the tiled step's temporaries, :func:`optimizer_scratch_bytes`)
 
   Where optimizer steps may run inside backward, the backward phase also holds their window of
-  sub-group slices (:func:`in_backward_window_bytes`: two slices, which the runtime enforces), so the
-  maximum is ``max(backward + two slices, optimizer)``.
+  sub-group slices (:func:`in_backward_window_bytes`: two slices, which the runtime enforces) and the
+  step scratch, so the maximum is ``max(backward + two slices + step scratch, optimizer)``.
   The baseline is the measured RSS of a CPU rank once ``deepspeed.initialize`` has returned with all
   state offloaded (0.73 GiB here: interpreter, torch, DeepSpeed, transformers, the module objects).
   The phases do not stack: the read-ahead and DeepSpeed's gathered parameters and reduce buckets
@@ -256,6 +257,29 @@ def master_hold_bytes(largest_master_slot_bytes: int) -> int:
     return max(int(largest_master_slot_bytes), 0)
 
 
+#: elements per tile of the host optimizer step (``integration/host_step.py``: 8 MiB of fp32)
+OPTIMIZER_TILE_NUMEL = 1 << 21
+#: tile-sized temporaries a tiled Adam/AdamW step may hold at once: the negated gradient (``maximize``),
+#: the weight-decayed gradient (Adam's ``weight_decay``), ``exp_avg_sq.sqrt()`` and its division
+#: (``torch/optim/adam.py``, ``_single_tensor_adam``)
+OPTIMIZER_TILE_TEMPORARIES = 4
+#: free heap, in tiles, the step keeps between its tiles (``io.heap.temporaries_kept``'s trim threshold)
+OPTIMIZER_KEPT_TILES = 4
+
+
+def optimizer_scratch_bytes(tile_numel: int = OPTIMIZER_TILE_NUMEL, elem_bytes: int = 4) -> int:
+    """Host bytes the tiled optimizer step may take beside its sub-group's slice:
+    :data:`OPTIMIZER_TILE_TEMPORARIES` live tile temporaries plus the free heap the step keeps between tiles
+    (:data:`OPTIMIZER_KEPT_TILES`, :func:`aidaptiv_ds.io.heap.kept_heap_bound`): 8 x ``tile_numel`` x
+    ``elem_bytes``, 64 MiB for the default fp32 tile. In whichever phase a step runs (inside backward or after).
+
+    Args:
+        tile_numel: elements per tile; elem_bytes: bytes per element (4: fp32 master weights).
+    """
+    tile = max(int(tile_numel), 0) * int(elem_bytes)
+    return (OPTIMIZER_TILE_TEMPORARIES + OPTIMIZER_KEPT_TILES) * tile
+
+
 def norm_scratch_bytes(largest_partition_numel: int) -> int:
     """Host bytes of the norm scratch in the backward phase of a CPU rank: 8 x the largest split of the
     rank's largest gradient partition (``min(numel, 250M)``), or 0 above :data:`NORM_SCRATCH_MAX_NUMEL`,
@@ -271,7 +295,7 @@ def norm_scratch_bytes(largest_partition_numel: int) -> int:
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
                          activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
                          baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0,
-                         norm_scratch: int = 0, master_hold: int = 0) -> dict:
+                         norm_scratch: int = 0, master_hold: int = 0, step_scratch: int = 0) -> dict:
     """Host memory (bytes) one CPU rank needs besides the DRAM budget, by phase (module docstring).
 
     Args:
@@ -286,19 +310,23 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
             (0 when they cannot): the backward phase then also holds :func:`in_backward_window_bytes`.
         norm_scratch: the gradient-norm scratch of the backward phase (:func:`norm_scratch_bytes`).
         master_hold: parameter bytes kept for a master slot in the backward phase (:func:`master_hold_bytes`).
+        step_scratch: the optimizer step's temporaries (:func:`optimizer_scratch_bytes`), in the optimizer
+            phase and, with steps inside backward, in the backward phase.
 
     Returns:
-        ``{"baseline", "backward", "optimizer", "in_backward", "total"}``, bytes; ``backward`` includes the
-        ``in_backward`` window; ``total = baseline + max(backward, optimizer)``.
+        ``{"baseline", "backward", "optimizer", "in_backward", "step_scratch", "total"}``, bytes; ``backward``
+        includes the ``in_backward`` window; ``total = baseline + max(backward, optimizer)``.
     """
     backward = (int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
                 + int(norm_scratch) + int(master_hold))
     in_flight = sorted((int(n) for n in subgroup_numels), reverse=True)[:OPTIMIZER_PIPELINE_DEPTH]
     optimizer = sum(in_flight) * (MASTER_BYTES_PER_PARAM + int(moment_bytes_per_param) + GRAD_BYTES_PER_PARAM)
     window = in_backward_window_bytes(in_backward_slice_bytes)
-    backward += window
+    scratch = int(step_scratch)
+    optimizer += scratch
+    backward += window + (scratch if window else 0)
     return {"baseline": int(baseline_bytes), "backward": backward, "optimizer": optimizer, "in_backward": window,
-            "total": int(baseline_bytes) + max(backward, optimizer)}
+            "step_scratch": scratch, "total": int(baseline_bytes) + max(backward, optimizer)}
 
 
 def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int = 0) -> int:
@@ -313,8 +341,10 @@ def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int 
         deepspeed_bytes, activation_bytes: what went into its ``backward`` that is not ours (torch's own
             allocations: DeepSpeed's gathered parameters and buckets, the activations).
     """
-    ours = int(phases["backward"]) - int(deepspeed_bytes) - int(activation_bytes)
-    return max(ours, int(phases["optimizer"]), 0)
+    scratch = int(phases.get("step_scratch", 0))  # torch's temporaries, from the heap, not the pool
+    ours = int(phases["backward"]) - int(deepspeed_bytes) - int(activation_bytes) - (
+        scratch if phases.get("in_backward") else 0)
+    return max(ours, int(phases["optimizer"]) - scratch, 0)
 
 
 def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_per_elem: int,

@@ -17,7 +17,7 @@ import torch
 
 from aidaptiv_ds.integration.grad_norms import NormScratch
 from aidaptiv_ds.integration.host_step import tiled_adam_step
-from aidaptiv_ds.io.buffers import return_freed_host_memory
+from aidaptiv_ds.io.heap import return_freed_host_memory
 
 pytestmark = pytest.mark.benchmark
 
