@@ -36,6 +36,7 @@ torch's profiler up in ``sys.modules`` only when torch is already imported.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -154,6 +155,20 @@ def span(name: str, lane: str | None = None, cat: str = "aidaptiv", **args):
     if rec is None and not profiled:
         return _NOOP
     return _Span(rec, name, cat, lane, args, profiled)
+
+
+def spanned(name: str, lane: str | None = None, cat: str = "aidaptiv"):
+    """A decorator: every call of the function runs inside :func:`span` ``(name, lane, cat)``.
+
+    For methods whose whole body is the range (a swap-in, a write-back); costs what :func:`span` costs
+    when nothing records, plus one Python call."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with span(name, lane, cat):
+                return fn(*args, **kwargs)
+        return wrapper
+    return decorate
 
 
 def complete(name: str, t0: float, t1: float, lane: str, cat: str = "aidaptiv", **args) -> None:

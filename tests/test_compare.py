@@ -350,6 +350,13 @@ def _check_tiny_timelines(res):
             assert d["write_bytes"] + d["tail_write_bytes"] > 0  # the write-back may finish after engine.step()
             assert d["read_bytes"] < 2 * step3["cache_read_bytes"] + (8 << 20)
             assert s["io_wait_s"] > 0 and any(x["name"] == "aidaptiv::io_wait" for x in t.spans)
+            # the optimizer lane: every sub-group's update once per step, its swaps; the parameter swaps
+            steps3 = [x for x in t.within(*t.step_window(3)[1:]) if x["lane"] == "optimizer"]
+            ups = [x["args"]["subgroup"] for x in steps3 if x["name"] == "aidaptiv::optimizer_step"]
+            assert ups and sorted(ups) == sorted(set(ups)) and s["subgroups_stepped"] == len(ups), ups
+            assert 0 < s["update_s"] <= s["optimizer_lane_s"] <= s["wall_s"]
+            names = {x["name"] for x in t.spans}
+            assert {"aidaptiv::optimizer_swap_in", "aidaptiv::optimizer_swap_out", "aidaptiv::swap_in"} <= names, names
             png = os.path.join(r["run_dir"], "step.png")
             assert main(["timeline", r["run_dir"], "--output", png]) == 0 and os.path.getsize(png) > 20_000
         if r["backend"] == "cpu":

@@ -66,6 +66,8 @@ import logging
 
 import torch
 
+from ..spans import span
+
 log = logging.getLogger("aidaptiv_ds")
 
 
@@ -217,10 +219,17 @@ class BackwardStepper:
                    if self._waiting(j) and self._swapper_group(j)[1].slice is None)
 
     def step_in_backward(self, index: int) -> bool:
-        """Sub-group ``index`` 's gradient is final: step it now, speculatively. Returns True if it ran."""
+        """Sub-group ``index`` 's gradient is final: step it now, speculatively. Returns True if it ran.
+        The timeline's optimizer lane shows it as ``aidaptiv::step_in_backward`` (its swap-in, update and
+        write-back nested)."""
         rec = self.subgroups[index]
         if rec.state is not StepState.PENDING or not self.may_speculate(index):
             return False
+        with span("aidaptiv::step_in_backward", lane="optimizer", subgroup=int(index)):
+            self._speculate(index, rec)
+        return True
+
+    def _speculate(self, index: int, rec: SubGroupStep) -> None:
         opt = self.opt
         sw, g = self._swapper_group(index)
         self._make_room(g)
@@ -242,7 +251,6 @@ class BackwardStepper:
             raise
         rec.state = StepState.SPECULATED
         self.counters.in_backward += 1
-        return True
 
     # ------------------------------------------------------------------ settle
     def settle(self, scaled_global_norm, loss_scale: float, clip_grad: float) -> None:

@@ -60,6 +60,7 @@ from torch.optim.adam import adam
 
 from ..io.heap import temporaries_kept
 from ..planner.auto import OPTIMIZER_TILE_NUMEL
+from ..spans import span
 
 #: elements per tile: 8 MiB of fp32 (see [Note: the tile size]); the planner counts its temporaries
 #: (:func:`aidaptiv_ds.planner.auto.optimizer_scratch_bytes`)
@@ -132,6 +133,10 @@ class HostStepMixin:
     DeepSpeed's step; DeepSpeed's ``_optimizer_step`` otherwise."""
 
     def _optimizer_step(self, sub_group_id):
+        with span("aidaptiv::optimizer_step", lane="optimizer", subgroup=int(sub_group_id)):
+            return self._aidaptiv_optimizer_step(sub_group_id)
+
+    def _aidaptiv_optimizer_step(self, sub_group_id):
         if not self._aidaptiv_tiled_step_applies(sub_group_id):
             return super()._optimizer_step(sub_group_id)
         gid = self.sub_group_to_group_id[sub_group_id]

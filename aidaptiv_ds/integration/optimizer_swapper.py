@@ -31,6 +31,7 @@ import torch
 from ..io.buffers import alloc_aligned, byte_view, round_down, round_up
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..planner.residency import ResidencyPlan
+from ..spans import spanned
 from ..tiers.host_tier import Slice
 from .errors import DeepSpeedContractError
 from .gradients import GradientStore
@@ -370,6 +371,7 @@ class AidaptivOptimizerSwapper:
                 off += n
             self.initialize_parameters([param], [flat])
 
+    @spanned("aidaptiv::optimizer_swap_in", lane="optimizer")
     def swap_in_optimizer_state(self, parameter, async_parameter=None) -> None:
         """Bind ``parameter`` (fp32 master), its state tensors and ``.grad`` to host buffers; prefetch the next."""
         g = self._group(parameter)
@@ -423,6 +425,7 @@ class AidaptivOptimizerSwapper:
         g.state_names = names
         return s
 
+    @spanned("aidaptiv::optimizer_swap_out", lane="optimizer")
     def swap_out_optimizer_state(self, parameter, async_swap: bool = False) -> None:
         """Release the sub-group's views; write it back (async) if it changed and is not resident."""
         g = self._group(parameter)
@@ -441,6 +444,7 @@ class AidaptivOptimizerSwapper:
         """Host bytes of ``g`` 's slice (master weights and every state slot, aligned)."""
         return self._span(g, g.slots)
 
+    @spanned("aidaptiv::optimizer_prefetch", lane="optimizer")
     def prefetch(self, g: _Group, master_from_params: bool = False, demand: bool = False) -> None:
         """Start reading ``g`` 's master weights and state if they are not in DRAM; ``master_from_params``:
         backward is reading its parameters, take the master bytes from them ([Note: master weights from

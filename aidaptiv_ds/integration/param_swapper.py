@@ -37,6 +37,7 @@ from ..io.futures import wait_all
 from ..store.packed import PackedRegion
 from ..tiers.host_tier import Slice
 from ..errors import AidaptivConfigError
+from ..spans import spanned
 from .errors import DeepSpeedContractError
 from .runtime import Runtime
 
@@ -233,6 +234,7 @@ class AidaptivParamSwapper:
             rec.unadopted = True
         return alloc_aligned(rec.loc.nbytes, dtype=rec.loc.dtype, zero=True)[: rec.loc.numel]
 
+    @spanned("aidaptiv::swap_out")
     def swap_out_and_release(self, params, async_op: bool = False, force_buffer_release: bool = False) -> None:
         """Persist each partition's current ``ds_tensor.data`` and release it (synchronous).
 
@@ -268,6 +270,7 @@ class AidaptivParamSwapper:
             p.ds_tensor.data = self._placeholder.data
             p.ds_tensor.status = S.NOT_AVAILABLE
 
+    @spanned("aidaptiv::swap_in")
     def swap_in(self, params, async_op: bool = True, swap_in_buffers=None) -> None:
         """Make partitions available: INFLIGHT after an async call, AVAILABLE after a sync one."""
         S = _status()
@@ -334,6 +337,7 @@ class AidaptivParamSwapper:
             REGISTRY.remove(b)
         self._reserved = []
 
+    @spanned("aidaptiv::swap_out")
     def swap_out_partitioned_params(self, dst_fp16_params, src_fp32_params) -> None:
         """Write fp32 master slices cast to each partition's dtype as its new content."""
         S = _status()
@@ -361,6 +365,7 @@ class AidaptivParamSwapper:
             self._window = self.rt.prefetch_bytes(2 * self.largest_partition_bytes())
         return self._window
 
+    @spanned("aidaptiv::prefetch")
     def prefetch(self, ds_ids: list[int], window: int) -> int:
         """Keep the next ``window`` bytes of the coordinator's queue read ahead: walk ``ds_ids`` (the
         partitions DeepSpeed fetches next, in order, without duplicates) counting the bytes already held

@@ -220,7 +220,10 @@ def summarize_step(trace: Trace, step: int | None = None) -> dict:
     path ``read_bytes``, ``write_bytes``, ``demand_read_bytes`` (reads issued on demand, not read
     ahead), ``read_busy_s`` / ``write_busy_s`` (union of its system calls), ``read_gbps`` /
     ``write_gbps`` (bytes over busy time), ``busy_share`` (reads or writes in flight / wall);
-    ``read_bytes``, ``write_bytes`` (all drives). Bytes of a system call that straddles the step's
+    ``read_bytes``, ``write_bytes`` (all drives); ``update_s``: the optimizer's arithmetic (union of its
+    ``aidaptiv::optimizer_step`` spans, one per sub-group, inside backward or after it), ``optimizer_lane_s``:
+    everything on the optimizer lane (the update, its swap-ins and write-backs, steps inside backward),
+    ``subgroups_stepped``: the sub-groups updated. Bytes of a system call that straddles the step's
     edge count in proportion to its part inside. ``tail_s``: seconds from the step's end to the next
     step's start (or the recording's end), ``tail_read_bytes`` / ``tail_write_bytes`` (also per drive):
     I/O in that tail (write-back the step left in flight, read-ahead for the next step).
@@ -269,6 +272,8 @@ def summarize_step(trace: Trace, step: int | None = None) -> dict:
     for d in drives.values():
         for op in IO_CATS:
             d[f"tail_{op}_bytes"] = int(round(d.get(f"tail_{op}_bytes", 0.0)))
+    updates = [s for s in inside if s["lane"] == "optimizer" and s["name"] == "aidaptiv::optimizer_step"]
+    optimizer_lane = [s for s in inside if s["lane"] == "optimizer"]
     all_io = _clip([s for s in inside if s["cat"] in IO_CATS], t0, t1)
     wait_s = union_seconds(_clip(waits, t0, t1))
     return {"step": k, "wall_s": wall, "forward_s": phases["forward"], "backward_s": phases["backward"],
@@ -278,7 +283,10 @@ def summarize_step(trace: Trace, step: int | None = None) -> dict:
             "read_bytes": sum(d["read_bytes"] for d in drives.values()),
             "write_bytes": sum(d["write_bytes"] for d in drives.values()),
             "tail_s": until - t1, "tail_read_bytes": int(round(tail["read"])),
-            "tail_write_bytes": int(round(tail["write"])), "drives": drives}
+            "tail_write_bytes": int(round(tail["write"])), "drives": drives,
+            "update_s": union_seconds(_clip(updates, t0, t1)),
+            "optimizer_lane_s": union_seconds(_clip(optimizer_lane, t0, t1)),
+            "subgroups_stepped": len(updates)}
 
 
 def format_summary(s: dict) -> str:
@@ -288,6 +296,9 @@ def format_summary(s: dict) -> str:
              f"({(s['io_wait_share'] or 0):.0%}); I/O in flight {(s['io_busy_share'] or 0):.0%} of the step; "
              f"then {s['tail_s']:.3f} s to the next step, with {s['tail_read_bytes'] / 1e9:.3f} GB read and "
              f"{s['tail_write_bytes'] / 1e9:.3f} GB written"]
+    if s.get("subgroups_stepped"):
+        lines.append(f"  optimizer: {s['subgroups_stepped']} sub-group update(s) in {s['update_s']:.3f} s, "
+                     f"{s['optimizer_lane_s']:.3f} s on its lane with their swaps")
     for drive, d in s["drives"].items():
         def rate(v):
             return "n/a" if v is None else f"{v:.2f} GB/s"
