@@ -165,3 +165,24 @@ def test_master_hold_counts_in_backward_only():
     assert on["backward"] - off["backward"] == 40 << 20 and on["optimizer"] == off["optimizer"]
     g = dict(largest_slice_partition_bytes=1 << 20, largest_subgroup_numel=1 << 20, moment_bytes_per_param=8)
     assert host_working_set(**g, master_hold_bytes=4 << 20) - host_working_set(**g) == 4 << 20
+
+
+def test_next_sub_group_is_read_while_this_one_steps():
+    """Inside a step in backward, once sub-group 1's slice is bound, sub-group 0 (the one backward completes
+    next) starts reading if the window holds both: before 1's update runs, not after it. With a window of
+    one slice it does not (its read then waits for the step's end, as before)."""
+    for limit, expect in ((200, [1, 0]), (100, [1])):
+        st, sw = _stepper(limit=limit, n=2)
+        seen: list[list[int]] = []
+        sw.begin_speculation = lambda g, fp32, keep_gradient: {}
+        opt = st.opt
+        opt.sub_group_to_group_id = {0: 0, 1: 0}
+        opt.optimizer = types.SimpleNamespace(param_groups=[{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+                                                             "weight_decay": 0.0}])
+        opt._prepare_sub_group = lambda i, timers: None
+        opt.unscale_and_clip_grads = lambda i, norm: None
+        opt._optimizer_step = lambda i: seen.append(list(sw.prefetched))
+        opt._reassign_or_swap_out_partitioned_parameters = lambda i: None
+        opt._release_sub_group = lambda i, timers: None
+        assert st.step_in_backward(1)
+        assert seen == [expect], (limit, seen)

@@ -240,6 +240,8 @@ class BackwardStepper:
         rec.state = StepState.STEPPING
         try:
             opt._prepare_sub_group(index, None)  # None: no read-ahead of the sub-group after it (stepped already)
+            if index > 0:  # the sub-group backward completes next: its read runs while this one steps
+                self.prefetch(index - 1)
             # no clipping assumed: DeepSpeed's own call with a clipping factor of exactly 1.0
             opt.unscale_and_clip_grads(index, torch.zeros((), dtype=torch.float64))
             opt._optimizer_step(index)
