@@ -158,3 +158,41 @@ def test_the_runtime_makes_a_pool_only_where_no_heap_is_kept(monkeypatch):
         assert forced.buffer_pool is not None
     finally:
         buffers.use_pool(prev)
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Resident bytes of the pages under ``t`` (``mincore``)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL("libc.so.6")
+    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    n = -(-(t.data_ptr() + t.numel() - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * mmap.PAGESIZE), vec) == 0
+    return sum(b & 1 for b in vec) * mmap.PAGESIZE
+
+
+def test_a_miss_gives_the_free_pages_back(pool):
+    """io/pool.py [Note: a miss gives the free pages back]: a freed, touched range stays resident while the
+    pool serves everything; a miss (fresh memory beside the region) returns its pages, the range reads as
+    zeros when handed out again, and a second miss with nothing carved in between releases nothing more."""
+    a = buffers.alloc_aligned(8 * MiB)
+    a.fill_(0xFF)
+    keep = buffers.alloc_aligned(4 * MiB)
+    ptr = a.data_ptr()
+    view = a[:8 * MiB]
+    del a
+    del view
+    gc.collect()
+    probe = torch.frombuffer((__import__("ctypes").c_char * (8 * MiB)).from_address(ptr), dtype=torch.uint8)
+    assert _resident_bytes(probe) == 8 * MiB  # freed, but still resident: reuse without faults
+    assert pool.counters()["released_bytes"] == 0
+    big = buffers.alloc_aligned(pool.capacity)  # does not fit beside ``keep``: a miss
+    assert not pool.contains(big)
+    released = pool.counters()["released_bytes"]
+    assert released >= 8 * MiB and _resident_bytes(probe) == 0
+    again = buffers.alloc_aligned(pool.capacity)  # a second miss, nothing carved since: nothing more released
+    assert not pool.contains(again) and pool.counters()["released_bytes"] == released
+    b = buffers.alloc_aligned(8 * MiB)
+    assert b.data_ptr() == ptr and int(b.count_nonzero()) == 0  # the given-back pages read as zeros
+    assert pool.contains(keep)
