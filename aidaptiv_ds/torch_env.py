@@ -4,8 +4,8 @@ imports nothing heavy.
 
 [Note: PyTorch's huge pages, and why aidaptiv_ds does not set them for you]
 Without heap reuse (a budget of 0: :func:`aidaptiv_ds.io.heap.return_freed_host_memory`) every
-activation, weight gradient and temporary of 1 MiB or more is a fresh mapping that page-faults in, 4 KiB
-at a time: 13.4 ms to allocate and fill 64 MiB on this project's VM against 1.3 ms for memory already
+allocation above the return policy's threshold (1 MiB until 2026-12-04, 32 MiB since: logits, the large
+weight gradients, DeepSpeed's reduce buffers) is a fresh mapping that page-faults in, 4 KiB at a time: 13.4 ms to allocate and fill 64 MiB on this project's VM against 1.3 ms for memory already
 mapped. aidaptiv_ds advises its own buffers to use transparent huge pages
 (:func:`aidaptiv_ds.io.buffers.advise_huge_pages`); PyTorch does the same for every CPU allocation of 2 MiB
 or more when ``THP_MEM_ALLOC_ENABLE=1`` (``c10/core/impl/alloc_cpu.cpp``: 2 MiB alignment and

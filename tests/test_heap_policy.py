@@ -41,6 +41,10 @@ def test_scope_acts_only_under_return_and_restores_thresholds():
             res["reuse_acts"] = acts
         res["reuse"] = heap.current_thresholds()
         heap.return_freed_host_memory()
+        res["default_return"] = heap.current_thresholds()
+        with heap.temporaries_kept(8 << 20) as acts:
+            res["default_return_acts"] = acts  # 8 MiB blocks are below its 32 MiB threshold: kept already
+        heap.return_freed_host_memory(1 << 20, 128 << 10)
         res["return"] = heap.current_thresholds()
         with heap.temporaries_kept(8 << 20) as acts:
             res["return_acts"] = acts
@@ -63,6 +67,7 @@ def test_scope_acts_only_under_return_and_restores_thresholds():
     """)
     assert r["glibc_default_acts"] is False and r["reuse_acts"] is False
     assert r["reuse"] == [1 << 30, 4 << 30]
+    assert r["default_return"] == [32 << 20, 64 << 20] and r["default_return_acts"] is False
     assert r["return"] == [1 << 20, 128 << 10]
     assert r["return_acts"] is True and r["inside"] == [16 << 20, 32 << 20]
     assert r["nested_acts"] is True and r["nested"] == [32 << 20, 64 << 20]
@@ -79,7 +84,7 @@ def test_scope_keeps_tile_temporaries_in_the_heap():
     r = _child("""
         import json, resource, torch
         from aidaptiv_ds.io import heap
-        heap.return_freed_host_memory()
+        heap.return_freed_host_memory(1 << 20, 128 << 10)  # a threshold below the blocks: the scope acts
         def faults(kept):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             if kept:
@@ -106,7 +111,7 @@ def test_tiled_step_bit_identical_inside_the_scope():
         import json, torch
         from aidaptiv_ds.io import heap
         from aidaptiv_ds.integration.host_step import tiled_adam_step
-        heap.return_freed_host_memory()
+        heap.return_freed_host_memory(1 << 20, 128 << 10)  # the scope acts
         torch.manual_seed(0)
         n = 5_000_003
         a = torch.nn.Parameter(torch.randn(n)); b = torch.nn.Parameter(a.detach().clone())

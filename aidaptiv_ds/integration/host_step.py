@@ -30,12 +30,14 @@ So tiles of 2M elements: 1.5x faster than the whole step at either heap policy, 
 per 20M elements, and which made ``auto`` 1.37x DeepSpeed's CPU offload in the step).
 
 [Note: the tiles' temporaries]
-Each tile allocates and frees its two temporaries again. Where no freed heap is kept (a DRAM budget of 0),
-those 8 MiB blocks were fresh mappings, page-faulted in every tile: 65 ms per 20M-element AdamW step
-against 48 ms with the heap kept. The tile loop runs inside :func:`aidaptiv_ds.io.heap.temporaries_kept`,
-which keeps blocks of a tile's size in the heap between tiles and gives the heap back as the step ends;
-the planner counts what that holds (:func:`aidaptiv_ds.planner.auto.optimizer_scratch_bytes`). Where the
-heap is kept anyway it does nothing. Allocation never changes what is computed.
+Each tile allocates and frees its two temporaries again. Under a heap policy that maps every block of
+1 MiB or more on its own (budget 0 until the return threshold went to 32 MiB, ``io/heap.py`` [Note: the
+return threshold]), those 8 MiB blocks were fresh mappings, page-faulted in every tile: 89 against 37 ms
+per 20M-element AdamW step (median of 20 interleaved pairs). The tile loop runs inside
+:func:`aidaptiv_ds.io.heap.temporaries_kept`, which keeps blocks of a tile's size in the heap between tiles
+under such a threshold and gives the heap back as the step ends; the planner counts what that holds
+(:func:`aidaptiv_ds.planner.auto.optimizer_scratch_bytes`). Where the tiles' blocks come from the heap
+anyway (the 32 MiB threshold, or a kept heap) it does nothing. Allocation never changes what is computed.
 
 [Note: bit-identity]
 Every operation of the single-tensor path is elementwise (``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``,

@@ -10,9 +10,24 @@ freed). A rank picks one policy for the whole process (``io.reuse_host_memory``)
 * *reuse* (:func:`reuse_freed_host_memory`): thresholds high, freed swap buffers stay for the next like
   allocation; the heap then holds the high-water mark of buffers live at once, which must fit in the DRAM
   budget (``Runtime.settle_host_memory_reuse``).
-* *return* (:func:`return_freed_host_memory`, a DRAM budget of 0): thresholds low and fixed, every large
-  block is its own mapping and goes back on free, so host memory is what is live; the price is a page
-  fault on first use of each page of each block.
+* *return* (:func:`return_freed_host_memory`, a DRAM budget of 0): thresholds fixed, every block of
+  :data:`RETURN_MMAP_BYTES` or more is its own mapping and goes back on free, the heap's top is trimmed
+  above :data:`RETURN_TRIM_BYTES`, and the runtime gives the whole free heap back after each backward and
+  each step (``Runtime.end_of_step``), so what stays is bounded by the smaller blocks live within a phase.
+  The price is a page fault on first use of each page of each large block.
+
+[Note: the return threshold]
+It was 1 MiB while our own swap buffers (a few MiB each) came from ``malloc``: in the heap their
+interleaved lifetimes fragmented it (169M fp32 at budget 0: 0.6 GiB more in backward at glibc's adaptive
+default). Since they come from the buffer pool (``io/pool.py``), what ``malloc`` serves is PyTorch's and
+DeepSpeed's own: activations, ``matmul`` outputs, weight gradients of 2-8 MiB, the reduce's ``torch.cat``.
+At 1 MiB each of those was a fresh mapping per use. At 32 MiB (glibc's own ceiling for its adaptive
+threshold, ``DEFAULT_MMAP_THRESHOLD_MAX``) they are reused from the heap within a phase. Measured on the
+148M fp32 Llama at budget 0, nine interleaved pairs (``launch/compare.py --backends aidaptiv0``, 6-7 steps,
+2026-12-04): median step 3.26 s against 3.46 s at 1 MiB, 32 MiB faster in 6 of the 9 pairs (this VM's
+step-to-step spread is 2.5-4.7 s, so no pair alone decides), peak RSS 3.07-3.16 against 2.94-3.02 GiB;
+the planner's figure against the peak RSS of ``tests/test_plan_host_vs_rss.py`` (42M/93M/169M bf16):
+-9% / +7% / +10% (with the buffer pool's fixes of the same day; the 42M point 1.48 against 1.61 GiB).
 
 [Note: temporaries kept within a scope]
 Under *return*, an operation that allocates and frees a few like-sized temporaries many times over pays
@@ -42,6 +57,12 @@ from collections.abc import Iterator
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 #: glibc's default ``M_TRIM_THRESHOLD`` (``malloc.c``, ``DEFAULT_TRIM_THRESHOLD``)
 GLIBC_DEFAULT_TRIM_BYTES = 128 << 10
+#: the return policy's mmap threshold: blocks of this size or more are mapped and unmapped on their own
+#: ([Note: the return threshold]; glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit)
+RETURN_MMAP_BYTES = 32 << 20
+#: the return policy's trim threshold: free heap top kept between trims (2 x the mmap threshold, as glibc's
+#: adaptive policy sets it)
+RETURN_TRIM_BYTES = 64 << 20
 
 
 @functools.lru_cache(maxsize=1)
@@ -98,18 +119,17 @@ def reuse_freed_host_memory(threshold: int = 1 << 30) -> bool:
     return _apply(HeapPolicy("reuse", int(threshold), 4 * int(threshold)))
 
 
-def return_freed_host_memory(threshold: int = 1 << 20, trim_threshold: int = GLIBC_DEFAULT_TRIM_BYTES) -> bool:
+def return_freed_host_memory(threshold: int = RETURN_MMAP_BYTES, trim_threshold: int = RETURN_TRIM_BYTES) -> bool:
     """Serve every host allocation of at least ``threshold`` bytes with its own ``mmap`` and unmap it on
     free, and trim the heap's top above ``trim_threshold`` bytes ([Note: two policies]; setting either
-    turns off glibc's adaptive thresholds, so both are set).
+    turns off glibc's adaptive thresholds, so both are set). The runtime trims the rest of the free heap
+    after each backward and step (:func:`release_free_host_memory`).
 
-    By default glibc raises its mmap threshold to the size of each large block freed, up to 32 MiB, so
-    blocks below that (activations, gathered parameters, read-ahead slices of a few MiB) are served
-    from the heap, where interleaved lifetimes fragment it and freed memory stays resident. Measured
-    on a 169M-parameter fp32 Llama at DRAM budget 0: 0.6 GiB less host memory in the backward pass
-    (non-budget memory 1.64 -> 1.04 GiB). The price is page faults on first use of each large block
-    (:func:`temporaries_kept` spares an operation's repeated temporaries). Process-wide; False where the C
-    library is not glibc.
+    Fixed where glibc's default adapts: glibc raises its mmap threshold to the size of each large block
+    freed, so which blocks stay in the heap depends on what was freed before. The default thresholds and
+    what they cost and save are in [Note: the return threshold]. The price of a mapping of its own is page
+    faults on first use of each page (:func:`temporaries_kept` spares an operation's repeated temporaries
+    below a lower threshold). Process-wide; False where the C library is not glibc.
     """
     return _apply(HeapPolicy("return", int(threshold), int(trim_threshold)))
 
