@@ -69,11 +69,11 @@ class IOConfig(_Model):
     ``true``, ``false``, or ``"auto"`` (default): on once the plan shows that the part of the DRAM
     budget the residency plan leaves free can hold a heap of the working windows (read-ahead,
     write-back, optimizer pipeline, gradient window), so the retained heap is inside the budget; off
-    otherwise (always at a budget of 0), and then large freed buffers are unmapped at once
+    otherwise (always at a budget of 0), and then freed buffers of 32 MiB or more are unmapped at once
     (:func:`aidaptiv_ds.io.heap.return_freed_host_memory`) and the heap trimmed after each backward
     pass and optimizer step.
     ``buffer_pool``: carve swap buffers (parameter reads, optimizer and gradient slices, write staging)
-    from one fixed region of host memory sized by the plan's working windows, reused step after step,
+    from one fixed region of host memory sized by the plan's backward windows, reused step after step,
     instead of fresh memory for each (:mod:`aidaptiv_ds.io.pool`): ``"auto"`` (default): where no heap
     is kept (``reuse_host_memory`` off); ``true``: also where it is; ``false``: never. Unpinned (CPU-rank)
     buffers only.
