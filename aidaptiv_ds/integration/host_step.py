@@ -30,14 +30,11 @@ So tiles of 2M elements: 1.5x faster than the whole step at either heap policy, 
 per 20M elements, and which made ``auto`` 1.37x DeepSpeed's CPU offload in the step).
 
 [Note: the tiles' temporaries]
-Each tile allocates and frees its two temporaries again. Under a heap policy that maps every block of
-1 MiB or more on its own (budget 0 until the return threshold went to 32 MiB, ``io/heap.py`` [Note: the
-return threshold]), those 8 MiB blocks were fresh mappings, page-faulted in every tile: 89 against 37 ms
-per 20M-element AdamW step (median of 20 interleaved pairs). The tile loop runs inside
-:func:`aidaptiv_ds.io.heap.temporaries_kept`, which keeps blocks of a tile's size in the heap between tiles
-under such a threshold and gives the heap back as the step ends; the planner counts what that holds
-(:func:`aidaptiv_ds.planner.auto.optimizer_scratch_bytes`). Where the tiles' blocks come from the heap
-anyway (the 32 MiB threshold, or a kept heap) it does nothing. Allocation never changes what is computed.
+Each tile allocates and frees its two temporaries (8 MiB) again. Where they are fresh mappings, each tile
+page-faults them in: 89 against 37 ms per 20M-element AdamW step (median of 20 interleaved pairs). Every
+heap policy the runtime sets serves blocks of that size from the heap (the budget-0 policy maps only
+blocks of 32 MiB and more on their own: ``io/heap.py`` [Note: the return threshold]), so the next tile
+reuses them; the planner counts them (:func:`aidaptiv_ds.planner.auto.optimizer_scratch_bytes`).
 
 [Note: bit-identity]
 Every operation of the single-tensor path is elementwise (``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``,
@@ -60,7 +57,6 @@ from __future__ import annotations
 import torch
 from torch.optim.adam import adam
 
-from ..io.heap import temporaries_kept
 from ..planner.auto import OPTIMIZER_TILE_NUMEL
 from ..spans import span
 
@@ -108,8 +104,7 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
                   decoupled_weight_decay=group["decoupled_weight_decay"])
         tensors = [params[0].detach(), grads[0], m[0], v[0]] + ([vmax[0]] if group["amsgrad"] else [])
         n, last = param.numel(), step
-        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"), \
-                temporaries_kept(tile_numel * param.element_size()):  # [Note: the tiles' temporaries]
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
             for a in range(0, n, tile_numel):
                 sl = [t[a:a + tile_numel] for t in tensors]
                 last = step.clone()

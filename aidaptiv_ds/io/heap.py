@@ -1,5 +1,5 @@
 """glibc's policy for large host allocations: keep freed blocks in the heap for reuse, or give them back to
-the OS on free; and a scope inside which an operation's short-lived temporaries are kept either way.
+the OS on free.
 
 [Note: two policies]
 glibc serves an allocation above ``M_MMAP_THRESHOLD`` with a fresh ``mmap`` region and unmaps it on free;
@@ -29,29 +29,20 @@ step-to-step spread is 2.5-4.7 s, so no pair alone decides), peak RSS 3.07-3.16 
 the planner's figure against the peak RSS of ``tests/test_plan_host_vs_rss.py`` (42M/93M/169M bf16):
 -9% / +7% / +10% (with the buffer pool's fixes of the same day; the 42M point 1.48 against 1.61 GiB).
 
-[Note: temporaries kept within a scope]
-Under *return*, an operation that allocates and frees a few like-sized temporaries many times over pays
-those faults every time: the tiled Adam step (``integration/host_step.py``) allocates two 8 MiB
-temporaries per tile, about 20 tiles per sub-group of 40M fp32 elements, and measured on a 20M-element
-AdamW step here 65 ms with fresh memory per tile against 48 ms with the heap kept. Inside
-:func:`temporaries_kept` the thresholds are raised just enough for blocks of the given size to come from
-the heap and stay there between tiles (mmap threshold 2 x the block, trim threshold 4 x the block), then
-restored, and the free heap is given back (``malloc_trim(0)``) as the scope ends. What the heap can hold
-because of the scope is bounded: the live temporaries plus at most the trim threshold of free top, which
-the planner counts (:func:`aidaptiv_ds.planner.auto.optimizer_scratch_bytes`). Under *reuse* or glibc's
-own policy the scope does nothing (the heap is kept already).
+The tiled Adam step (``integration/host_step.py``) is one user of it: two 8 MiB temporaries per tile, about
+20 tiles per sub-group of 40M fp32 elements. At 1 MiB each was a fresh mapping per tile: a 20M-element
+AdamW step 89 ms against 37 ms with them in the heap (median of 20 interleaved pairs; the scoped raise of
+the threshold around the tile loop that measured it is what the 32 MiB threshold made unnecessary).
 
-Process-wide (``mallopt``); the scope is reentrant and thread-safe, and a no-op where the C library is not
-glibc (then every function here returns False).
+Process-wide (``mallopt``), thread-safe; a no-op where the C library is not glibc (then every function here
+returns False).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import functools
 import threading
-from collections.abc import Iterator
 
 #: ``mallopt`` parameters (``malloc.h``)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -101,7 +92,7 @@ def _set_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
 def _apply(policy: HeapPolicy) -> bool:
     global _policy
     with _lock:
-        ok = _set_thresholds(*_in_force(policy))  # an open scope keeps its thresholds until it ends
+        ok = _set_thresholds(policy.mmap_threshold, policy.trim_threshold)
         if ok:
             _policy = policy
         return ok
@@ -128,8 +119,7 @@ def return_freed_host_memory(threshold: int = RETURN_MMAP_BYTES, trim_threshold:
     Fixed where glibc's default adapts: glibc raises its mmap threshold to the size of each large block
     freed, so which blocks stay in the heap depends on what was freed before. The default thresholds and
     what they cost and save are in [Note: the return threshold]. The price of a mapping of its own is page
-    faults on first use of each page (:func:`temporaries_kept` spares an operation's repeated temporaries
-    below a lower threshold). Process-wide; False where the C library is not glibc.
+    faults on first use of each page. Process-wide; False where the C library is not glibc.
     """
     return _apply(HeapPolicy("return", int(threshold), int(trim_threshold)))
 
@@ -150,59 +140,8 @@ def release_free_host_memory() -> bool:
         return False
 
 
-def kept_heap_bound(block_bytes: int) -> int:
-    """Free heap bytes :func:`temporaries_kept` ``(block_bytes)`` may leave in the heap while it runs, beside
-    the live temporaries: its trim threshold, 4 x ``block_bytes``."""
-    return 4 * max(int(block_bytes), 0)
-
-
-@contextlib.contextmanager
-def temporaries_kept(block_bytes: int) -> Iterator[bool]:
-    """Within the ``with`` block, host allocations below 2 x ``block_bytes`` come from the heap, and up to
-    :func:`kept_heap_bound` of freed heap stays there for the next like allocation; on exit the policy's
-    thresholds are restored and the free heap is returned (``malloc_trim(0)``).
-    [Note: temporaries kept within a scope].
-
-    Acts only under the *return* policy (:func:`return_freed_host_memory`) and only when ``2 x block_bytes``
-    is above its mmap threshold; yields whether it acted. Reentrant and thread-safe: the widest open scope's
-    thresholds hold until the last one ends.
-
-    Args:
-        block_bytes: bytes of the operation's largest temporary, e.g. one tile of fp32 elements x 4
-            (0 or less: the scope does nothing).
-    """
-    block = int(block_bytes)
-    with _lock:
-        pol = _policy
-        acts = pol is not None and pol.kind == "return" and block > 0 and 2 * block > pol.mmap_threshold
-        if acts and pol is not None:
-            _open.append(block)
-            acts = _set_thresholds(*_in_force(pol))
-            if not acts:
-                _open.remove(block)
-    try:
-        yield acts
-    finally:
-        if acts:
-            with _lock:
-                _open.remove(block)
-                cur = _policy
-                if cur is not None:
-                    _set_thresholds(*_in_force(cur))
-                    if not _open and cur.kind == "return":
-                        release_free_host_memory()
-
-
-_open: list[int] = []  # block sizes (bytes) of the open scopes
-
-
-def _in_force(policy: HeapPolicy) -> tuple[int, int]:
-    widest = max(_open, default=0)
-    return max(policy.mmap_threshold, 2 * widest), max(policy.trim_threshold, 4 * widest)
-
-
 def current_thresholds() -> tuple[int, int] | None:
-    """``(mmap threshold, trim threshold)`` in force now as this module set them (bytes; None: glibc's own),
-    open scopes included. glibc has no call to read them back; this is what was asked of ``mallopt``."""
-    with _lock:
-        return None if _policy is None else _in_force(_policy)
+    """``(mmap threshold, trim threshold)`` this module last asked of ``mallopt`` (bytes; None: glibc's own,
+    adaptive). glibc has no call to read them back."""
+    pol = _policy
+    return None if pol is None else (pol.mmap_threshold, pol.trim_threshold)

@@ -263,15 +263,16 @@ OPTIMIZER_TILE_NUMEL = 1 << 21
 #: the weight-decayed gradient (Adam's ``weight_decay``), ``exp_avg_sq.sqrt()`` and its division
 #: (``torch/optim/adam.py``, ``_single_tensor_adam``)
 OPTIMIZER_TILE_TEMPORARIES = 4
-#: free heap, in tiles, the step keeps between its tiles (``io.heap.temporaries_kept``'s trim threshold)
+#: freed temporaries, in tiles, the heap keeps between tiles for the next tile to reuse
 OPTIMIZER_KEPT_TILES = 4
 
 
 def optimizer_scratch_bytes(tile_numel: int = OPTIMIZER_TILE_NUMEL, elem_bytes: int = 4) -> int:
     """Host bytes the tiled optimizer step may take beside its sub-group's slice:
-    :data:`OPTIMIZER_TILE_TEMPORARIES` live tile temporaries plus the free heap the step keeps between tiles
-    (:data:`OPTIMIZER_KEPT_TILES`, :func:`aidaptiv_ds.io.heap.kept_heap_bound`): 8 x ``tile_numel`` x
-    ``elem_bytes``, 64 MiB for the default fp32 tile. In whichever phase a step runs (inside backward or after).
+    :data:`OPTIMIZER_TILE_TEMPORARIES` live tile temporaries plus the freed ones the heap keeps between tiles
+    (:data:`OPTIMIZER_KEPT_TILES`; ``integration/host_step.py`` [Note: the tiles' temporaries]): 8 x
+    ``tile_numel`` x ``elem_bytes``, 64 MiB for the default fp32 tile. In whichever phase a step runs
+    (inside backward or after).
 
     Args:
         tile_numel: elements per tile; elem_bytes: bytes per element (4: fp32 master weights).
