@@ -1,11 +1,13 @@
-"""glibc heap policy (``aidaptiv_ds.io.heap``): the policies are recorded, the budget-0 (return) policy keeps a
-tile's temporaries in the heap (fewer page faults than the 1 MiB threshold it replaced), the tiled step stays
+"""glibc heap policy (``aidaptiv_ds.io.heap``): the policies are recorded as glibc got them (``mallopt`` takes a C
+int), the reuse policy keeps a freed block for the next one, the budget-0 (return) policy keeps a tile's
+temporaries in the heap (fewer page faults than the 1 MiB threshold it replaced), the tiled step stays
 bit-identical under it, and the planner counts the tile scratch.
 
 ``mallopt`` is process-wide, so everything that sets a policy runs in a child process.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -13,7 +15,13 @@ import textwrap
 
 import pytest
 
-from aidaptiv_ds.planner.auto import OPTIMIZER_TILE_NUMEL, buffer_pool_bytes, cpu_rank_working_set, optimizer_scratch_bytes
+from aidaptiv_ds.io import heap
+from aidaptiv_ds.planner.auto import (
+    OPTIMIZER_TILE_NUMEL,
+    buffer_pool_bytes,
+    cpu_rank_working_set,
+    optimizer_scratch_bytes,
+)
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's (Linux)")
 child = pytest.mark.subprocess
@@ -42,9 +50,56 @@ def test_policies_are_recorded():
         print(json.dumps(res))
     """)
     assert r["none"] is None
-    assert r["reuse"] == [1 << 30, 4 << 30]
+    assert r["reuse"] == [1 << 30, heap.C_INT_MAX]  # 4 GiB asked, clamped to what mallopt takes
     assert r["default_return"] == [32 << 20, 64 << 20]
     assert r["return"] == [1 << 20, 128 << 10] and r["kind"] == "return"
+
+
+class _FakeLibc:
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 1
+
+
+def test_mallopt_gets_c_ints_never_a_masked_value(monkeypatch):
+    """ctypes masks a bare Python int to 32 bits: 4 GiB would reach glibc as 0 (trim on every free)."""
+    fake = _FakeLibc()
+    monkeypatch.setattr(heap, "glibc", lambda: fake)
+    monkeypatch.setattr(heap, "_policy", None)
+    assert heap.reuse_freed_host_memory(1 << 30)
+    assert heap.return_freed_host_memory(3 << 30, 1 << 40)
+    for param, value in fake.calls:
+        assert isinstance(value, ctypes.c_int) and 0 < value.value <= heap.C_INT_MAX, (param, value)
+    assert [v.value for _, v in fake.calls] == [1 << 30, heap.C_INT_MAX, heap.C_INT_MAX, heap.C_INT_MAX]
+    assert heap.current_thresholds() == (heap.C_INT_MAX, heap.C_INT_MAX)
+
+
+_BLOCK_FAULTS = """
+    import json, resource, torch
+    from aidaptiv_ds.io import heap
+    def faults(mib, times=4):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(times):
+            torch.ones(mib << 18)  # mib MiB of fp32, written whole
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+"""
+
+
+@glibc
+@child
+def test_reuse_policy_keeps_a_freed_block():
+    """A 256 MiB block freed and allocated again comes back from the heap (with the trim threshold masked to
+    0, the heap's top was trimmed at every free and each block faulted in anew: 4 x 65,536 faults). glibc
+    places consecutive blocks at two alternating addresses, so the first rounds fault both in."""
+    r = _child(_BLOCK_FAULTS + """
+    heap.reuse_freed_host_memory()
+    faults(256, 6)
+    print(json.dumps({"again": faults(256)}))
+    """)
+    assert r["again"] < 65536 / 4, r
 
 
 @glibc

@@ -34,6 +34,24 @@ The tiled Adam step (``integration/host_step.py``) is one user of it: two 8 MiB 
 AdamW step 89 ms against 37 ms with them in the heap (median of 20 interleaved pairs; the scoped raise of
 the threshold around the tile loop that measured it is what the 32 MiB threshold made unnecessary).
 
+Tried and not kept (2026-12-04): 1 GiB / 2 GiB - 1, so that DeepSpeed's bucket-sized reduce buffers
+(``torch.cat`` of a bucket's gradients and gloo's reduce-scatter buffers, 80-100 MB each at 148M) come from
+the heap too. Three interleaved pairs (148M fp32, ``--backends cpu,aidaptiv0``, 8 steps): 2.35 / 2.95 / 2.33 s
+against 2.35 / 2.41 / 2.43 s at 32 MiB (CPU offload 2.00-2.09 s in all six runs), 68,700-71,900 page faults
+and 0.33-0.40 s of system CPU per step against 69,100-72,600 and 0.31-0.35 s: no difference. The buckets
+differ in size, and glibc's aligned allocations (PyTorch's ``posix_memalign``) take a few rounds of one size
+to settle on a reused address, so within one backward they are fresh either way.
+
+[Note: mallopt takes an int]
+``mallopt(int param, int value)``: ctypes passes a Python int as a C ``int`` *masked* to 32 bits, so the
+reuse policy's trim threshold of 4 GiB reached glibc as 0 until 2026-12-04 (a heap top trimmed whenever a
+free left any of it free). Every value is now clamped to :data:`C_INT_MAX` and passed as ``ctypes.c_int``,
+and the policy records what glibc got (``tests/test_heap_policy.py``: a freed 256 MiB block is reused under
+the reuse policy; it was faulted in anew every time). On the 148M fp32 Llama at ``auto`` the fix did not
+show: two interleaved pairs (``--backends cpu,aidaptiv_auto``, 8 steps) 2.05 / 2.17 s against 2.04 / 1.97 s
+before (CPU offload 1.98-2.15 s in the same runs), 0.08-0.10 s of system CPU per step either way: the heap's
+top there is rarely free.
+
 Process-wide (``mallopt``), thread-safe; a no-op where the C library is not glibc (then every function here
 returns False).
 """
@@ -48,6 +66,8 @@ import threading
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 #: glibc's default ``M_TRIM_THRESHOLD`` (``malloc.c``, ``DEFAULT_TRIM_THRESHOLD``)
 GLIBC_DEFAULT_TRIM_BYTES = 128 << 10
+#: the largest value ``mallopt`` takes (its ``value`` is a C ``int``; [Note: mallopt takes an int])
+C_INT_MAX = 2**31 - 1
 #: the return policy's mmap threshold: blocks of this size or more are mapped and unmapped on their own
 #: ([Note: the return threshold]; glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit)
 RETURN_MMAP_BYTES = 32 << 20
@@ -80,17 +100,23 @@ def heap_policy() -> HeapPolicy | None:
     return _policy
 
 
+def c_int_bytes(value: int) -> int:
+    """``value`` (bytes) clamped to what ``mallopt`` can take, ``0..C_INT_MAX`` ([Note: mallopt takes an int])."""
+    return max(0, min(int(value), C_INT_MAX))
+
+
 def _set_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
     try:
         libc = glibc()
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold))) and \
-            bool(libc.mallopt(M_TRIM_THRESHOLD, int(trim_threshold)))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(c_int_bytes(mmap_threshold)))) and \
+            bool(libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(c_int_bytes(trim_threshold))))
     except (OSError, AttributeError):
         return False
 
 
 def _apply(policy: HeapPolicy) -> bool:
     global _policy
+    policy = HeapPolicy(policy.kind, c_int_bytes(policy.mmap_threshold), c_int_bytes(policy.trim_threshold))
     with _lock:
         ok = _set_thresholds(policy.mmap_threshold, policy.trim_threshold)
         if ok:
@@ -100,7 +126,8 @@ def _apply(policy: HeapPolicy) -> bool:
 
 def reuse_freed_host_memory(threshold: int = 1 << 30) -> bool:
     """Keep freed large host buffers in the process heap for reuse: ``M_MMAP_THRESHOLD`` = ``threshold``
-    bytes, ``M_TRIM_THRESHOLD`` = 4 x that ([Note: two policies]).
+    bytes, ``M_TRIM_THRESHOLD`` = 4 x that, both at most :data:`C_INT_MAX` ([Note: two policies],
+    [Note: mallopt takes an int]).
 
     Every swap-in or write-back buffer of every step otherwise page-faults all of its pages again; in the
     heap the next allocation of a like size reuses them (the same reason PyTorch recommends
@@ -113,8 +140,8 @@ def reuse_freed_host_memory(threshold: int = 1 << 30) -> bool:
 def return_freed_host_memory(threshold: int = RETURN_MMAP_BYTES, trim_threshold: int = RETURN_TRIM_BYTES) -> bool:
     """Serve every host allocation of at least ``threshold`` bytes with its own ``mmap`` and unmap it on
     free, and trim the heap's top above ``trim_threshold`` bytes ([Note: two policies]; setting either
-    turns off glibc's adaptive thresholds, so both are set). The runtime trims the rest of the free heap
-    after each backward and step (:func:`release_free_host_memory`).
+    turns off glibc's adaptive thresholds, so both are set; values above :data:`C_INT_MAX` are clamped). The
+    runtime trims the rest of the free heap after each backward and step (:func:`release_free_host_memory`).
 
     Fixed where glibc's default adapts: glibc raises its mmap threshold to the size of each large block
     freed, so which blocks stay in the heap depends on what was freed before. The default thresholds and
