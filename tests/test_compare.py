@@ -185,6 +185,25 @@ def test_summary_tokens_gpu_memory_and_overlap():
     assert "the drive's rates as given (--drive-gbps), no bench-io" in table
 
 
+def test_summary_host_cpu_and_page_faults_per_step():
+    """Medians over the measured steps of the worker's getrusage deltas, and their columns in the table."""
+    runs = [_run("aidaptiv0", [9.0, 2.0, 2.0, 2.0]), _run("cpu", [9.0, 1.0, 1.0, 1.0])]
+    per_step = ((runs[0], [5.0, 0.5, 0.7, 0.6], [9e5, 8e4, 9e4, 7e4]), (runs[1], [1.0, 0.1, 0.1, 0.1], [5, 6, 7, 8]))
+    for r, sys_s, faults in per_step:
+        for st, s_, f_ in zip(r["steps"], sys_s, faults, strict=True):
+            st.update(cpu_user_s=3.5, cpu_sys_s=s_, minor_faults=int(f_))
+    figs = summarize(runs, ["aidaptiv0", "cpu"], warmup=1, tokens_per_step=256)
+    assert figs["aidaptiv0"]["cpu_sys_s"] == pytest.approx(0.6) and figs["aidaptiv0"]["minor_faults"] == 80000
+    assert figs["cpu"]["cpu_user_s"] == 3.5 and figs["cpu"]["minor_faults"] == 7  # warm-up step left out
+    from aidaptiv_ds.bench.summary import format_table
+    res = {"config": {"model": "m", "dtype": "fp32", "seq": 256, "micro_batch": 1, "steps": 4, "warmup": 1,
+                      "repeats": 1, "sub_group_size": 1, "backends": ["aidaptiv0", "cpu"]},
+           "aio": {"status": "x"}, "summary": figs, "targets": []}
+    table = format_table(res)
+    assert "| host CPU s/step (user / system) | minor page faults/step |" in table
+    assert "| aidaptiv_ds, DRAM budget 0 | 128 | 3.50 / 0.60 | 80,000 |" in table
+
+
 def test_compare_stops_at_its_deadline_and_reports_every_run(tmp_path, monkeypatch):
     """No process: the runner is replaced; a run is started only with time left, its timeout is cut to
     the deadline, and the progress callback sees every finished run."""
@@ -310,6 +329,7 @@ def test_compare_end_to_end_tiny(tmp_path):
     assert all(r["device"] == "cpu" for r in res["runs"])  # the batches went to the engine's device
     assert figs["aidaptiv0"]["ratios"]["step_s"] > 0 and figs["native"]["ratios"]["step_s"] == 1.0
     assert figs["cpu"]["peak_rss_bytes"] > 0 and figs["aidaptiv0"]["first_step_s"] > figs["aidaptiv0"]["setup_s"]
+    assert all(f["cpu_user_s"] > 0 and f["cpu_sys_s"] >= 0 and f["minor_faults"] >= 0 for f in figs.values())
     assert "| aidaptiv_ds, DRAM budget 0 |" in res["table"] and "pure-Python" in res["table"]
     io = res["io_bench"]
     assert io["status"] == "measured" and io["read_gbps"] > 0 and io["write_gbps"] > 0

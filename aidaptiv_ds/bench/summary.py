@@ -17,6 +17,10 @@ first ``warmup`` of each run (the *measured* steps):
   same seed and batches (0.0 = identical), when ``cpu`` ran;
 * ``tokens_per_s``: tokens of one step (micro-batch x sequence) / ``step_s``, when the caller gives
   the tokens per step;
+* ``cpu_user_s`` / ``cpu_sys_s`` / ``minor_faults``: medians over the measured steps of the process's user
+  and system CPU seconds (every thread) and minor page faults per step (``getrusage``), when the worker
+  recorded them: system time and faults are fresh memory being mapped and zeroed, which a backend that
+  keeps its heap (DeepSpeed's CPU offload) hardly has (``docs/profiling.md``);
 * on a GPU (:func:`aidaptiv_ds.bench.probes.gpu_memory`): ``gpu_peak_allocated_bytes`` /
   ``gpu_peak_reserved_bytes`` (torch's peaks over the run's steps), ``gpu_used_bytes`` (largest NVML
   reading after a step), ``pinned_host_bytes`` (largest pinned host memory torch's allocator held);
@@ -47,6 +51,7 @@ def _measured(run: dict, warmup: int) -> list[dict]:
     return [s for s in run.get("steps", []) if s["step"] > warmup]
 
 
+CPU_KEYS = ("cpu_user_s", "cpu_sys_s", "minor_faults")
 GPU_KEYS = ("gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "gpu_used_bytes", "pinned_host_bytes")
 
 
@@ -80,6 +85,10 @@ def backend_figures(runs: list[dict], warmup: int, tokens_per_step: int | None =
         losses=[s["loss"] for s in good[0]["steps"]],
     )
     out["tokens_per_s"] = tokens_per_step / out["step_s"] if tokens_per_step and out["step_s"] > 0 else None
+    for key in CPU_KEYS:
+        values = [s[key] for s in steps if s.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
     for key in GPU_KEYS:
         values = [s[key] for s in steps if s.get(key) is not None]
         if values:
@@ -289,20 +298,28 @@ def _gib(v) -> str:
 
 
 def _throughput_table(result: dict) -> list[str]:
-    """Tokens/s and (on a GPU) device and pinned memory per backend; empty when none of these was
-    measured (the overlap efficiency is a column of the main table)."""
+    """Tokens/s, host CPU per step (user / system seconds, minor page faults) and (on a GPU) device and
+    pinned memory per backend; empty when none of these was measured (the overlap efficiency is a column of
+    the main table)."""
     figs = {b: f for b, f in result["summary"].items() if f.get("ok")}
     gpu = any(f.get("gpu_peak_allocated_bytes") is not None for f in figs.values())
-    if not figs or not (gpu or any(f.get("tokens_per_s") for f in figs.values())):
+    cpu = any(f.get("cpu_sys_s") is not None for f in figs.values())
+    if not figs or not (gpu or cpu or any(f.get("tokens_per_s") for f in figs.values())):
         return []
     head = "| backend | tokens/s |"
     rule = "|---|---|"
+    if cpu:
+        head += " host CPU s/step (user / system) | minor page faults/step |"
+        rule += "---|---|"
     if gpu:
         head += " GPU peak allocated / reserved GiB | GPU used (NVML) GiB | pinned host GiB |"
         rule += "---|---|---|"
     lines = ["", head, rule]
     for b, f in figs.items():
         row = f"| {LABELS.get(b, b)} | {_f(f.get('tokens_per_s'), '{:.0f}')} |"
+        if cpu:
+            row += (f" {_f(f.get('cpu_user_s'))} / {_f(f.get('cpu_sys_s'))} | "
+                    f"{_f(f.get('minor_faults'), '{:,.0f}')} |")
         if gpu:
             row += (f" {_gib(f.get('gpu_peak_allocated_bytes'))} / {_gib(f.get('gpu_peak_reserved_bytes'))} | "
                     f"{_gib(f.get('gpu_used_bytes'))} | {_gib(f.get('pinned_host_bytes'))} |")

@@ -20,22 +20,22 @@ argument: DeepSpeed 0.19.8 on a CPU accelerator would otherwise hand its swapper
 model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a generator seeded with
 ``seed * 1000 + i``, labels = inputs, so every backend sees the same batches.
 
-``RESULT.json`` is rewritten after every phase and step (a killed run leaves what it got to):
-``phase``, ``ok``, ``error``, ``n_params``, ``setup_s`` (launch to the first step's start),
-``first_step_s`` (launch to the end of step 1), ``steps`` (per step: ``wall_s``, ``loss``,
-``io_wait_s``, ``rt_io_wait_s``, ``proc_read_bytes``, ``proc_write_bytes``, ``cache_read_bytes``,
+``RESULT.json`` is rewritten after every phase and step (a killed run leaves what it got to): ``phase``,
+``ok``, ``error``, ``n_params``, ``setup_s`` (launch to the first step's start), ``first_step_s`` (launch to
+the end of step 1), ``steps`` (per step: ``wall_s``, ``loss``, ``io_wait_s``, ``rt_io_wait_s``, ``cpu_user_s``
+/ ``cpu_sys_s`` / ``minor_faults`` (``getrusage`` of the whole process, every thread: the host work behind the
+step, and the fresh pages it touched), ``proc_read_bytes``, ``proc_write_bytes``, ``cache_read_bytes``,
 ``cache_written_bytes``, ``dram_tier_bytes`` (aidaptiv_ds's DRAM tier after the step), ``optimizer_steps``
 (aidaptiv_ds: sub-group steps per path in this step, ``StepCounters``), ``master_bytes`` (aidaptiv_ds, fp32:
 the master-weight bytes of steps inside backward taken ``from_params``, of those ``held``, and read on
-``demand``), ``buffer_pool`` (aidaptiv_ds: the host buffer pool's ``bytes``, the ``peak_bytes`` handed
-out so far, the ``miss_bytes`` of this step it had no room for), ``rss_bytes``,
-``peak_rss_bytes`` (peak so far), ``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of
-the step: forward, backward, step; :class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset
-before step 1, the maximum of the phases' peaks),
-``peak_rss_process_bytes`` (the whole process: the setup's peak and the steps', since resetting
-``VmHWM`` resets what ``ru_maxrss`` reads too), ``aio`` (native), ``plan`` and ``budget_bytes``
-(aidaptiv_ds), ``tail`` (aidaptiv_ds: the write-back still in flight after the last step),
-``timeline`` (the timeline file, when one was asked for), ``device`` (the engine's, e.g. ``cuda:0``).
+``demand``), ``buffer_pool`` (aidaptiv_ds: the host buffer pool's ``bytes``, the ``peak_bytes`` handed out so
+far, the ``miss_bytes`` of this step it had no room for), ``rss_bytes``, ``peak_rss_bytes`` (peak so far),
+``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of the step: forward, backward, step;
+:class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset before step 1, the maximum of the phases'
+peaks), ``peak_rss_process_bytes`` (the whole process: the setup's peak and the steps', since resetting
+``VmHWM`` resets what ``ru_maxrss`` reads too), ``aio`` (native), ``plan`` and ``budget_bytes`` (aidaptiv_ds),
+``tail`` (aidaptiv_ds: the write-back still in flight after the last step), ``timeline`` (the timeline file,
+when one was asked for), ``device`` (the engine's, e.g. ``cuda:0``).
 
 On a GPU the batches go to the engine's device and each step's wall time ends with a device
 synchronize (the step is done on the GPU too, not only queued); each step record then also holds
@@ -206,8 +206,19 @@ _MASTER_COUNTERS = {"from_params": "master_from_params_bytes", "held": "master_h
                     "demand": "master_demand_bytes"}
 
 
-def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wait_s: float) -> dict:
+def _cpu_times() -> tuple[float, float, int]:
+    """This process's CPU seconds (user, system; all threads) and minor page faults so far."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime, ru.ru_stime, ru.ru_minflt
+
+
+def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wait_s: float,
+                 cpu: tuple[tuple[float, float, int], tuple[float, float, int]]) -> dict:
+    (u0, s0, f0), (u1, s1, f1) = cpu  # _cpu_times() before and after the step
     return {"step": i + 1, "wall_s": wall, "loss": loss, "io_wait_s": wait_s,
+            "cpu_user_s": u1 - u0, "cpu_sys_s": s1 - s0, "minor_faults": f1 - f0,
             "rt_io_wait_s": after["io_wait_s"] - before["io_wait_s"],
             "proc_read_bytes": after["proc_read_bytes"] - before["proc_read_bytes"],
             "proc_write_bytes": after["proc_write_bytes"] - before["proc_write_bytes"],
@@ -295,6 +306,7 @@ def run(spec: dict, out: ResultFile) -> None:
             torch.cuda.synchronize(device)
         before, w0 = _counters(), clock.seconds
         phases = PhasePeaks(reset_ok)
+        cpu0 = _cpu_times()
         t0 = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
         phases.end("forward")
@@ -306,7 +318,7 @@ def run(spec: dict, out: ResultFile) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
-        rec = _step_record(i, wall, loss_v, before, _counters(), clock.seconds - w0)
+        rec = _step_record(i, wall, loss_v, before, _counters(), clock.seconds - w0, (cpu0, _cpu_times()))
         steps_peak = max(steps_peak, phases.peak)
         rec.update(rss_bytes=rss_bytes(), peak_rss_bytes=steps_peak, **phases.record(), **probes.gpu_memory(device))
         out.data["steps"].append(rec)
