@@ -3,15 +3,17 @@ worth setting for runs whose freed host memory is not kept (a DRAM budget of 0).
 imports nothing heavy.
 
 [Note: PyTorch's huge pages, and why aidaptiv_ds does not set them for you]
-Without heap reuse (a budget of 0: :func:`aidaptiv_ds.io.heap.return_freed_host_memory`) every
-allocation above the return policy's threshold (1 MiB until 2026-12-04, 32 MiB since: logits, the large
-weight gradients, DeepSpeed's reduce buffers) is a fresh mapping that page-faults in, 4 KiB at a time: 13.4 ms to allocate and fill 64 MiB on this project's VM against 1.3 ms for memory already
-mapped. aidaptiv_ds advises its own buffers to use transparent huge pages
-(:func:`aidaptiv_ds.io.buffers.advise_huge_pages`); PyTorch does the same for every CPU allocation of 2 MiB
-or more when ``THP_MEM_ALLOC_ENABLE=1`` (``c10/core/impl/alloc_cpu.cpp``: 2 MiB alignment and
-``madvise(MADV_HUGEPAGE)``): 5.2 ms for the same 64 MiB. Measured at 148M fp32, budget 0
-(``launch/compare.py``, 2026-12-04, two interleaved pairs): steps of 3.01 / 3.13 s with it against
-4.44 / 3.36 s without, peak RSS 2.58-2.82 against 2.55-2.57 GiB.
+Without heap reuse (a budget of 0: :func:`aidaptiv_ds.io.heap.return_freed_host_memory`) every allocation
+above the return policy's mmap threshold (1 MiB, then 32 MiB, 1 GiB since 2026-12-04), and every block of the
+heap after the runtime's trim at each phase's end, is fresh memory that page-faults in, 4 KiB at a time: 13.4
+ms to allocate and fill 64 MiB on this project's VM against 1.3 ms for memory already mapped. aidaptiv_ds
+advises its own buffers to use transparent huge pages (:func:`aidaptiv_ds.io.buffers.advise_huge_pages`);
+PyTorch does the same for every CPU allocation of 2 MiB or more when ``THP_MEM_ALLOC_ENABLE=1``
+(``c10/core/impl/alloc_cpu.cpp``: 2 MiB alignment and ``madvise(MADV_HUGEPAGE)``): 5.2 ms for the same 64 MiB.
+Measured at 148M fp32, budget 0 (``launch/compare.py``, 2026-12-04, two interleaved pairs): steps of 3.01 /
+3.13 s with it against 4.44 / 3.36 s without, peak RSS 2.58-2.82 against 2.55-2.57 GiB. Measured again with the 1 GiB
+threshold's predecessor, two interleaved pairs later that day (``THP_MEM_ALLOC_ENABLE=0`` against 1): 2.79 / 2.60
+against 2.62 / 3.04 s, no difference either way, 4 KiB faults five times as many (``docs/profiling.md``).
 
 Where the freed heap is kept (DeepSpeed's offload backends, and aidaptiv_ds at ``auto`` when the budget
 holds the working windows) it does not pay and can cost: DeepSpeed's CPU offload, fp32, ran 2.39-2.46 s

@@ -1,7 +1,7 @@
 """glibc heap policy (``aidaptiv_ds.io.heap``): the policies are recorded as glibc got them (``mallopt`` takes a C
 int), the reuse policy keeps a freed block for the next one, the budget-0 (return) policy keeps a tile's
-temporaries in the heap (fewer page faults than the 1 MiB threshold it replaced), the tiled step stays
-bit-identical under it, and the planner counts the tile scratch.
+temporaries and bucket-sized blocks in the heap within a phase and gives them back at its end, the tiled step
+stays bit-identical under it, and the planner counts the tile scratch.
 
 ``mallopt`` is process-wide, so everything that sets a policy runs in a child process.
 """
@@ -51,7 +51,7 @@ def test_policies_are_recorded():
     """)
     assert r["none"] is None
     assert r["reuse"] == [1 << 30, heap.C_INT_MAX]  # 4 GiB asked, clamped to what mallopt takes
-    assert r["default_return"] == [32 << 20, 64 << 20]
+    assert r["default_return"] == [1 << 30, heap.C_INT_MAX]
     assert r["return"] == [1 << 20, 128 << 10] and r["kind"] == "return"
 
 
@@ -104,10 +104,35 @@ def test_reuse_policy_keeps_a_freed_block():
 
 @glibc
 @child
+def test_return_policy_keeps_bucket_sized_blocks_within_a_phase_and_returns_them_at_its_end():
+    """DeepSpeed's reduce buffers (80-100 MB per bucket at 148M) are reused from the heap within a phase (at the
+    32 MiB threshold this replaced, each was a fresh mapping: 4 x 24,576 faults here); the runtime's trim at the
+    phase's end gives them back, so their next use faults in again."""
+    r = _child(_BLOCK_FAULTS + """
+    import os
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    heap.return_freed_host_memory()
+    faults(96, 6)  # glibc's aligned allocations take a few rounds to settle on reused addresses
+    within = faults(96)
+    held = rss()
+    heap.release_free_host_memory()
+    returned = held - rss()
+    print(json.dumps({"within": within, "after_trim": faults(96, 1), "returned": returned}))
+    """)
+    block_pages = 96 << 8  # 4 KiB pages of one block
+    assert r["within"] < block_pages / 4, r
+    assert r["returned"] >= (80 << 20), r  # the trim gave the free blocks back ...
+    assert r["after_trim"] >= block_pages / 2, r  # ... so the next use faults in (4 KiB pages)
+
+
+@glibc
+@child
 def test_return_policy_keeps_tile_temporaries_in_the_heap():
     """The fault count of 30 tile-sized temporaries allocated and freed in turn: at the 1 MiB threshold each is a
     fresh mapping (faulted in again every time; about 2048 per iteration here), far fewer at the shipped
-    32 MiB (the heap's pages are reused)."""
+    thresholds (the heap's pages are reused)."""
     r = _child("""
         import json, resource, torch
         from aidaptiv_ds.io import heap
@@ -147,7 +172,7 @@ def test_tiled_step_bit_identical_under_the_return_policy():
         same = bool(torch.equal(a, b)) and all(torch.equal(oa.state[a][k], ob.state[b][k]) for k in oa.state[a])
         print(json.dumps({"same": same, "after": heap.current_thresholds()}))
     """)
-    assert r["same"] and r["after"] == [32 << 20, 64 << 20]
+    assert r["same"] and r["after"] == [heap.RETURN_MMAP_BYTES, heap.RETURN_TRIM_BYTES]
 
 
 def test_planner_counts_the_scratch():

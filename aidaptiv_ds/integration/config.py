@@ -69,9 +69,8 @@ class IOConfig(_Model):
     ``true``, ``false``, or ``"auto"`` (default): on once the plan shows that the part of the DRAM
     budget the residency plan leaves free can hold a heap of the working windows (read-ahead,
     write-back, optimizer pipeline, gradient window), so the retained heap is inside the budget; off
-    otherwise (always at a budget of 0), and then freed buffers of 32 MiB or more are unmapped at once
-    (:func:`aidaptiv_ds.io.heap.return_freed_host_memory`) and the heap trimmed after each backward
-    pass and optimizer step.
+    otherwise (always at a budget of 0), and then freed memory is kept only within a phase: the heap is
+    trimmed after each backward pass and optimizer step (:func:`aidaptiv_ds.io.heap.return_freed_host_memory`).
     ``buffer_pool``: carve swap buffers (parameter reads, optimizer and gradient slices, write staging)
     from one fixed region of host memory sized by the plan's backward windows, reused step after step,
     instead of fresh memory for each (:mod:`aidaptiv_ds.io.pool`): ``"auto"`` (default): where no heap

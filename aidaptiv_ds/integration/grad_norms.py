@@ -5,8 +5,8 @@
 At every accumulation boundary DeepSpeed takes the norm of each gradient partition as
 ``part.data.to(fp64).norm(2) ** 2.0`` per split of ``buffer_size`` elements, summed, ``** 0.5``. On a CPU
 rank the ``.to(fp64)`` is a new host tensor twice the partition's fp32 size: 1.19 GB per step for a 148M
-fp32 Llama, and at a DRAM budget of 0, where every large block is a fresh ``mmap`` (1 MiB or more when this
-was measured, 32 MiB or more since)
+fp32 Llama, and at a DRAM budget of 0, where every large block was a fresh ``mmap`` (1 MiB or more when this
+was measured; blocks below 1 GiB are kept in the heap within a phase since)
 (:func:`aidaptiv_ds.io.heap.return_freed_host_memory`), each of them page-faults in (profiled: the
 copies ran 6.2x slower than into mapped memory). :class:`NormScratch` copies into one buffer instead,
 grown to the largest split it met (at most :data:`NORM_SCRATCH_MAX_NUMEL` elements; larger splits take

@@ -189,10 +189,10 @@ class Runtime:
 
     def end_of_step(self) -> None:
         """After every optimizer step, and after the backward pass of an accumulation boundary: without
-        heap reuse, give freed buffers back to the OS. glibc keeps freed chunks below its adaptive mmap
-        threshold (up to 32 MiB: activations, gathered parameters, read-ahead slices) in the heap; the
-        backward pass frees all activations just before the optimizer step allocates its sub-groups,
-        so without this the step's peak held both (2-5 B/param of retained heap measured before)."""
+        heap reuse, give the free heap back to the OS. The return policy keeps freed blocks in the heap within
+        a phase (activations, weight gradients, DeepSpeed's reduce buffers: ``io/heap.py`` [Note: the return
+        threshold]); the backward pass frees all activations just before the optimizer step allocates its
+        sub-groups, so without this the step's peak held both (2-5 B/param of retained heap measured before)."""
         if not self.reuse_host_memory:
             release_free_host_memory()
 

@@ -1,5 +1,5 @@
-"""glibc's policy for large host allocations: keep freed blocks in the heap for reuse, or give them back to
-the OS on free.
+"""glibc's policy for large host allocations: keep freed blocks in the heap for reuse, or keep them only
+within a phase and give them back to the OS at its end.
 
 [Note: two policies]
 glibc serves an allocation above ``M_MMAP_THRESHOLD`` with a fresh ``mmap`` region and unmaps it on free;
@@ -10,37 +10,45 @@ freed). A rank picks one policy for the whole process (``io.reuse_host_memory``)
 * *reuse* (:func:`reuse_freed_host_memory`): thresholds high, freed swap buffers stay for the next like
   allocation; the heap then holds the high-water mark of buffers live at once, which must fit in the DRAM
   budget (``Runtime.settle_host_memory_reuse``).
-* *return* (:func:`return_freed_host_memory`, a DRAM budget of 0): thresholds fixed, every block of
-  :data:`RETURN_MMAP_BYTES` or more is its own mapping and goes back on free, the heap's top is trimmed
-  above :data:`RETURN_TRIM_BYTES`, and the runtime gives the whole free heap back after each backward and
-  each step (``Runtime.end_of_step``), so what stays is bounded by the smaller blocks live within a phase.
-  The price is a page fault on first use of each page of each large block.
+* *return* (:func:`return_freed_host_memory`, a DRAM budget of 0): freed blocks are kept within a phase
+  (only blocks of :data:`RETURN_MMAP_BYTES` or more are mappings of their own, the heap's top is trimmed
+  on ``free`` only above :data:`RETURN_TRIM_BYTES`) and the runtime gives the whole free heap back after
+  each backward and each step (``Runtime.end_of_step``), so what stays between phases is the live blocks.
+  The price is a page fault on the first use of each page in each phase.
 
 [Note: the return threshold]
-It was 1 MiB while our own swap buffers (a few MiB each) came from ``malloc``: in the heap their
+What ``malloc`` serves at a budget of 0 is PyTorch's and DeepSpeed's own memory (our swap buffers come from
+the buffer pool, ``io/pool.py``): activations, ``matmul`` outputs, weight gradients, and once per reduce
+bucket DeepSpeed's flat ``torch.cat`` of the bucket's gradients and gloo's reduce-scatter buffers (80-100 MB
+each on the 148M Llama), and the gathered embedding and head (98 MB each there). A block above the mmap
+threshold is a fresh mapping per use, page-faulted in and zeroed by the kernel, and unmapped on free; a free
+heap top above the trim threshold goes back at the next ``free``. Since 2026-12-04 both are out of the way
+(mmap threshold 1 GiB, trim threshold the largest ``mallopt`` takes, 2 GiB - 1): within a phase a freed block
+stays for the next allocation, and what the phase freed goes back when it ends, where the runtime trims the
+whole free heap (``Runtime.end_of_step``, after each backward and each step).
+
+Measured on the 148M fp32 Llama at budget 0 (``launch/compare.py --backends cpu,aidaptiv0``, 8 steps, three
+interleaved pairs each time, CPU offload in every run), at two times of day on this VM, whose host discards
+the pages a guest gives back (free page reporting: ``docs/profiling.md``):
+
+* when giving pages back was expensive: 2.38 / 2.49 / 2.36 s per step at 1 GiB against 2.59 / 2.53 / 3.02 s
+  at 32 MiB, system CPU 0.35-0.39 s against 0.59-0.93 s per step, peak RSS 3.29-3.39 against 3.06-3.13 GiB;
+* when it was cheap: 2.35 / 2.95 / 2.33 s against 2.35 / 2.41 / 2.43 s, system CPU 0.33-0.40 against
+  0.31-0.35 s: no difference.
+
+The planner's figure against the peak RSS of the slow ``tests/test_plan_host_vs_rss.py`` (42M/93M/169M bf16)
+at 1 GiB: -2% / +10% / +9%.
+
+History: 1 MiB while our own swap buffers (a few MiB each) came from ``malloc``: in the heap their
 interleaved lifetimes fragmented it (169M fp32 at budget 0: 0.6 GiB more in backward at glibc's adaptive
-default). Since they come from the buffer pool (``io/pool.py``), what ``malloc`` serves is PyTorch's and
-DeepSpeed's own: activations, ``matmul`` outputs, weight gradients of 2-8 MiB, the reduce's ``torch.cat``.
-At 1 MiB each of those was a fresh mapping per use. At 32 MiB (glibc's own ceiling for its adaptive
-threshold, ``DEFAULT_MMAP_THRESHOLD_MAX``) they are reused from the heap within a phase. Measured on the
-148M fp32 Llama at budget 0, nine interleaved pairs (``launch/compare.py --backends aidaptiv0``, 6-7 steps,
-2026-12-04): median step 3.26 s against 3.46 s at 1 MiB, 32 MiB faster in 6 of the 9 pairs (this VM's
-step-to-step spread is 2.5-4.7 s, so no pair alone decides), peak RSS 3.07-3.16 against 2.94-3.02 GiB;
-the planner's figure against the peak RSS of ``tests/test_plan_host_vs_rss.py`` (42M/93M/169M bf16):
--9% / +7% / +10% (with the buffer pool's fixes of the same day; the 42M point 1.48 against 1.61 GiB).
+default). 32 MiB (glibc's own ceiling for its adaptive threshold) once they came from the pool, which kept the
+weight gradients and the tiled Adam's 8 MiB temporaries in the heap: median step 3.26 s against 3.46 s at
+1 MiB (nine interleaved pairs), peak RSS 3.07-3.16 against 2.94-3.02 GiB, plan against RSS -9% / +7% / +10%.
+The tiled Adam's two 8 MiB temporaries per tile were fresh mappings at 1 MiB: a 20M-element AdamW step 89 ms
+against 37 ms with them in the heap (median of 20 interleaved pairs).
 
-The tiled Adam step (``integration/host_step.py``) is one user of it: two 8 MiB temporaries per tile, about
-20 tiles per sub-group of 40M fp32 elements. At 1 MiB each was a fresh mapping per tile: a 20M-element
-AdamW step 89 ms against 37 ms with them in the heap (median of 20 interleaved pairs; the scoped raise of
-the threshold around the tile loop that measured it is what the 32 MiB threshold made unnecessary).
-
-Tried and not kept (2026-12-04): 1 GiB / 2 GiB - 1, so that DeepSpeed's bucket-sized reduce buffers
-(``torch.cat`` of a bucket's gradients and gloo's reduce-scatter buffers, 80-100 MB each at 148M) come from
-the heap too. Three interleaved pairs (148M fp32, ``--backends cpu,aidaptiv0``, 8 steps): 2.35 / 2.95 / 2.33 s
-against 2.35 / 2.41 / 2.43 s at 32 MiB (CPU offload 2.00-2.09 s in all six runs), 68,700-71,900 page faults
-and 0.33-0.40 s of system CPU per step against 69,100-72,600 and 0.31-0.35 s: no difference. The buckets
-differ in size, and glibc's aligned allocations (PyTorch's ``posix_memalign``) take a few rounds of one size
-to settle on a reused address, so within one backward they are fresh either way.
+Not the same as keeping the heap whole (no trims at phase ends): that took the step further, to 1.10-1.15x
+CPU offload, but what it kept grew with the model (``docs/profiling.md``).
 
 [Note: mallopt takes an int]
 ``mallopt(int param, int value)``: ctypes passes a Python int as a C ``int`` *masked* to 32 bits, so the
@@ -69,11 +77,11 @@ GLIBC_DEFAULT_TRIM_BYTES = 128 << 10
 #: the largest value ``mallopt`` takes (its ``value`` is a C ``int``; [Note: mallopt takes an int])
 C_INT_MAX = 2**31 - 1
 #: the return policy's mmap threshold: blocks of this size or more are mapped and unmapped on their own
-#: ([Note: the return threshold]; glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit)
-RETURN_MMAP_BYTES = 32 << 20
-#: the return policy's trim threshold: free heap top kept between trims (2 x the mmap threshold, as glibc's
-#: adaptive policy sets it)
-RETURN_TRIM_BYTES = 64 << 20
+#: ([Note: the return threshold])
+RETURN_MMAP_BYTES = 1 << 30
+#: the return policy's trim threshold: the free heap top is given back by the runtime's trims at phase ends,
+#: not by ``free`` ([Note: the return threshold])
+RETURN_TRIM_BYTES = C_INT_MAX
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,15 +146,16 @@ def reuse_freed_host_memory(threshold: int = 1 << 30) -> bool:
 
 
 def return_freed_host_memory(threshold: int = RETURN_MMAP_BYTES, trim_threshold: int = RETURN_TRIM_BYTES) -> bool:
-    """Serve every host allocation of at least ``threshold`` bytes with its own ``mmap`` and unmap it on
-    free, and trim the heap's top above ``trim_threshold`` bytes ([Note: two policies]; setting either
-    turns off glibc's adaptive thresholds, so both are set; values above :data:`C_INT_MAX` are clamped). The
-    runtime trims the rest of the free heap after each backward and step (:func:`release_free_host_memory`).
+    """Serve host allocations of at least ``threshold`` bytes with their own ``mmap`` (unmapped on free) and
+    trim the heap's top on ``free`` above ``trim_threshold`` bytes; below those, freed memory stays in the heap
+    until the runtime gives the whole free heap back after each backward and step
+    (:func:`release_free_host_memory`) ([Note: two policies]; setting either turns off glibc's adaptive
+    thresholds, so both are set; values above :data:`C_INT_MAX` are clamped).
 
     Fixed where glibc's default adapts: glibc raises its mmap threshold to the size of each large block
     freed, so which blocks stay in the heap depends on what was freed before. The default thresholds and
-    what they cost and save are in [Note: the return threshold]. The price of a mapping of its own is page
-    faults on first use of each page. Process-wide; False where the C library is not glibc.
+    what they cost and save are in [Note: the return threshold]. Process-wide; False where the C library is
+    not glibc.
     """
     return _apply(HeapPolicy("return", int(threshold), int(trim_threshold)))
 

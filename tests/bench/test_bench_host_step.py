@@ -2,8 +2,9 @@
 asserts a speed): one sub-group's Adam/AdamW step whole (torch's ``optimizer.step()``, DeepSpeed's call)
 against tiled (:func:`aidaptiv_ds.integration.host_step.tiled_adam_step`), and DeepSpeed's per-partition
 fp64 norm against the reused scratch (:class:`aidaptiv_ds.integration.grad_norms.NormScratch`), with
-glibc's thresholds as budget 0 sets them (``io.heap.return_freed_host_memory``: blocks of 32 MiB or more,
-the whole step's temporaries and the fp64 copies, are fresh memory; a tile's 8 MiB come from the heap).
+glibc's thresholds as budget 0 sets them (``io.heap.return_freed_host_memory``: blocks below 1 GiB are kept in
+the heap within a phase; the runtime's trims at phase ends do not run between rounds here, so this measures the
+steady state inside one backward).
 
 Run for numbers:  python -m pytest tests/bench/test_bench_host_step.py -m benchmark --benchmark-enable
 Environment: AIDAPTIV_BENCH_NUMEL (elements of the sub-group, default 20M; 1M when benchmarks are
