@@ -445,13 +445,17 @@ def test_phase_peaks_give_each_phase_its_own_high_water_mark():
 
     if not reset_peak_rss():
         pytest.skip("this kernel does not let a process reset its VmHWM (/proc/self/clear_refs)")
+    import mmap
+
     import torch
 
     mib = 1 << 20
     ph = PhasePeaks(True)
     ph.end("forward")
-    block = torch.ones(256 * mib, dtype=torch.uint8)  # touched: resident
-    del block
+    # a mapping of its own, touched whole: resident whatever heap policy an earlier test left in this process
+    region = mmap.mmap(-1, 256 * mib)
+    torch.frombuffer(region, dtype=torch.uint8).fill_(1)
+    region.close()
     ph.end("backward")
     ph.end("step")
     rec = ph.record()
