@@ -90,6 +90,13 @@ def process_peak_rss_bytes() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
+def cpu_times() -> tuple[float, float, int]:
+    """This process's CPU seconds so far, user and system (every thread), and its minor page faults
+    (``getrusage``; a fault is one page, 4 KiB or a 2 MiB huge page)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime, ru.ru_stime, ru.ru_minflt
+
+
 def reset_peak_rss() -> bool:
     """Reset ``VmHWM`` to the current RSS (``echo 5 > /proc/self/clear_refs``); False where not allowed."""
     try:

@@ -206,17 +206,9 @@ _MASTER_COUNTERS = {"from_params": "master_from_params_bytes", "held": "master_h
                     "demand": "master_demand_bytes"}
 
 
-def _cpu_times() -> tuple[float, float, int]:
-    """This process's CPU seconds (user, system; all threads) and minor page faults so far."""
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime, ru.ru_stime, ru.ru_minflt
-
-
 def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wait_s: float,
                  cpu: tuple[tuple[float, float, int], tuple[float, float, int]]) -> dict:
-    (u0, s0, f0), (u1, s1, f1) = cpu  # _cpu_times() before and after the step
+    (u0, s0, f0), (u1, s1, f1) = cpu  # probes.cpu_times() before and after the step
     return {"step": i + 1, "wall_s": wall, "loss": loss, "io_wait_s": wait_s,
             "cpu_user_s": u1 - u0, "cpu_sys_s": s1 - s0, "minor_faults": f1 - f0,
             "rt_io_wait_s": after["io_wait_s"] - before["io_wait_s"],
@@ -306,7 +298,7 @@ def run(spec: dict, out: ResultFile) -> None:
             torch.cuda.synchronize(device)
         before, w0 = _counters(), clock.seconds
         phases = PhasePeaks(reset_ok)
-        cpu0 = _cpu_times()
+        cpu0 = probes.cpu_times()
         t0 = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
         phases.end("forward")
@@ -318,7 +310,7 @@ def run(spec: dict, out: ResultFile) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
-        rec = _step_record(i, wall, loss_v, before, _counters(), clock.seconds - w0, (cpu0, _cpu_times()))
+        rec = _step_record(i, wall, loss_v, before, _counters(), clock.seconds - w0, (cpu0, probes.cpu_times()))
         steps_peak = max(steps_peak, phases.peak)
         rec.update(rss_bytes=rss_bytes(), peak_rss_bytes=steps_peak, **phases.record(), **probes.gpu_memory(device))
         out.data["steps"].append(rec)

@@ -113,20 +113,17 @@ def c_int_bytes(value: int) -> int:
     return max(0, min(int(value), C_INT_MAX))
 
 
-def _set_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
-    try:
-        libc = glibc()
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(c_int_bytes(mmap_threshold)))) and \
-            bool(libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(c_int_bytes(trim_threshold))))
-    except (OSError, AttributeError):
-        return False
-
-
 def _apply(policy: HeapPolicy) -> bool:
+    """Ask glibc for ``policy``'s thresholds, clamped to what ``mallopt`` takes; record what it got."""
     global _policy
     policy = HeapPolicy(policy.kind, c_int_bytes(policy.mmap_threshold), c_int_bytes(policy.trim_threshold))
     with _lock:
-        ok = _set_thresholds(policy.mmap_threshold, policy.trim_threshold)
+        try:
+            libc = glibc()
+            ok = bool(libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(policy.mmap_threshold))) and \
+                bool(libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(policy.trim_threshold)))
+        except (OSError, AttributeError):
+            ok = False
         if ok:
             _policy = policy
         return ok

@@ -46,6 +46,8 @@ import weakref
 import numpy as np
 import torch
 
+from .heap import glibc
+
 #: Requests below this size are left to the C library's heap (small chunks are reused there).
 POOL_MIN_BYTES = 1 << 20
 #: Buffers are carved in multiples of this (page aligned for O_DIRECT, small against a partition).
@@ -139,7 +141,6 @@ class HostBufferPool:
         if not self._resident_free and not self._returned:
             return
         self._merge_returned()
-        from .heap import glibc  # heap has no dependency on this module; imported here like buffers
         try:
             madvise = glibc().madvise
         except (OSError, AttributeError):
