@@ -1,6 +1,7 @@
 """``dram_budget: "auto"`` on a CPU rank leaves room for DeepSpeed's own working set (gathered parameters up
-to ``stage3_max_live_parameters``, the ``reduce_bucket_size`` gradient bucket and the two copies of it its
-reduce-scatter makes), which a GPU would hold in VRAM (aidaptiv_ds/planner/auto.py, ``deepspeed_cpu_rank_bytes``)."""
+to ``stage3_max_live_parameters``, the ``reduce_bucket_size`` gradient bucket and, over several ranks, the two
+copies of it its reduce-scatter makes), which a GPU would hold in VRAM (aidaptiv_ds/planner/auto.py,
+``deepspeed_cpu_rank_bytes``)."""
 from __future__ import annotations
 
 import logging
@@ -9,18 +10,27 @@ import os
 import pytest
 import torch
 
-from aidaptiv_ds.planner.auto import CPU_REDUCE_BUCKET_NUMEL, REDUCE_PATH_COPIES, deepspeed_cpu_rank_bytes
+from aidaptiv_ds.planner.auto import (CPU_REDUCE_BUCKET_NUMEL, REDUCE_PATH_COPIES, deepspeed_cpu_rank_bytes,
+                                      reduce_path_copies)
 from aidaptiv_ds.ports import free_port
 from conftest import EXT_DIR
 
 
 def test_the_formula_caps_live_parameters_at_the_model():
-    # DeepSpeed's defaults on a 2.7B fp32 model: 1e9 live elements (4 GB) + three 5e8-element fp32 buckets (6 GB)
-    assert deepspeed_cpu_rank_bytes(10**9, 2_700_000_000, 4, 5 * 10**8, 4) == 10 * 10**9
+    # DeepSpeed's defaults on a 2.7B fp32 model over 2 ranks: 1e9 live elements (4 GB) + three 5e8-element buckets (6 GB)
+    assert deepspeed_cpu_rank_bytes(10**9, 2_700_000_000, 4, 5 * 10**8, 4, partition_ranks=2) == 10 * 10**9
     # a model smaller than the live bound: all of it, once; a bucket smaller than the model: three of it
-    assert deepspeed_cpu_rank_bytes(10**9, 1000, 2, 10, 2) == 2000 + 3 * 10 * 2
+    assert deepspeed_cpu_rank_bytes(10**9, 1000, 2, 10, 2, partition_ranks=4) == 2000 + 3 * 10 * 2
     # a bucket larger than the model holds the model's gradients at most (torch.empty pages never touched)
-    assert deepspeed_cpu_rank_bytes(10, 1000, 2, 10**6, 2) == 20 + 3 * 1000 * 2
+    assert deepspeed_cpu_rank_bytes(10, 1000, 2, 10**6, 2, partition_ranks=2) == 20 + 3 * 1000 * 2
+    # one rank: the reduce-scatter is skipped (integration/grad_path.py), the bucket is held alone
+    assert deepspeed_cpu_rank_bytes(10**9, 1000, 2, 10, 2, partition_ranks=1) == 2000 + 10 * 2
+
+
+def test_reduce_path_copies_by_partition_group():
+    assert [reduce_path_copies(n) for n in (1, 2, 8)] == [1, REDUCE_PATH_COPIES, REDUCE_PATH_COPIES]
+    with pytest.raises(ValueError, match="partition_ranks=0"):
+        reduce_path_copies(0)
 
 
 _REDUCE_PROBE = r"""
@@ -45,8 +55,8 @@ print((hwm() - before) / (n * 4))
 @pytest.mark.subprocess
 def test_deepspeeds_cpu_reduce_path_holds_two_more_buckets(tmp_path):
     """The constant behind ``REDUCE_PATH_COPIES``: on a CPU rank DeepSpeed's ``reduce_scatter_coalesced`` (what
-    ``__avg_scatter_grads`` calls for each full bucket) raises the peak RSS by two buckets beyond the bucket
-    itself (its ``torch.cat`` of the interleaved partitions, and gloo's reduce-scatter buffer). Measured with
+    ``__avg_scatter_grads`` calls for each full bucket over several ranks; one rank skips it,
+    ``tests/test_single_rank_reduce.py``) raises the peak RSS by two buckets beyond the bucket itself (its ``torch.cat`` of the interleaved partitions, and gloo's reduce-scatter buffer). Measured with
     the kernel's peak-RSS counter reset just before the call, so it is a count of touched pages, not a timing."""
     import subprocess
     import sys
@@ -103,8 +113,8 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
         assert engine.optimizer.reduce_bucket_size == bucket
         numel = sum(p.ds_numel for p in engine.module.parameters())
         mine = engine.optimizer._aidaptiv_deepspeed_cpu_bytes(list(engine.module.parameters()))
-        assert mine == deepspeed_cpu_rank_bytes(max_live, numel, 4, bucket, 4)
-        assert mine == min(max_live, numel) * 4 + 3 * min(bucket, numel) * 4
+        assert mine == deepspeed_cpu_rank_bytes(max_live, numel, 4, bucket, 4, partition_ranks=1)
+        assert mine == min(max_live, numel) * 4 + min(bucket, numel) * 4  # one rank: no reduce-scatter copies
         assert seen == [mine]  # nothing held in DRAM yet when the budget is cut: exactly DeepSpeed's share
     finally:
         rt = engine.optimizer._aidaptiv_rt

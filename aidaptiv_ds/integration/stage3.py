@@ -73,8 +73,9 @@ def auto_reduce_bucket_size(ds_config: dict) -> int | None:
     """``zero_optimization.reduce_bucket_size`` to use on a CPU rank when the config leaves it out, else None.
 
     On a GPU DeepSpeed's bucket (5e8 elements by default) is VRAM; on a CPU rank it is host memory
-    outside the DRAM budget, three times over while a bucket is reduced (the bucket, the interleaved
-    copy ``reduce_scatter_coalesced`` makes, gloo's reduce-scatter buffer: ``docs/gradients.md``): 6 GB
+    outside the DRAM budget, three times over while a bucket is reduced over several ranks (the bucket, the
+    interleaved copy ``reduce_scatter_coalesced`` makes, gloo's reduce-scatter buffer: ``docs/gradients.md``;
+    one rank skips the reduce-scatter, ``integration/grad_path.py``): 6 GB
     in fp32, a quarter of a 24 GiB machine. A bucket batches collectives; on a CPU rank 2e7 elements
     (80 MB in fp32) already makes each one long against its fixed cost, and the 5.8 GB saved go to
     the budget. A gradient larger than the bucket is reduced on its own, without a copy (DeepSpeed
@@ -216,9 +217,11 @@ def make_stage3_class(base: type) -> type:
             offload = getattr(self, "parameter_offload", None)
             max_live = getattr(offload, "_max_available_parameters_in_numel", 0) or 0
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
+            import deepspeed.comm as dist
             return deepspeed_cpu_rank_bytes(max_live, model_numel, self.dtype.itemsize,
                                             int(getattr(self, "reduce_bucket_size", 0) or 0),
-                                            self.gradient_accumulation_dtype.itemsize)
+                                            self.gradient_accumulation_dtype.itemsize,
+                                            partition_ranks=dist.get_world_size(group=self.dp_process_group))
 
         def _aidaptiv_plan(self) -> None:
             """Choose what stays in DRAM, build the gradient store, preflight the store for the rest,

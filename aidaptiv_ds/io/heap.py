@@ -18,9 +18,10 @@ freed). A rank picks one policy for the whole process (``io.reuse_host_memory``)
 
 [Note: the return threshold]
 What ``malloc`` serves at a budget of 0 is PyTorch's and DeepSpeed's own memory (our swap buffers come from
-the buffer pool, ``io/pool.py``): activations, ``matmul`` outputs, weight gradients, and once per reduce
-bucket DeepSpeed's flat ``torch.cat`` of the bucket's gradients and gloo's reduce-scatter buffers (80-100 MB
-each on the 148M Llama), and the gathered embedding and head (98 MB each there). A block above the mmap
+the buffer pool, ``io/pool.py``): activations, ``matmul`` outputs, weight gradients, over several ranks once
+per reduce bucket DeepSpeed's flat ``torch.cat`` of the bucket's gradients and gloo's reduce-scatter buffers
+(80-100 MB each on the 148M Llama; one rank skips them, ``integration/grad_path.py``), and the gathered
+embedding and head (98 MB each there). A block above the mmap
 threshold is a fresh mapping per use, page-faulted in and zeroed by the kernel, and unmapped on free; a free
 heap top above the trim threshold goes back at the next ``free``. Since 2026-12-04 both are out of the way
 (mmap threshold 1 GiB, trim threshold the largest ``mallopt`` takes, 2 GiB - 1): within a phase a freed block

@@ -48,10 +48,13 @@ host's), so what the plan promises is what the runtime does:
 * on CPU ranks also DeepSpeed's own working set (:func:`deepspeed_cpu_rank_bytes`), which a GPU
   would hold in VRAM: the gathered parameters DeepSpeed keeps live (``stage3_max_live_parameters``,
   at most the model) and its gradient reduce path: the ``reduce_bucket_size`` bucket and, while a
-  bucket is reduced, two transient copies of it (``reduce_scatter_coalesced`` interleaves the
-  bucket's partitions into a new flat tensor with ``torch.cat``, and gloo's reduce-scatter works
-  on a buffer of its own; measured: a 1 GiB bucket raises the peak RSS by 2.00 GiB,
-  ``tests/test_auto_budget_cpu.py``), so ``REDUCE_PATH_COPIES`` = 3 buckets. With DeepSpeed's
+  bucket is reduced over several ranks, two transient copies of it (``reduce_scatter_coalesced``
+  interleaves the bucket's partitions into a new flat tensor with ``torch.cat``, and gloo's
+  reduce-scatter works on a buffer of its own; measured: a 1 GiB bucket raises the peak RSS by
+  2.00 GiB, ``tests/test_auto_budget_cpu.py``), so ``REDUCE_PATH_COPIES`` = 3 buckets. A partition
+  group of one rank skips that reduce-scatter (the identity there:
+  :func:`aidaptiv_ds.integration.grad_path.single_rank_grad_partitions`), so it holds the bucket
+  alone (:func:`reduce_path_copies`; measured by the same test through the engine). With DeepSpeed's
   defaults (1e9 and 5e8 elements) that is up to 10 GB in fp32, outside any budget of ours: the
   gathered parameters and the bucket left out, a 2.7B fp32 Llama at ``"auto"`` took an 8.8 GiB
   budget on this 23.5 GiB machine and ran out of memory in step 2 (peak RSS 20.7 GiB); with one
@@ -358,7 +361,7 @@ def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int 
 
 
 def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_per_elem: int,
-                             reduce_bucket_numel: int, grad_bytes_per_elem: int) -> int:
+                             reduce_bucket_numel: int, grad_bytes_per_elem: int, *, partition_ranks: int) -> int:
     """Host bytes of DeepSpeed's own ZeRO-3 working set on a CPU rank (module docstring).
 
     Args:
@@ -368,13 +371,28 @@ def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_
         param_bytes_per_elem: bytes of a gathered parameter element (the model dtype).
         reduce_bucket_numel: ``reduce_bucket_size`` (elements of the gradient bucket, ``stage3.py:387``).
         grad_bytes_per_elem: bytes of a bucket element (the gradient dtype).
+        partition_ranks: ranks of the gradients' partition group (the data-parallel size).
 
     Returns:
-        ``min(max_live, model) x param bytes + REDUCE_PATH_COPIES x min(reduce_bucket, model) x grad bytes``
-        (a bucket never holds more than the model's gradients).
+        ``min(max_live, model) x param bytes + reduce_path_copies(partition_ranks) x min(reduce_bucket, model)
+        x grad bytes`` (a bucket never holds more than the model's gradients).
     """
     return (min(int(max_live_numel), int(model_numel)) * int(param_bytes_per_elem)
-            + REDUCE_PATH_COPIES * min(int(reduce_bucket_numel), int(model_numel)) * int(grad_bytes_per_elem))
+            + reduce_path_copies(partition_ranks) * min(int(reduce_bucket_numel), int(model_numel))
+            * int(grad_bytes_per_elem))
+
+
+def reduce_path_copies(partition_ranks: int) -> int:
+    """Gradient buckets a CPU rank holds at once while one is reduced (module docstring): the bucket and,
+    over a partition group of several ranks, the two copies DeepSpeed's reduce-scatter makes
+    (``REDUCE_PATH_COPIES``); over one rank the bucket alone, the reduce-scatter being skipped.
+
+    Raises:
+        ValueError: ``partition_ranks`` below 1.
+    """
+    if int(partition_ranks) < 1:
+        raise ValueError(f"partition_ranks={partition_ranks!r}: a partition group has at least one rank")
+    return 1 if int(partition_ranks) == 1 else REDUCE_PATH_COPIES
 
 
 @dataclasses.dataclass

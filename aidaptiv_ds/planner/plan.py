@@ -519,7 +519,8 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
     largest_sg = min(inp.sub_group_size, per_rank)
     numels = [inp.sub_group_size] * (per_rank // inp.sub_group_size) + (
         [per_rank % inp.sub_group_size] if per_rank % inp.sub_group_size else [])
-    ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, N, pb, inp.reduce_bucket_size, grad_accum_bytes(inp.dtype))
+    ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, N, pb, inp.reduce_bucket_size, grad_accum_bytes(inp.dtype),
+                                  partition_ranks=dp)
     speculate = _may_step_in_backward(inp)  # before the preflight's choice
     parts = cpu_rank_working_set(readahead_bytes=readahead,
                                  grad_window_bytes=2 * largest_sg * grad_accum_bytes(inp.dtype),
