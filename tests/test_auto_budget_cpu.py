@@ -17,7 +17,7 @@ from conftest import EXT_DIR
 
 
 def test_the_formula_caps_live_parameters_at_the_model():
-    # DeepSpeed's defaults on a 2.7B fp32 model over 2 ranks: 1e9 live elements (4 GB) + three 5e8-element buckets (6 GB)
+    # DeepSpeed's defaults on a 2.7B fp32 model, 2 ranks: 1e9 live elements (4 GB) + three 5e8-element buckets (6 GB)
     assert deepspeed_cpu_rank_bytes(10**9, 2_700_000_000, 4, 5 * 10**8, 4, partition_ranks=2) == 10 * 10**9
     # a model smaller than the live bound: all of it, once; a bucket smaller than the model: three of it
     assert deepspeed_cpu_rank_bytes(10**9, 1000, 2, 10, 2, partition_ranks=4) == 2000 + 3 * 10 * 2

@@ -85,7 +85,9 @@ from .auto import (
     deepspeed_cpu_rank_bytes,
     explain_dram_budget,
     host_working_set,
+    master_hold_bytes,
     norm_scratch_bytes,
+    optimizer_scratch_bytes,
     prefetch_bytes_from_budget,
 )
 from .model_size import ModelShape
@@ -502,7 +504,9 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
     the rank's parameter partitions: a small model's read-ahead cannot fill it), its
     gradient window (two sub-groups' accumulation slices), DeepSpeed's own working set from its knobs
     (:func:`~aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`: ``--max-live-parameters``,
-    ``--reduce-bucket-size``) and the activations of one micro-batch. DeepSpeed's flat host gradient
+    ``--reduce-bucket-size``; the reduce-scatter's two bucket copies only with ``dp`` > 1), the activations of
+    one micro-batch, and like the runtime the optimizer step's tile scratch and, for fp32 parameters with
+    steps inside backward, one master slot of parameter bytes kept from backward's reads. DeepSpeed's flat host gradient
     buffer (``stage3.py:786-800``) is not allocated on our backend: gradients live in the tiers like the
     rest of the state (:mod:`aidaptiv_ds.integration.grad_path`).
 
@@ -530,7 +534,11 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
                                  baseline_bytes=inp.cpu_rank_baseline,
                                  in_backward_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[
                                      inp.optimizer]) if speculate else 0,
-                                 norm_scratch=norm_scratch_bytes(-(-largest_param // dp)))
+                                 norm_scratch=norm_scratch_bytes(-(-largest_param // dp)),
+                                 # fp32 parameters are read from their master slots (the runtime's ``alias``)
+                                 master_hold=master_hold_bytes(largest_sg * MASTER_BYTES_PER_PARAM)
+                                 if speculate and inp.dtype == "fp32" else 0,
+                                 step_scratch=optimizer_scratch_bytes())
     return {**parts, "deepspeed": ds, "activations": int(activations), "readahead": readahead}
 
 
