@@ -196,3 +196,37 @@ def test_a_miss_gives_the_free_pages_back(pool):
     b = buffers.alloc_aligned(8 * MiB)
     assert b.data_ptr() == ptr and int(b.count_nonzero()) == 0  # the given-back pages read as zeros
     assert pool.contains(keep)
+
+
+def test_buffers_dying_while_a_miss_lives_give_their_pages_back(pool):
+    """io/pool.py [Note: lean while a miss is alive]: while a fresh buffer of a miss lives, a pool buffer that
+    dies gives its pages back at once (the region and the fresh memory are not both resident); once no
+    miss lives, a dead buffer's pages stay for reuse again."""
+    import ctypes
+
+    def probe(ptr, n):
+        return torch.frombuffer((ctypes.c_char * n).from_address(ptr), dtype=torch.uint8)
+
+    a = buffers.alloc_aligned(4 * MiB)
+    a.fill_(1)
+    pa = a.data_ptr()
+    big = buffers.alloc_aligned(pool.capacity)  # does not fit beside ``a``: a miss, fresh memory
+    assert not pool.contains(big)
+    c = pool.counters()
+    assert c["miss_live_bytes"] >= pool.capacity
+    released = c["released_bytes"]
+    assert _resident_bytes(probe(pa, 4 * MiB)) == 4 * MiB  # in use: resident
+    del a
+    gc.collect()
+    assert _resident_bytes(probe(pa, 4 * MiB)) == 0  # died while the miss lives: given back at once
+    assert pool.counters()["released_bytes"] == released + 4 * MiB
+    del big
+    gc.collect()
+    assert pool.counters()["miss_live_bytes"] == 0
+    d = buffers.alloc_aligned(4 * MiB)
+    d.fill_(1)
+    pd = d.data_ptr()
+    del d
+    gc.collect()
+    assert _resident_bytes(probe(pd, 4 * MiB)) == 4 * MiB  # no miss alive: kept for reuse
+    assert pool.counters()["released_bytes"] == released + 4 * MiB

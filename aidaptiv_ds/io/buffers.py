@@ -135,8 +135,8 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
             raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=True)
     else:
         pool = _POOL
-        carved = pool.take(nbytes) if pool is not None and nbytes >= POOL_MIN_BYTES and \
-            pool.granule % alignment == 0 else None
+        asked = pool is not None and nbytes >= POOL_MIN_BYTES and pool.granule % alignment == 0
+        carved = pool.take(nbytes) if asked and pool is not None else None
         if carved is not None:  # granule-aligned already
             buf = carved[:nbytes]
             if zero:
@@ -145,7 +145,10 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
             if register:
                 REGISTRY.add(out)
             return out
-        raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
+        if asked and pool is not None:  # a miss: fresh memory the pool counts while it lives
+            raw = pool.fresh(nbytes + alignment)  # (io/pool.py, [Note: lean while a miss is alive])
+        else:
+            raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
         if nbytes >= HUGE_PAGE_BYTES:
             advise_huge_pages(raw)
     skip = (-raw.data_ptr()) % alignment

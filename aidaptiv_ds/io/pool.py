@@ -32,6 +32,18 @@ next handed out, content being undefined anyway): resident are then the buffers 
 the fresh ones, as without a pool. Where nothing misses, nothing is given back and the reuse is whole.
 Released bytes are counted (:attr:`HostBufferPool.released_bytes`).
 
+[Note: lean while a miss is alive] Releasing the free ranges at the miss was not enough in the optimizer
+step after backward, where the pipeline's sub-group slices (3 x 320 MB on a 169M bf16 Llama with
+2e7-element sub-groups) do not fit the region sized by backward's windows (0.90 GiB): buffers carved
+before the miss died after it, their touched pages went back to the free list resident, and the fresh
+buffers of the misses lived beside them. Sampled every 10 ms with ``mincore`` on the region (slow
+``tests/test_plan_host_vs_rss.py`` config, 169M): the region 0.89 GiB resident with 0.33 GiB in use while
+the step's misses had reached 1.07 GiB, peak RSS 2.75 GiB against the plan's 1.82. So a miss is served
+by :meth:`HostBufferPool.fresh`, which counts it live until it dies, and while any is live a pool buffer
+that dies gives its pages back at once (in its finalizer, before its range is back in the free list:
+nothing can carve it meanwhile). Resident is then what is in use, the pool's and the fresh buffers', as
+the plan's optimizer phase counts it; with no miss alive the reuse is whole again.
+
 Pinned host memory (``cudaHostAlloc`` on a GPU rank) is not pooled: :func:`alloc_aligned` asks the pool
 only for unpinned buffers.
 """
@@ -73,7 +85,9 @@ class HostBufferPool:
         hit_bytes, miss_bytes: bytes of requests served from the region / refused (the caller allocates
             fresh memory for those).
         released_bytes: bytes of free ranges whose pages were given back on a miss ([Note: a miss gives
-            the free pages back]).
+            the free pages back]) or as a buffer died while a miss was alive ([Note: lean while a miss is
+            alive]).
+        miss_live_bytes: bytes of fresh buffers (:meth:`fresh`) alive now, as of the last merge.
 
     Raises:
         ValueError: a capacity below one granule or a granule that is not a multiple of 4096.
@@ -98,6 +112,8 @@ class HostBufferPool:
         self.hit_bytes = self.miss_bytes = self.released_bytes = 0
         self._resident_free = True  # free ranges may hold touched pages (none given back since last carve)
         self.live = 0  # buffers handed out and not yet returned
+        self.miss_live_bytes = 0  # fresh buffers of misses alive (decrements queued in _miss_returned)
+        self._miss_returned: collections.deque = collections.deque()
 
     # ------------------------------------------------------------------ carving
     def take(self, nbytes: int) -> torch.Tensor | None:
@@ -132,7 +148,33 @@ class HostBufferPool:
         cbuf = (ctypes.c_char * n).from_address(self._start + best)
         cbuf._pool = self  # type: ignore[attr-defined]  # the region lives as long as any buffer carved from it
         arr = np.frombuffer(cbuf, dtype=np.uint8)  # type: ignore[call-overload]
-        weakref.finalize(arr, self._returned.append, (best, n))
+        weakref.finalize(arr, self._give_back, best, n)
+        return torch.from_numpy(arr)
+
+    def _give_back(self, off: int, n: int) -> None:
+        """Finalizer of a carved buffer (any thread, maybe inside :meth:`take` of this thread: no lock):
+        queue its range, first giving its pages back when a miss is alive ([Note: lean while a miss is
+        alive]; the range is in no free list yet, so nothing can carve it meanwhile)."""
+        if self.miss_live_bytes > 0:
+            try:
+                if glibc().madvise(ctypes.c_void_p(self._start + off), ctypes.c_size_t(n), _MADV_DONTNEED) == 0:
+                    self._returned.append((off, n, n))
+                    return
+            except (OSError, AttributeError):
+                pass
+        self._returned.append((off, n, 0))
+
+    def fresh(self, nbytes: int) -> torch.Tensor:
+        """Fresh host memory for a request :meth:`take` refused: a 1-D ``uint8`` tensor of ``nbytes`` bytes
+        from the C library's heap (content undefined), counted in :attr:`miss_live_bytes` until its last
+        view dies; meanwhile dying pool buffers give their pages back ([Note: lean while a miss is alive]).
+        The caller aligns it (:func:`aidaptiv_ds.io.buffers.alloc_aligned`)."""
+        n = max(int(nbytes), 1)
+        arr = np.empty(n, dtype=np.uint8)
+        with self._lock:
+            self._merge_returned()
+            self.miss_live_bytes += n
+        weakref.finalize(arr, self._miss_returned.append, n)
         return torch.from_numpy(arr)
 
     def _release_free(self) -> None:
@@ -153,8 +195,11 @@ class HostBufferPool:
 
     def _merge_returned(self) -> None:
         """Put the ranges of dead buffers back into the free list, merged with their neighbours (lock held)."""
+        while self._miss_returned:
+            self.miss_live_bytes -= self._miss_returned.popleft()
         while self._returned:
-            off, n = self._returned.popleft()
+            off, n, released = self._returned.popleft()
+            self.released_bytes += released
             self.in_use -= n
             self.live -= 1
             i = bisect.bisect_left(self._free_starts, off)
@@ -188,8 +233,10 @@ class HostBufferPool:
         return self._start <= p and p + t.numel() * t.element_size() <= self._start + self.capacity
 
     def counters(self) -> dict:
-        """``{"capacity", "in_use", "peak_in_use", "hit_bytes", "miss_bytes", "released_bytes"}``, bytes."""
+        """``{"capacity", "in_use", "peak_in_use", "hit_bytes", "miss_bytes", "released_bytes",
+        "miss_live_bytes"}``, bytes."""
         with self._lock:
             self._merge_returned()
             return {"capacity": self.capacity, "in_use": self.in_use, "peak_in_use": self.peak_in_use,
-                    "hit_bytes": self.hit_bytes, "miss_bytes": self.miss_bytes, "released_bytes": self.released_bytes}
+                    "hit_bytes": self.hit_bytes, "miss_bytes": self.miss_bytes, "released_bytes": self.released_bytes,
+                    "miss_live_bytes": self.miss_live_bytes}
