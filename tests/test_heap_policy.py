@@ -94,7 +94,7 @@ def test_reuse_policy_keeps_a_freed_block():
     """A 256 MiB block freed and allocated again comes back from the heap (with the trim threshold masked to
     0, the heap's top was trimmed at every free and each block faulted in anew: 4 x 65,536 faults). glibc
     places consecutive blocks at two alternating addresses, so the first rounds fault both in, and now and
-    then past a small chunk another thread took at the heap's top, which faults one block in anew (8 runs of
+    then at a third address, which faults one block in anew (8 runs of
     this child on 2026-12-05: 0 faults in six, 65,536 in two); never more than one of the four rounds."""
     r = _child(_BLOCK_FAULTS + """
     heap.reuse_freed_host_memory()

@@ -128,8 +128,9 @@ def register(subparsers) -> None:
                    help="DeepSpeed's stage3_max_live_parameters in elements (default 1e9, DeepSpeed's): host memory "
                         "on CPU ranks")
     p.add_argument("--reduce-bucket-size", type=float, default=None,
-                   help="DeepSpeed's reduce_bucket_size in elements, if your config sets it (three buckets of host "
-                        "memory on CPU ranks while one is reduced; left out, a CPU rank runs with 2e7)")
+                   help="DeepSpeed's reduce_bucket_size in elements, if your config sets it (host memory on CPU "
+                        "ranks: three buckets while one is reduced over several ranks, one on a single rank; left "
+                        "out, a CPU rank runs with 2e7)")
     p.add_argument("--gradient-clipping", type=float, default=0.0,
                    help="DeepSpeed's gradient_clipping (default 0: off; HF Trainer's default is 1.0): with it on, "
                         "steps inside backward keep their gradients until the norm is known")

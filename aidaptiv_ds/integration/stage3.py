@@ -129,8 +129,8 @@ def make_stage3_class(base: type) -> type:
             if bucket is not None and int(kwargs.get("reduce_bucket_size", bucket)) > bucket:
                 if self._aidaptiv_rt.rank == 0:
                     log.info("aidaptiv_ds: zero_optimization.reduce_bucket_size not set on a CPU rank: using %.3g "
-                             "elements instead of DeepSpeed's %.3g (its reduce path holds three buckets of host "
-                             "memory outside the DRAM budget); set it in the config to choose", bucket,
+                             "elements instead of DeepSpeed's %.3g (its reduce path holds up to three buckets "
+                             "of host memory outside the DRAM budget); set it in the config to choose", bucket,
                              float(kwargs["reduce_bucket_size"]))
                 kwargs["reduce_bucket_size"] = bucket
             super().__init__(*args, **kwargs)
