@@ -230,3 +230,25 @@ def test_buffers_dying_while_a_miss_lives_give_their_pages_back(pool):
     gc.collect()
     assert _resident_bytes(probe(pd, 4 * MiB)) == 4 * MiB  # no miss alive: kept for reuse
     assert pool.counters()["released_bytes"] == released + 4 * MiB
+
+
+def test_a_buffer_returned_after_a_release_is_given_back_at_the_next_miss(pool):
+    """A range that comes back resident after a miss released the free ranges (no miss alive by then) is
+    released by the next miss, although the merge that took it in ran inside that miss's own ``take``."""
+    import ctypes
+    keep = buffers.alloc_aligned(2 * MiB)  # so a request of the whole region misses throughout
+    a = buffers.alloc_aligned(4 * MiB)
+    a.fill_(1)
+    pa = a.data_ptr()
+    big = buffers.alloc_aligned(pool.capacity)  # a miss: the free ranges are given back
+    assert not pool.contains(big)
+    del big
+    gc.collect()
+    assert pool.counters()["miss_live_bytes"] == 0  # merged: no miss alive
+    del a  # comes back resident (nothing to be lean for)
+    gc.collect()
+    probe = torch.frombuffer((ctypes.c_char * (4 * MiB)).from_address(pa), dtype=torch.uint8)
+    assert _resident_bytes(probe) == 4 * MiB
+    again = buffers.alloc_aligned(pool.capacity)  # the next miss
+    assert not pool.contains(again) and pool.contains(keep)
+    assert _resident_bytes(probe) == 0

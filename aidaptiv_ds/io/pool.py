@@ -42,7 +42,11 @@ the step's misses had reached 1.07 GiB, peak RSS 2.75 GiB against the plan's 1.8
 by :meth:`HostBufferPool.fresh`, which counts it live until it dies, and while any is live a pool buffer
 that dies gives its pages back at once (in its finalizer, before its range is back in the free list:
 nothing can carve it meanwhile). Resident is then what is in use, the pool's and the fresh buffers', as
-the plan's optimizer phase counts it; with no miss alive the reuse is whole again.
+the plan's optimizer phase counts it; with no miss alive the reuse is whole again. Limits: a dead fresh
+buffer leaves the count at the next merge (a buffer dying in between is still given back), and every miss
+counts, also a long-lived one (a resident or cached slice at a budget above 0, where a pool is used only
+when that budget cannot hold a heap): while it lives the pool gives back every buffer that dies, correct
+but without reuse. Not measured there yet.
 
 Pinned host memory (``cudaHostAlloc`` on a GPU rank) is not pooled: :func:`alloc_aligned` asks the pool
 only for unpinned buffers.
@@ -148,21 +152,23 @@ class HostBufferPool:
         cbuf = (ctypes.c_char * n).from_address(self._start + best)
         cbuf._pool = self  # type: ignore[attr-defined]  # the region lives as long as any buffer carved from it
         arr = np.frombuffer(cbuf, dtype=np.uint8)  # type: ignore[call-overload]
-        weakref.finalize(arr, self._give_back, best, n)
+        weakref.finalize(arr, self._give_back, best, n).atexit = False  # never at exit: live buffers stay intact
         return torch.from_numpy(arr)
 
     def _give_back(self, off: int, n: int) -> None:
         """Finalizer of a carved buffer (any thread, maybe inside :meth:`take` of this thread: no lock):
         queue its range, first giving its pages back when a miss is alive ([Note: lean while a miss is
         alive]; the range is in no free list yet, so nothing can carve it meanwhile)."""
-        if self.miss_live_bytes > 0:
-            try:
-                if glibc().madvise(ctypes.c_void_p(self._start + off), ctypes.c_size_t(n), _MADV_DONTNEED) == 0:
-                    self._returned.append((off, n, n))
-                    return
-            except (OSError, AttributeError):
-                pass
-        self._returned.append((off, n, 0))
+        released = self.miss_live_bytes > 0 and self._dontneed(off, n)
+        self._returned.append((off, n, n if released else 0))
+
+    def _dontneed(self, off: int, n: int) -> bool:
+        """Give the pages of ``[off, off + n)`` of the region back to the OS (``MADV_DONTNEED``); False
+        where that is not possible (no glibc)."""
+        try:
+            return glibc().madvise(ctypes.c_void_p(self._start + off), ctypes.c_size_t(n), _MADV_DONTNEED) == 0
+        except (OSError, AttributeError):
+            return False
 
     def fresh(self, nbytes: int) -> torch.Tensor:
         """Fresh host memory for a request :meth:`take` refused: a 1-D ``uint8`` tensor of ``nbytes`` bytes
@@ -174,7 +180,7 @@ class HostBufferPool:
         with self._lock:
             self._merge_returned()
             self.miss_live_bytes += n
-        weakref.finalize(arr, self._miss_returned.append, n)
+        weakref.finalize(arr, self._miss_returned.append, n).atexit = False
         return torch.from_numpy(arr)
 
     def _release_free(self) -> None:
@@ -183,13 +189,9 @@ class HostBufferPool:
         if not self._resident_free and not self._returned:
             return
         self._merge_returned()
-        try:
-            madvise = glibc().madvise
-        except (OSError, AttributeError):
-            return
         for off in self._free_starts:
             n = self._free_len[off]
-            if madvise(ctypes.c_void_p(self._start + off), ctypes.c_size_t(n), _MADV_DONTNEED) == 0:
+            if self._dontneed(off, n):
                 self.released_bytes += n
         self._resident_free = False
 
@@ -200,6 +202,8 @@ class HostBufferPool:
         while self._returned:
             off, n, released = self._returned.popleft()
             self.released_bytes += released
+            if not released:  # its touched pages join the free ranges: the next miss must give them back
+                self._resident_free = True
             self.in_use -= n
             self.live -= 1
             i = bisect.bisect_left(self._free_starts, off)
