@@ -12,6 +12,7 @@ import torch
 
 from aidaptiv_ds.planner.auto import (CPU_REDUCE_BUCKET_NUMEL, REDUCE_PATH_COPIES, deepspeed_cpu_rank_bytes,
                                       reduce_path_copies)
+from _engine import nvme_config, one_rank_env
 from aidaptiv_ds.ports import free_port
 from conftest import EXT_DIR
 
@@ -88,19 +89,9 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
     monkeypatch.setattr(stage3, "cpu_rank_working_set",
                         lambda **kw: {"baseline": 0, "backward": kw["deepspeed_bytes"], "optimizer": 0,
                                       "in_backward": 0, "total": kw["deepspeed_bytes"]})
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    nvme = {"device": "nvme", "nvme_path": str(cache)}
-    cfg = {"train_micro_batch_size_per_gpu": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-           "zero_optimization": {"stage": 3, "offload_param": {**nvme, "max_in_cpu": 0}, "offload_optimizer": nvme,
-                                 "stage3_param_persistence_threshold": 0, "sub_group_size": 4096,
-                                 "stage3_max_live_parameters": max_live,
-                                 **({} if bucket is None else {"reduce_bucket_size": bucket})},
-           "aidaptiv": {"enabled": True, "cache_paths": [str(cache)], "dram_budget": "auto"}}
+    one_rank_env(monkeypatch)
+    cfg = nvme_config(tmp_path / "cache", dram_budget="auto", stage3_max_live_parameters=max_live,
+                      **({} if bucket is None else {"reduce_bucket_size": bucket}))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     with caplog.at_level(logging.INFO, logger="aidaptiv_ds"):

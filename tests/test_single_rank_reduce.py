@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from _engine import nvme_config, one_rank_env
 from _oracle import REPO
 from aidaptiv_ds.ports import free_port
 from conftest import EXT_DIR
@@ -84,18 +85,8 @@ def test_engine_on_one_rank_never_calls_the_reduce_scatter(tmp_path, monkeypatch
         raise AssertionError("reduce_scatter_coalesced called on a partition group of one rank")
 
     monkeypatch.setattr(ds_stage3, "reduce_scatter_coalesced", refuse)
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    nvme = {"device": "nvme", "nvme_path": str(cache)}
-    cfg = {"train_micro_batch_size_per_gpu": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-           "zero_optimization": {"stage": 3, "offload_param": {**nvme, "max_in_cpu": 0}, "offload_optimizer": nvme,
-                                 "stage3_param_persistence_threshold": 0, "sub_group_size": 4096,
-                                 "reduce_bucket_size": 5000},
-           "aidaptiv": {"enabled": True, "cache_paths": [str(cache)], "dram_budget": 0}}
+    one_rank_env(monkeypatch)
+    cfg = nvme_config(tmp_path / "cache", micro_batch=2, reduce_bucket_size=5000)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

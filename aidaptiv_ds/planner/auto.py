@@ -54,7 +54,8 @@ host's), so what the plan promises is what the runtime does:
   2.00 GiB, ``tests/test_auto_budget_cpu.py``), so ``REDUCE_PATH_COPIES`` = 3 buckets. A partition
   group of one rank skips that reduce-scatter (the identity there:
   :func:`aidaptiv_ds.integration.grad_path.single_rank_grad_partitions`), so it holds the bucket
-  alone (:func:`reduce_path_copies`; measured by the same test through the engine). With DeepSpeed's
+  alone (:func:`reduce_path_copies`; ``tests/test_single_rank_reduce.py`` checks that no copy is made,
+  the RSS was not probed separately). With DeepSpeed's
   defaults (1e9 and 5e8 elements) that is up to 10 GB in fp32, outside any budget of ours: the
   gathered parameters and the bucket left out, a 2.7B fp32 Llama at ``"auto"`` took an 8.8 GiB
   budget on this 23.5 GiB machine and ran out of memory in step 2 (peak RSS 20.7 GiB); with one
