@@ -73,6 +73,8 @@ def parse():
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--extra", default="{}", help="JSON merged into the aidaptiv section")
+    ap.add_argument("--zero", default="{}", help="JSON merged into zero_optimization (a null value removes the key, "
+                    "leaving DeepSpeed's default)")
     ap.add_argument("--ckpt_dir", default="")
     ap.add_argument("--save_after", type=int, default=0, help="save a checkpoint after this many steps and stop")
     ap.add_argument("--save_at", default="", help="comma-separated steps after which to save and go on")
@@ -130,6 +132,11 @@ def ds_config(a) -> dict:
                 "overlap_events": True},
         "wall_clock_breakdown": False,
     }
+    for k, v in json.loads(a.zero).items():
+        if v is None:
+            cfg["zero_optimization"].pop(k, None)
+        else:
+            cfg["zero_optimization"][k] = v
     if a.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif a.dtype == "fp16":
