@@ -152,6 +152,38 @@ class GradientPathMixin:
             predivide=self.gradient_predivide_factor,
             averaging_world_size=self._gradient_averaging_world_size(params_to_reduce, 1))
 
+    _aidaptiv_norm_param_groups: list | None = None
+
+    def _aidaptiv_group_norms_as_deepspeed(self) -> None:
+        """Record the sub-groups DeepSpeed would have made with the config's ``sub_group_size`` where ours
+        differ (:func:`~aidaptiv_ds.integration.stage3.auto_sub_group_size`), for :meth:`_get_norm_groups`.
+
+        [Note: norm groups] The global gradient norm is ``vector_norm`` of one norm per optimizer sub-group
+        (``_get_norm_groups`` -> ``combine_grad_norm_groups``, ``stage3.py:2573, utils.py:891``), each the
+        square root of its parameters' squared norms summed in fp64 and rounded to fp32: so the norm's last
+        bits depend on where the sub-groups end, and with them the clipping factor (``gradient_clipping``,
+        1.0 unless the config says otherwise) and every parameter. The sub-groups are also the unit of our
+        optimizer I/O, so where the config leaves ``sub_group_size`` out we use smaller ones; the norm is then
+        taken over DeepSpeed's own grouping (its ``_create_fp16_sub_groups`` with the config's value), from the
+        same per-parameter norms: the same bits as DeepSpeed, whatever our sub-groups. Adam is elementwise, so
+        nothing else depends on the grouping.
+        """
+        want = getattr(self, "_aidaptiv_ds_sub_group_size", None)
+        if want is None or int(want) == int(self.sub_group_size):
+            return
+        import types
+        base = self._aidaptiv_deepspeed_class  # DeepSpeed's DeepSpeedZeroOptimizer_Stage3
+        proxy = types.SimpleNamespace(sub_group_size=want)
+        self._aidaptiv_norm_param_groups = [sub for group in self.trainable_param_groups
+                                            for sub in base._create_fp16_sub_groups(proxy, group["params"])]
+
+    def _get_norm_groups(self):
+        """DeepSpeed's per-sub-group norms over DeepSpeed's own sub-groups ([Note: norm groups])."""
+        groups = self._aidaptiv_norm_param_groups
+        if groups is None or not self.offload_optimizer:
+            return super()._get_norm_groups()
+        return [self.complete_grad_norm_calculation_for_cpu_offload(params) for params in groups]
+
     def _aidaptiv_grad_layout(self) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
         """Per sub-group: elements and partitions that receive gradients; per ``ds_id``: (sub-group,
         offset). The layout of DeepSpeed's ``grad_position`` (``set_grad_positions``, stage3.py:1948)."""

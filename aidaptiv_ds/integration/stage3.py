@@ -34,6 +34,7 @@ from ..io.errors import StorageFullError
 from .backward_step import BackwardStepMixin, BackwardStepper
 from .grad_path import GradientPathMixin
 from .host_step import TILE_NUMEL, HostStepMixin
+from .state_api import StateAPIMixin
 from .gradients import GradientStore
 from .optimizer_swapper import AidaptivOptimizerSwapper
 from .runtime import auto_dram_budget, get_runtime
@@ -103,8 +104,10 @@ def _weak_method(method):
 def make_stage3_class(base: type) -> type:
     """Subclass DeepSpeed's Stage-3 optimizer class ``base`` (kept as ``AidaptivStage3.__base__``)."""
 
-    class AidaptivZeroOptimizer_Stage3(BackwardStepMixin, HostStepMixin, GradientPathMixin, base):
+    class AidaptivZeroOptimizer_Stage3(StateAPIMixin, BackwardStepMixin, HostStepMixin, GradientPathMixin, base):
         """DeepSpeed ZeRO-3 optimizer whose NVMe offload runs on aidaptiv_ds (see module docstring)."""
+
+        _aidaptiv_deepspeed_class = base
 
         def __new__(cls, *args, **kwargs):
             ds_config = kwargs.get("ds_config")
@@ -119,6 +122,8 @@ def make_stage3_class(base: type) -> type:
             self._aidaptiv_rt = get_runtime(self._aidaptiv_cfg)
             self._aidaptiv_engine_id = next(_ENGINE_IDS)
             auto = auto_sub_group_size(ds_config, self._aidaptiv_module, self._aidaptiv_rt)
+            # the sub-groups DeepSpeed would make: the gradient norm is summed over those ([Note: norm groups])
+            self._aidaptiv_ds_sub_group_size = kwargs.get("sub_group_size")
             if auto is not None and "sub_group_size" in kwargs:
                 if self._aidaptiv_rt.rank == 0:
                     log.info("aidaptiv_ds: zero_optimization.sub_group_size not set: using %.3g elements instead of "
@@ -134,13 +139,29 @@ def make_stage3_class(base: type) -> type:
                              float(kwargs["reduce_bucket_size"]))
                 kwargs["reduce_bucket_size"] = bucket
             super().__init__(*args, **kwargs)
+            self._aidaptiv_group_norms_as_deepspeed()
+
+        def destroy(self):
+            """DeepSpeed's ``destroy`` (hooks removed), then this engine's optimizer state leaves the tiers and the
+            store; a runtime left with nothing closes ([Note: several engines in a process] in ``runtime.py``)."""
+            try:
+                super().destroy()
+            finally:
+                self._aidaptiv_rt.detach_engine(self._aidaptiv_engine_id)
+
+        def _configure_offloading(self, offload_optimizer_config, offload_param_config):
+            """DeepSpeed's, except that ``offload_param.max_in_cpu`` does not move parameter partitions into
+            DeepSpeed's own CPU buffers (outside the DRAM budget): it caps the parameter bytes the residency
+            plan may keep in DRAM instead ([Note: max_in_cpu])."""
+            super()._configure_offloading(offload_optimizer_config, offload_param_config)
+            self._aidaptiv_max_in_cpu = int(self.max_params_in_cpu) if self.params_in_nvme_and_cpu else None
+            self.max_params_in_cpu = 0
 
         def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
             rt = self._aidaptiv_rt
             self.optimizer_swapper = sw = AidaptivOptimizerSwapper(rt, self.optimizer,
                                                                    self.master_weights_and_grads_dtype,
                                                                    self._aidaptiv_engine_id)
-            rt.optimizer_swappers.append(sw)
             self._aidaptiv_plan()
 
         def _create_fp32_partitions(self):
@@ -223,6 +244,24 @@ def make_stage3_class(base: type) -> type:
                                             self.gradient_accumulation_dtype.itemsize,
                                             partition_ranks=dist.get_world_size(group=self.dp_process_group))
 
+        def _aidaptiv_param_cap(self, module_params) -> int | None:
+            """``offload_param.max_in_cpu`` as bytes of this rank's parameter partitions (None: no cap).
+
+            [Note: max_in_cpu] DeepSpeed moves the partitions of the first sub-groups, up to ``max_in_cpu``
+            elements (default 1e9), into CPU buffers of its own for good (``stage3.py:886-910``): host memory
+            outside any budget. With aidaptiv_ds the DRAM budget decides what stays in host memory, and
+            ``max_in_cpu`` bounds the parameter share of it: the residency plan keeps the parameters in DRAM
+            only when they fit in the budget *and* under ``max_in_cpu`` (``max_in_cpu: 0`` keeps them on the
+            cache tier whatever the budget). Where a partition lives changes no arithmetic.
+            """
+            cap = getattr(self, "_aidaptiv_max_in_cpu", None)
+            if cap is None:
+                return None
+            parts = [p for p in module_params if getattr(p, "ds_tensor", None) is not None]
+            numel = sum(int(p.ds_tensor.ds_numel) for p in parts)
+            nbytes = sum(int(p.ds_tensor.ds_numel) * p.element_size() for p in parts)
+            return nbytes if cap >= numel else cap * (nbytes // max(numel, 1))
+
         def _aidaptiv_plan(self) -> None:
             """Choose what stays in DRAM, build the gradient store, preflight the store for the rest,
             load resident parameters.
@@ -250,7 +289,7 @@ def make_stage3_class(base: type) -> type:
                                subgroup_bytes=[n * sw.elsize * slots for n in numels], alias_params=alias,
                                subgroup_param_bytes=[sum(p.ds_tensor.ds_numel * p.element_size() for p in group)
                                                      for group in self.fp16_groups],
-                               subgroup_grad_bytes=grad_slices)
+                               subgroup_grad_bytes=grad_slices, param_resident_cap=self._aidaptiv_param_cap(module_params))
             grad_window = 2 * max(grad_slices, default=0)
             largest_opt_slice = max((round_up(n * sw.elsize * slots, align) for n in numels), default=0)
             # parameter bytes kept for a master slot in backward ([Note: master weights from the parameter reads])
@@ -331,7 +370,7 @@ def make_stage3_class(base: type) -> type:
             sw.wanted = self._aidaptiv_stepper.wanted
             sw.holds_master = self._aidaptiv_holds_master
             sw.master_hold_limit = master_hold if speculate else 0
-            rt.steppers.append(self._aidaptiv_stepper)
+            rt.attach_engine(self._aidaptiv_engine_id, sw, self._aidaptiv_stepper)
             rt.preflight_checkpoints(sum(n * sw.elsize * slots + 4 * align for n in numels))
             if psw is not None and plan.params_resident:
                 psw.make_resident()

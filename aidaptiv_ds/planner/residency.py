@@ -51,6 +51,9 @@ class StateSizes:
             happens to their gradients); with ``alias_params`` such a step reads only the moments, its
             master weights coming from the parameters backward has read (``integration/optimizer_swapper.py``,
             [Note: master weights from the parameter reads]).
+        param_resident_cap: most parameter bytes that may stay in DRAM (DeepSpeed's
+            ``offload_param.max_in_cpu`` in bytes; None: no cap). The parameters are kept as one block, so
+            they stay in DRAM only if all of them fit under it.
     """
     param_bytes: int
     grad_bytes: int
@@ -60,6 +63,11 @@ class StateSizes:
     subgroup_grad_bytes: list[int] = dataclasses.field(default_factory=list)
     grads_transient: bool = False
     steps_in_backward: bool = False
+    param_resident_cap: int | None = None
+
+    def params_fit(self, left: int) -> bool:
+        """The parameters can stay in DRAM with ``left`` bytes of budget (and under :attr:`param_resident_cap`)."""
+        return self.param_bytes <= left and (self.param_resident_cap is None or self.param_bytes <= self.param_resident_cap)
 
     def grad_slices(self) -> list[int]:
         """Bytes of each sub-group's gradient slice (sums to ``grad_bytes``)."""
@@ -135,7 +143,7 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
         grad_res.sort()
     params = False
     if not sizes.alias_params:
-        params = sizes.param_bytes <= left
+        params = sizes.params_fit(left)
         if params:
             left -= sizes.param_bytes
     resident = []
@@ -149,7 +157,7 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     if sizes.grads_transient:
         grad_res = [i for i in resident if i < len(slices)]
     if sizes.alias_params:
-        params = sizes.param_bytes <= left
+        params = sizes.params_fit(left)
         if params:
             left -= sizes.param_bytes
     opt_written = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in resident)
