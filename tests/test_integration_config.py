@@ -68,9 +68,20 @@ def test_bad_size_names_key_value_and_forms(tmp_path, value):
     assert "aidaptiv.dram_budget" in msg and repr(value) in msg and "8GiB" in msg
 
 
-def test_missing_path(tmp_path):
-    msg = refused(good(tmp_path, cache_paths=[str(tmp_path / "nope")]))
-    assert "aidaptiv.cache_paths[0]" in msg and "does not exist" in msg and "mkdir -p" in msg
+def test_missing_path_is_created_as_deepspeed_creates_nvme_path(tmp_path, caplog):
+    """DeepSpeed creates a missing ``nvme_path``; so does the section, with one log line naming it."""
+    import logging
+    cfg = good(tmp_path, cache_paths=[str(tmp_path / "new" / "cache")])
+    with caplog.at_level(logging.INFO, logger="aidaptiv_ds"):
+        validate(cfg)
+    assert (tmp_path / "new" / "cache").is_dir()
+    assert sum("created the cache directory" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_missing_path_that_cannot_be_created(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    msg = refused(good(tmp_path, cache_paths=[str(tmp_path / "a_file" / "cache")]))
+    assert "aidaptiv.cache_paths" in msg and "cannot be created" in msg and "mkdir -p" in msg
 
 
 def test_unwritable_path(tmp_path, monkeypatch):
@@ -96,19 +107,37 @@ def test_stage_not_3(tmp_path):
     assert "zero_optimization.stage is 2" in msg and '"stage": 3' in msg
 
 
-@pytest.mark.parametrize("which", ["offload_param", "offload_optimizer"])
-def test_offload_device_not_nvme(tmp_path, which):
+def test_optimizer_offload_not_nvme(tmp_path):
     cfg = good(tmp_path)
-    cfg["zero_optimization"][which]["device"] = "cpu"
+    cfg["zero_optimization"]["offload_optimizer"]["device"] = "cpu"
     msg = refused(cfg)
-    assert f"zero_optimization.{which}.device is 'cpu'" in msg and '"device": "nvme"' in msg
+    assert "zero_optimization.offload_optimizer.device is 'cpu'" in msg and '"device": "nvme"' in msg
 
 
-def test_max_in_cpu_left_at_default(tmp_path):
+def test_max_in_cpu_left_at_default_is_accepted(tmp_path):
+    """``max_in_cpu`` (default 1e9) bounds the parameter share of the DRAM budget ([Note: max_in_cpu])."""
     cfg = good(tmp_path)
     del cfg["zero_optimization"]["offload_param"]["max_in_cpu"]
-    msg = refused(cfg)
-    assert "max_in_cpu" in msg and '"max_in_cpu": 0' in msg
+    validate(cfg)
+
+
+@pytest.mark.parametrize("device", ["cpu", "none"])
+def test_optimizer_on_nvme_with_parameters_elsewhere_is_accepted(tmp_path, device):
+    """ZeRO-Infinity's "optimizer on NVMe" setup: parameters in DRAM (or on the accelerator), the optimizer
+    state through aidaptiv_ds; cache_paths default to offload_optimizer.nvme_path."""
+    cfg = good(tmp_path)
+    cfg["zero_optimization"]["offload_param"] = {"device": device}
+    del cfg["aidaptiv"]["cache_paths"]
+    assert validate(cfg).cache_paths == [cfg["zero_optimization"]["offload_optimizer"]["nvme_path"]]
+
+
+def test_enum_values_are_shown_plainly(tmp_path):
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    cfg = good(tmp_path)
+    cfg["zero_optimization"]["offload_optimizer"]["device"] = OffloadDeviceEnum.cpu
+    with pytest.raises(AidaptivConfigError) as e:
+        validate(cfg)
+    assert "offload_optimizer.device is 'cpu'" in str(e.value) and "OffloadDeviceEnum" not in str(e.value)
 
 
 def test_every_problem_reported_at_once(tmp_path):

@@ -10,6 +10,7 @@ DeepSpeed settings that cannot work with aidaptiv_ds come with the exact lines t
 from __future__ import annotations
 
 import difflib
+import enum
 import json
 import logging
 import math
@@ -269,7 +270,10 @@ _EXAMPLES = {
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    """``repr`` of a user value, cut to ``limit`` characters (a huge value must not drown the message)."""
+    """``repr`` of a user value, cut to ``limit`` characters (a huge value must not drown the message); an
+    enum (DeepSpeed's ``OffloadDeviceEnum``, ...) shows its plain value."""
+    if isinstance(value, enum.Enum):
+        value = value.value
     r = repr(value)
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
@@ -418,6 +422,15 @@ def section_enabled(ds: dict | None) -> bool:
         return True
 
 
+_DEVICES = ("nvme", "cpu", "none")
+
+
+def _device(v: Any) -> Any:
+    """An offload ``device`` as DeepSpeed reads it: its string, also from an ``OffloadDeviceEnum``."""
+    v = getattr(v, "value", v)
+    return v
+
+
 def _number(v: Any) -> bool:
     """A JSON number (``bool`` is not one, though Python says it is an ``int``)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -471,22 +484,31 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig, training: bool | None = N
                             f"a string. Fix: \"nvme_path\": \"{path_hint}\" (list several drives in "
                             f"aidaptiv.cache_paths)")
     training = trains(ds, training)
-    if op.get("device", "none") != "nvme":
-        problems.append(f"zero_optimization.offload_param.device is {_short(op.get('device', 'none'))}; aidaptiv_ds "
-                        f"replaces the NVMe offload. Fix: set\n      \"offload_param\": {{\"device\": \"nvme\", "
-                        f"\"nvme_path\": \"{path_hint}\", \"max_in_cpu\": 0}}")
-    elif training and not (_number(op.get("max_in_cpu", 1e9)) and op.get("max_in_cpu", 1e9) == 0):
-        shown = _short(op["max_in_cpu"]) if "max_in_cpu" in op else "1e9 (default)"
-        problems.append(f"zero_optimization.offload_param.max_in_cpu is {shown}; "
-                        f"DeepSpeed would pin that many parameters in its own CPU buffers outside the aidaptiv DRAM "
-                        f"budget. Fix: add\n      \"max_in_cpu\": 0\n    to offload_param (use aidaptiv.dram_budget "
-                        f"to keep state in DRAM)")
+    devices = {which: _device(sec.get("device", "none")) for which, sec in sections.items()}
+    for which, dev in devices.items():
+        if dev not in _DEVICES:
+            problems.append(f"zero_optimization.{which}.device is {_short(sections[which].get('device'))}; DeepSpeed "
+                            f"offloads to \"nvme\", \"cpu\" or \"none\". Fix: \"device\": \"nvme\" (with "
+                            f"\"nvme_path\": \"{path_hint}\")")
+    if "max_in_cpu" in op and not (_number(op["max_in_cpu"]) and math.isfinite(op["max_in_cpu"])
+                                   and 0 <= op["max_in_cpu"] < 2 ** 63):
+        problems.append(f"zero_optimization.offload_param.max_in_cpu is {_short(op['max_in_cpu'])}; it must be a "
+                        f"number of parameter elements >= 0 (kept in DRAM within aidaptiv.dram_budget). Fix: e.g. "
+                        f"\"max_in_cpu\": 1e9 (DeepSpeed's default), or leave it out")
     if not training:
+        if devices["offload_param"] != "nvme":
+            problems.append(f"zero_optimization.offload_param.device is {_short(devices['offload_param'])} and this "
+                            f"engine has no optimizer (ZeRO-Inference), so aidaptiv_ds would have nothing to serve. Fix: "
+                            f"set\n      \"offload_param\": {{\"device\": \"nvme\", \"nvme_path\": \"{path_hint}\"}}")
         return problems
-    if oo.get("device", "none") != "nvme":
-        problems.append(f"zero_optimization.offload_optimizer.device is {_short(oo.get('device', 'none'))}. Fix: set\n"
-                        f"      \"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": \"{path_hint}\"}}")
-    elif "ratio" in oo and not (_number(oo["ratio"]) and oo["ratio"] == 1):
+    if devices["offload_optimizer"] != "nvme":
+        where = ("the parameters are on nvme but the optimizer state is not: aidaptiv_ds serves the optimizer state "
+                 "(with or without the parameters)" if devices["offload_param"] == "nvme"
+                 else "nothing is offloaded to nvme, so aidaptiv_ds would have nothing to serve")
+        problems.append(f"zero_optimization.offload_optimizer.device is {_short(devices['offload_optimizer'])}; "
+                        f"{where}. Fix: set\n      \"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": "
+                        f"\"{path_hint}\"}}\n    or remove the \"aidaptiv\" section to run DeepSpeed's own offload")
+    if "ratio" in oo and not (_number(oo["ratio"]) and oo["ratio"] == 1):
         problems.append(f"zero_optimization.offload_optimizer.ratio is {_short(oo['ratio'])}; partial optimizer "
                         f"offload is CPU-only in DeepSpeed. Fix: remove \"ratio\" (aidaptiv.dram_budget keeps "
                         f"sub-groups in DRAM)")
@@ -518,24 +540,56 @@ def validate(ds: dict, check_paths: bool = True, training: bool | None = None) -
         raise AidaptivConfigError("DeepSpeed config cannot run with \"aidaptiv\" enabled:\n  - " +
                                   "\n  - ".join(problems))
     if not cfg.cache_paths:
-        nvme = ds["zero_optimization"]["offload_param"].get("nvme_path")
-        if not nvme:
-            raise AidaptivConfigError(f"{SECTION}.cache_paths is not set and offload_param.nvme_path is empty. Fix: "
-                                      f"add \"cache_paths\": [\"/mnt/cache0\"] to the \"aidaptiv\" section")
+        zero = ds["zero_optimization"]
+        which = next((w for w in ("offload_param", "offload_optimizer")
+                      if _device((zero.get(w) or {}).get("device")) == "nvme" and (zero.get(w) or {}).get("nvme_path")),
+                     None)
+        if which is None:
+            raise AidaptivConfigError(f"{SECTION}.cache_paths is not set and no offload section on nvme has a nvme_path. "
+                                      f"Fix: add \"cache_paths\": [\"/mnt/cache0\"] to the \"aidaptiv\" section")
+        nvme = zero[which]["nvme_path"]
         try:  # parse again with the path filled in, so every cross-check sees it
             cfg = parse_section({**section, "cache_paths": [nvme]})
         except AidaptivConfigError as e:
             raise AidaptivConfigError(
-                f"{e}\n  {SECTION}.cache_paths: not set, so it is [{nvme!r}] from zero_optimization.offload_param."
+                f"{e}\n  {SECTION}.cache_paths: not set, so it is [{nvme!r}] from zero_optimization.{which}."
                 f"nvme_path. Fix: set aidaptiv.cache_paths to list every cache directory") from None
     if check_paths:
         for i, p in enumerate(cfg.cache_paths):
             try:
+                create_cache_path(p)
                 check_cache_path(p, f"{SECTION}.cache_paths[{i}]")
             except CachePathError as e:
                 raise AidaptivConfigError(str(e)) from None
         check_dram_budget(section.get("dram_budget") if isinstance(section, dict) else None, cfg.dram_budget)
     return cfg
+
+
+_CREATED: set = set()
+
+
+def create_cache_path(path: str) -> bool:
+    """Create a missing cache directory, as DeepSpeed creates a missing ``nvme_path`` (``os.makedirs``), with
+    one log line naming it and its filesystem; returns whether it was created.
+
+    Raises:
+        CachePathError: it cannot be created (naming the path, the reason and the fix).
+    """
+    from ..store.layout import CachePathError, filesystem_of
+
+    ap = os.path.abspath(os.path.expanduser(str(path)))
+    if os.path.exists(ap) or os.path.islink(ap):
+        return False
+    try:
+        os.makedirs(ap, exist_ok=True)
+    except OSError as e:
+        raise CachePathError(f"{SECTION}.cache_paths: {path!r} does not exist and cannot be created ({e.strerror}). "
+                             f"Fix: create it (mkdir -p {ap}) or list an existing directory on the cache drive.") from None
+    if ap not in _CREATED:
+        _CREATED.add(ap)
+        log.info("aidaptiv_ds: created the cache directory %s (on %s), as DeepSpeed creates a missing nvme_path", ap,
+                 filesystem_of(ap))
+    return True
 
 
 def host_memory_limit(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> tuple[int | None, str]:

@@ -86,8 +86,15 @@ def check_cache_path(path: str, field: str = "aidaptiv.cache_paths") -> str:
 
 def _fstype(path: str) -> str | None:
     """The filesystem type of the mount holding ``path`` (from ``/proc/mounts``), or None."""
+    where = filesystem_of(path)
+    return where.split(" mounted at ")[0] if " mounted at " in where else None
+
+
+def filesystem_of(path: str) -> str:
+    """``"<type> mounted at <mount point>"`` for the filesystem holding ``path`` (``/proc/mounts``), or
+    ``"an unknown filesystem"``."""
     real = os.path.realpath(path)
-    best: tuple[str | None, str] = (None, "")
+    best = ("", "")
     try:
         with open("/proc/mounts") as f:
             for line in f:
@@ -96,8 +103,8 @@ def _fstype(path: str) -> str | None:
                         and len(parts[1]) >= len(best[1]):
                     best = (parts[2], parts[1])
     except OSError:
-        return None
-    return best[0]
+        pass
+    return f"{best[0]} mounted at {best[1]}" if best[0] else "an unknown filesystem"
 
 
 class Namespace:
