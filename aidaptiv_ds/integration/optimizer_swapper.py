@@ -90,6 +90,9 @@ class AidaptivOptimizerSwapper:
         self.order: list[str] = []
         self.plan: ResidencyPlan | None = None
         self.init_phase = False
+        #: a DeepSpeed state-API call is running (``state_api.py``): a swap-out writes changed state back but
+        #: is no optimizer step, so it consumes no gradient
+        self.state_api = False
         self.expected_states = expected_state_slots(optimizer)
         self.gradients: GradientStore | None = None  # set by the Stage-3 subclass before initialisation
         self.wanted = None  # fn(index) -> bool: the sub-group is still to be stepped (worth reading ahead)
@@ -184,6 +187,8 @@ class AidaptivOptimizerSwapper:
         n = self._span(g, g.valid_slots)
         buf = alloc_aligned(self._span(g, g.slots))
         psw = self.rt.param_swapper
+        if master_from_params and psw is not None and not all(psw.is_master_alias(d) for d, _, _ in g.alias):
+            master_from_params = False  # a parameter was edited away from its master: read the slot itself
         start = round_down(g.slot_bytes, self.rt.store.alignment) if master_from_params and g.alias and psw else 0
         fut = self.rt.store.read(self._extent_key(g), buf[start:n], start, priority) if n > start else None
         s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, ready=fut,
@@ -275,11 +280,21 @@ class AidaptivOptimizerSwapper:
         if g.pending:
             missing = [(d, off, n) for d, (off, n) in g.pending.items() if not self._copy_param_bytes(s.buf, d, off, n)]
             self._forget_pending(g)
+            psw = self.rt.param_swapper
+            edited = [m for m in missing if not psw.is_master_alias(m[0])]  # the parameter no longer is its master
+            missing = [m for m in missing if psw.is_master_alias(m[0])]
             if missing:
-                data = self.rt.param_swapper.read_partitions([d for d, _, _ in missing])
+                data = psw.read_partitions([d for d, _, _ in missing])
                 for (_, off, n), t in zip(missing, data, strict=True):
                     s.buf[off:off + n].copy_(byte_view(t)[:n])
                     self.master_demand_bytes += n
+            for _, off, n in edited:  # from the master slot itself
+                a = round_down(off, self.rt.store.alignment)
+                tmp = alloc_aligned(round_up(off + n, self.rt.store.alignment) - a)
+                with self.rt.io_wait:
+                    self.rt.store.read(self._extent_key(g), tmp, a, READ_DEMAND).wait()
+                s.buf[off:off + n].copy_(tmp[off - a:off - a + n])
+                self.master_demand_bytes += n
         return s
 
     def set_alias(self, g: _Group, entries) -> None:
@@ -437,7 +452,7 @@ class AidaptivOptimizerSwapper:
             self.rt.tier.mark_dirty(s)
         if not g.resident:  # issue the write while the slice is still referenced: releasing a dirty slice
             self.rt.tier.write_back(s)  # first would evict it, and a dirty eviction writes and waits
-        self._release(g, parameter, consumed=not self.init_phase and not g.keep_gradient)
+        self._release(g, parameter, consumed=not self.init_phase and not g.keep_gradient and not self.state_api)
         self.rt.tier.enforce_budget()
 
     def slice_bytes(self, g: _Group) -> int:

@@ -113,6 +113,7 @@ class PartitionRecord:
     host: Slice | None = None  # the host slice holding its current bytes
     pinned: Slice | None = None  # the slice its published ds_tensor references
     unadopted: bool = False  # a first partition not written: its bytes come from the unpacked store
+    home: _Loc | None = None  # an fp32 partition edited away from its master slot: that slot ([Note: edits of aliased partitions])
 
     @property
     def state(self) -> PartitionState:
@@ -189,6 +190,10 @@ class AidaptivParamSwapper:
                                          f"size is not supported")
         return rec
 
+    def live_partitions(self) -> int:
+        """Partitions whose parameter is still alive (a model that may be gathered or trained again)."""
+        return sum(1 for r in self._parts.values() if r.alive())
+
     def holds(self, ds_id: int) -> bool:
         """True when partition ``ds_id`` was swapped out through this swapper."""
         return ds_id in self._parts
@@ -251,7 +256,7 @@ class AidaptivParamSwapper:
                 rec.unadopted = True  # initial content comes from the unpacked store: nothing to write
                 continue
             items.append((p, p.ds_tensor.data.detach().reshape(-1)[:numel]))
-        futs = self._write(items, keep=False)
+        futs = self._write(items, keep=False, edit=True)
         with self.rt.io_wait:
             wait_all(futs)
         for p in params:
@@ -260,10 +265,23 @@ class AidaptivParamSwapper:
             p.ds_tensor.status = S.NOT_AVAILABLE
 
     def remove_partition_and_release_buffers(self, params) -> None:
-        """Clean drop: the stored copy is authoritative; the DRAM tier may keep the bytes."""
+        """Clean drop: the stored copy is authoritative; the DRAM tier may keep the bytes.
+
+        [Note: a release under a gather] DeepSpeed's coordinator releases the partitions of persistent
+        parameters (``stage3_param_persistence_threshold``) right after *issuing* their all-gather
+        (``partitioned_param_coordinator.py:615-620``): on a GPU the gather reads a device copy, but on a
+        CPU rank the gather's input is the partition itself, and an asynchronous gloo all-gather reads it
+        later. Dropping it then hands the collective our 0-dim placeholder (a size mismatch, or the
+        wrong dtype in the next matmul). A parameter still ``INFLIGHT`` keeps its partition published
+        here (it is small: it is persistent); its next partitioning releases it (DeepSpeed never
+        partitions an ``INFLIGHT`` parameter).
+        """
         S = _status()
+        inflight = _gathered_status().INFLIGHT
         for p in params:
             if p.ds_tensor is None:
+                continue
+            if getattr(p, "ds_status", None) == inflight:  # a gather may still read it ([Note: a release under a gather])
                 continue
             self._unpublish(p)
             self._inflight = [q for q in self._inflight if q is not p]
@@ -283,6 +301,9 @@ class AidaptivParamSwapper:
                 raise DeepSpeedContractError(f"aidaptiv_ds: parameter ds_id={p.ds_id} was never swapped out; nothing to read")
             seen.add(p.ds_id)
             todo.append(p)
+        for p in todo:  # pin what DRAM holds first: the reads below may evict unpinned cached slices
+            if self._parts[p.ds_id].host is not None:
+                self._publish(p)
         missing = [p.ds_id for p in todo if self._parts[p.ds_id].host is None]
         if missing:
             self._read_slices(missing, READ_PREFETCH if async_op else READ_DEMAND)
@@ -522,17 +543,29 @@ class AidaptivParamSwapper:
                         fn(i, src)
                 rec.host = None
 
-    def _write(self, items: list, keep: bool) -> list:
+    def _write(self, items: list, keep: bool, edit: bool = False) -> list:
         """Stage and write ``[(param, source tensor), ...]``; exact neighbours share one write.
 
         Partitions held by a resident slice are updated in DRAM instead (no write). With ``keep``
         the staging buffer becomes the host slice of the written partitions; any older host copy
-        of them stops being used.
+        of them stops being used. ``edit``: the bytes are not the fp32 master's (a DeepSpeed API changed
+        the parameter: ``GatheredParameters(modifier_rank=...)``, a checkpoint's frozen weights), so a
+        partition read from its master slot moves to a place of its own ([Note: edits of aliased
+        partitions]); without it the bytes are the master's cast (the optimizer step).
         """
         src = {}
         for p, t in items:
             rec = self._parts[p.ds_id]
             loc = rec.loc
+            if loc.aliased and edit:  # the parameter now differs from its master: give it a place of its own
+                region = self._region(loc.dtype)
+                rec.home = loc
+                rec.loc = loc = _Loc(region, region.append(loc.nbytes, align=loc.elsize), loc.numel, loc.dtype,
+                                     loc.elsize)
+                rec.detach_host()
+            elif rec.home is not None and not edit:  # the step rewrote it from its master: one copy again
+                rec.loc, rec.home = rec.home, None
+                loc = rec.loc
             if loc.aliased:  # the same bytes reach the drive with the master's write-back: drop old copies
                 rec.detach_host()
                 self.aliased_skipped_bytes += loc.nbytes
@@ -658,6 +691,17 @@ class AidaptivParamSwapper:
         master slot of their sub-group, and never write them on their own; returns ``(ds_id, byte
         offset in the slot, bytes)`` per partition.
 
+        [Note: edits of aliased partitions] A DeepSpeed API may give a parameter new bytes that are not
+        its master's: ``GatheredParameters(params, modifier_rank=r)`` broadcasts an in-place edit and
+        repartitions with ``has_been_updated=True`` (``partition_parameters.py:2520-2525, 1807-1893``), which
+        writes the edited partition through ``swap_out_and_release``. DeepSpeed keeps that edit in the
+        parameter only: its fp32 master (and moments) stay as they were until the next optimizer step
+        casts the master onto the parameter again. So the edited partition leaves its master slot for a
+        place of its own in the parameter region (``PartitionRecord.home`` remembers the slot), the
+        optimizer's master fill stops taking bytes from it (:meth:`host_bytes`, :meth:`is_master_alias`),
+        and the next write from the master (``swap_out_partitioned_params``) makes it an alias again.
+        The master slot is never written from an edit.
+
         Raises:
             DeepSpeedContractError: a partition is not fp32 or the partitions do not fill the view in order.
         """
@@ -669,6 +713,7 @@ class AidaptivParamSwapper:
             loc = rec.loc
             rec.detach_host()
             rec.loc = _Loc(view, off, loc.numel, loc.dtype, loc.elsize, aliased=True)
+            rec.home = None
             rec.unadopted = False
             out.append((p.ds_id, off, loc.nbytes))
             off += loc.nbytes
@@ -677,12 +722,17 @@ class AidaptivParamSwapper:
         return out
 
     def host_bytes(self, ds_id: int) -> torch.Tensor | None:
-        """The current bytes (uint8, a view: copy before the next swap call) of partition ``ds_id`` when a
-        host slice holds them with its read complete; None when they are only on the drive or still being
-        read (never waits)."""
+        """The master-slot bytes (uint8, a view: copy before the next swap call) of partition ``ds_id`` when it
+        is read from its fp32 master slot and a host slice holds them with its read complete; None when
+        they are only on the drive, still being read, or the partition is not its master's bytes (never waits)."""
         rec = self._parts.get(ds_id)
-        s = rec.host if rec is not None else None
+        s = rec.host if rec is not None and rec.loc.aliased else None
         return self._partition_bytes(s, ds_id) if s is not None and _read_done(s) else None
+
+    def is_master_alias(self, ds_id: int) -> bool:
+        """Partition ``ds_id`` is read from its fp32 master slot now (its bytes are the master weights)."""
+        rec = self._parts.get(ds_id)
+        return rec is not None and rec.loc.aliased
 
     def _dead_chunks(self, leaving: set[int]) -> dict[torch.dtype, list[int]]:
         """Per dtype, the chunks of our own regions that hold no partition of a live parameter once the
@@ -718,7 +768,7 @@ class AidaptivParamSwapper:
 
     def write_partitions(self, items: list) -> None:
         """Replace partitions' stored bytes: ``[(param, tensor of ds_numel elements)]`` (synchronous)."""
-        futs = self._write(items, keep=False)
+        futs = self._write(items, keep=False, edit=True)
         with self.rt.io_wait:
             wait_all(futs)
 
