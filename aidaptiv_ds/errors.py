@@ -8,6 +8,8 @@ and keeps the builtin base it had, so ``except ValueError`` / ``except OSError``
     │   └── UnsupportedDeepSpeedError          another DeepSpeed than 0.19.8   (integration/hooks.py)
     ├── DeepSpeedContractError (RuntimeError)  DeepSpeed called us outside docs/deepspeed-seams.md
     │                                          (integration/errors.py)
+    ├── GradientConsumedError (RuntimeError)   DeepSpeed's state API asked for a gradient the step inside
+    │                                          backward consumed (integration/errors.py)
     ├── StaleBuildLockError (RuntimeError)     a torch build lock left by a killed build, on which
     │                                          DeepSpeed would wait forever (integration/build_locks.py)
     ├── StorageError (RuntimeError)            cache drives                         (io/errors.py)
@@ -66,6 +68,7 @@ LOCATIONS = {
     "AidaptivConfigError": "aidaptiv_ds.errors",
     "UnsupportedDeepSpeedError": "aidaptiv_ds.integration.hooks",
     "DeepSpeedContractError": "aidaptiv_ds.integration.errors",
+    "GradientConsumedError": "aidaptiv_ds.integration.errors",
     "StaleBuildLockError": "aidaptiv_ds.integration.build_locks",
     "BuildLockWarning": "aidaptiv_ds.integration.build_locks",
     "StorageError": "aidaptiv_ds.io.errors",

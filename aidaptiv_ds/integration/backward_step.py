@@ -85,6 +85,7 @@ class SubGroupStep:
     state: StepState = StepState.PENDING
     snapshot: dict | None = None  # optimizer scalars and state names before the speculative step
     hyper: dict | None = None  # the param group's hyperparameters the speculative step used
+    gradient_kept: bool = False  # its gradient outlived the speculative step (a redo can use it)
 
 
 @dataclasses.dataclass
@@ -94,6 +95,7 @@ class StepCounters:
     committed: int = 0  # of those, accepted
     redone: int = 0  # re-run after backward (clipping, changed hyperparameters)
     rolled_back: int = 0  # thrown away (invalid norm / overflow: the step was skipped)
+    reopened: int = 0  # thrown away because DeepSpeed's state API looked at the sub-group before step()
     after_backward: int = 0  # sub-groups DeepSpeed's own loop stepped (never speculated, or redone)
     window_waits: int = 0  # in-backward reads that first waited for write-backs ([Note: the in-backward window])
 
@@ -125,7 +127,8 @@ class BackwardStepper:
         opt: the :func:`~aidaptiv_ds.integration.stage3.make_stage3_class` optimizer (DeepSpeed's
             per-sub-group methods are called on it).
         enabled: speculation allowed at all (the mode chosen at initialisation).
-        keep_gradients: clipping is on: gradients must outlive their speculative step until settled.
+        keep_gradients: clipping is on: gradients must outlive their speculative step until settled (see
+            :attr:`keeps_gradients` for the other reasons).
         inflight_limit: bytes of optimizer sub-group slices the steps inside backward may hold in working
             memory at once (read ahead, stepping, being written back); None: unbounded. See [Note: the
             in-backward window].
@@ -135,6 +138,8 @@ class BackwardStepper:
         self.opt = opt
         self.enabled = enabled
         self.keep_gradients = keep_gradients
+        self.state_api_used = False  # DeepSpeed's state API was called: gradients are kept ([Note: the state API])
+        self.boundaries = 0  # accumulation boundaries settled so far
         self.subgroups = [SubGroupStep(i) for i in range(len(opt.fp16_groups))]
         self.counters = StepCounters()
         self.clipped_last = False  # the last settled step's norm clipped (see the note above)
@@ -142,6 +147,12 @@ class BackwardStepper:
         self._done_from = len(self.subgroups)  # sub-groups from here up are done for this backward
 
     # ------------------------------------------------------------------ queries
+    @property
+    def keeps_gradients(self) -> bool:
+        """A speculative step keeps its gradient until the step is settled: with clipping (a redo needs it),
+        in the first optimizer step, and once DeepSpeed's state API was used ([Note: the state API])."""
+        return self.keep_gradients or self.state_api_used or self.boundaries == 0
+
     def state(self, index: int) -> StepState:
         return self.subgroups[index].state
 
@@ -235,7 +246,8 @@ class BackwardStepper:
         self._make_room(g)
         sw.prefetch(g, master_from_params=True, demand=True)  # if not read ahead: the master from parameters in DRAM
         fp32 = opt.fp32_partitioned_groups_flat[index]
-        rec.snapshot = sw.begin_speculation(g, fp32, keep_gradient=self.keep_gradients)
+        rec.gradient_kept = self.keeps_gradients
+        rec.snapshot = sw.begin_speculation(g, fp32, keep_gradient=rec.gradient_kept)
         rec.hyper = _hyper(opt.optimizer.param_groups[opt.sub_group_to_group_id[index]])
         rec.state = StepState.STEPPING
         try:
@@ -280,7 +292,7 @@ class BackwardStepper:
                 self.counters.redone += 1
             else:
                 sw.commit(g)
-                if self.keep_gradients:
+                if rec.gradient_kept:
                     sw.gradients.consume(rec.index)
                 rec.state = StepState.COMMITTED
                 self.counters.committed += 1
@@ -304,8 +316,37 @@ class BackwardStepper:
                 rec.state = StepState.PENDING
             self.counters.rolled_back += 1
 
+    def reopen(self, index: int, what: str) -> None:
+        """DeepSpeed's state API is about to read or change sub-group ``index`` between backward and
+        ``step()`` (``what`` names the call): a step speculated inside backward is undone, so the call sees
+        the state before the step, as with DeepSpeed, and DeepSpeed's loop steps the sub-group after it
+        ([Note: the state API]).
+
+        Raises:
+            GradientConsumedError: the speculative step consumed the sub-group's gradient (clipping off),
+                so the step could not be redone after the call.
+        """
+        self.state_api_used = True
+        rec = self.subgroups[index]
+        if rec.state is not StepState.SPECULATED:
+            return
+        if not rec.gradient_kept:
+            from .errors import GradientConsumedError
+            raise GradientConsumedError(
+                f"aidaptiv_ds: {what} between backward and step(): optimizer sub-group {index} was already stepped "
+                f"inside the backward pass and its gradient consumed (gradient_clipping is 0, so gradients are "
+                f"not kept for the step). From the next step on gradients are kept until step() in this process, "
+                f"so such calls work. Fix: call the state API from the first step on, or set "
+                f"\"aidaptiv\": {{\"step_in_backward\": false}} (or keep gradient clipping on)")
+        sw, g = self._swapper_group(index)
+        sw.discard(g, self.opt.fp32_partitioned_groups_flat[index], rec.snapshot)
+        rec.state = StepState.PENDING  # DeepSpeed's loop steps it, after the call
+        rec.snapshot = rec.hyper = None
+        self.counters.reopened += 1
+
     def end_step(self, stepped_after: int) -> None:
         """The optimizer step is over: every record back to ``PENDING``."""
+        self.boundaries += 1
         self.counters.after_backward += stepped_after
         self._done_from = len(self.subgroups)
         for rec in self.subgroups:

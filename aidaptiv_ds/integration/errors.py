@@ -18,3 +18,11 @@ class DeepSpeedContractError(AidaptivError, RuntimeError):
     The message names the parameter (``ds_id``) or sub-group, what was asked and what the
     bookkeeping holds. Raised before any data is written for that request.
     """
+
+
+class GradientConsumedError(AidaptivError, RuntimeError):
+    """DeepSpeed's state API (``safe_get_full_grad``, ``safe_set_full_fp32_param``, ...) was called between
+    backward and ``step()`` on an optimizer sub-group whose step already ran inside the backward pass and
+    consumed its gradient (gradient clipping off, the first use of the state API in the process): the step
+    cannot be redone after the call. Raised before anything is changed; gradients are kept from the next
+    step on (``integration/state_api.py``, [Note: the state API])."""

@@ -1,0 +1,95 @@
+"""DeepSpeed's public ZeRO-3 state API (``deepspeed.utils.safe_get_full_fp32_param``, ``safe_set_full_grad``,
+``safe_get_local_optimizer_state`` ...) on an engine whose optimizer state lives in aidaptiv_ds's tiers.
+
+A mixin of the Stage-3 subclass (:func:`aidaptiv_ds.integration.stage3.make_stage3_class`). The functions of
+``deepspeed/utils/tensor_fragment.py`` call the optimizer's ``get_full_hp_param``, ``set_full_hp_param``,
+``get_fp32_grad_for_param``, ``set_fp32_grad_for_param``, their ``local`` variants,
+``update_fp32_grad_for_param_vectorized`` and ``get_hp_param_device`` (``stage3.py:3120-3317``), which swap
+the parameter's sub-group in (``_optimizer_states_and_gradient_swap_in``), read or change a slice of it,
+and swap it out or release it. Each of them runs here inside :meth:`StateAPIMixin._aidaptiv_state_access`.
+
+[Note: the state API]
+Between backward and ``step()`` a caller must see the state *before* the step, as with DeepSpeed: the
+weights, moments and gradients the step will use, and what it changes there is what the step uses. With
+``step_in_backward`` some sub-groups were already stepped, speculatively, into a second copy of their state
+(``backward_step.py``). So a state-API call on such a sub-group first undoes that speculation
+(:meth:`BackwardStepper.reopen`): the first copy still holds the state before the step, the gradient was
+kept, and DeepSpeed's own loop steps the sub-group after the call, from whatever the call left. A
+speculation consumes its gradient only when clipping is off, and not in the first optimizer step nor once
+the state API was used in the process; a call that meets a consumed gradient raises
+:class:`~aidaptiv_ds.integration.errors.GradientConsumedError` before anything changes.
+
+The swap-out that ends a setter (``set_full_hp_param`` writes the sub-group back with
+``_optimizer_states_and_gradient_swap_out``, the gradient setters with ``_writeback_swap_state``) writes the
+changed state back but is not an optimizer step: the gradient stays for the step
+(:attr:`AidaptivOptimizerSwapper.state_api`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ..spans import span
+
+
+class StateAPIMixin:
+    """The public state API of DeepSpeed's Stage-3 optimizer, run under :meth:`_aidaptiv_state_access`."""
+
+    @contextlib.contextmanager
+    def _aidaptiv_state_access(self, params, what: str):
+        """Around one state-API call on ``params`` (one parameter or a list): undo speculative steps of their
+        sub-groups ([Note: the state API]) and mark the optimizer swapper's swap-outs as state writes."""
+        params = params if isinstance(params, (list, tuple)) else [params]
+        st = getattr(self, "_aidaptiv_stepper", None)
+        if st is not None:
+            groups = sorted({self.grad_position[self.get_param_id(p)][0] for p in params
+                             if p.requires_grad and self.get_param_id(p) in self.grad_position})
+            for i in groups:
+                st.reopen(i, what)
+        sw = self.optimizer_swapper
+        was, sw.state_api = sw.state_api, True
+        try:
+            with span("aidaptiv::state_api", lane="optimizer", call=what):
+                yield
+        finally:
+            sw.state_api = was
+
+    def get_full_hp_param(self, param, optim_state_key=None):
+        with self._aidaptiv_state_access(param, "get_full_hp_param (safe_get_full_fp32_param/optimizer_state)"):
+            return super().get_full_hp_param(param, optim_state_key)
+
+    def set_full_hp_param(self, value, param, optim_state_key=None):
+        with self._aidaptiv_state_access(param, "set_full_hp_param (safe_set_full_fp32_param/optimizer_state)"):
+            return super().set_full_hp_param(value, param, optim_state_key)
+
+    def get_fp32_grad_for_param(self, param):
+        with self._aidaptiv_state_access(param, "get_fp32_grad_for_param (safe_get_full_grad)"):
+            return super().get_fp32_grad_for_param(param)
+
+    def set_fp32_grad_for_param(self, value, param):
+        with self._aidaptiv_state_access(param, "set_fp32_grad_for_param (safe_set_full_grad)"):
+            return super().set_fp32_grad_for_param(value, param)
+
+    def get_local_fp32_grad_for_param(self, param):
+        with self._aidaptiv_state_access(param, "get_local_fp32_grad_for_param (safe_get_local_grad)"):
+            return super().get_local_fp32_grad_for_param(param)
+
+    def set_local_grad_for_param(self, value, param):
+        with self._aidaptiv_state_access(param, "set_local_grad_for_param (safe_set_local_grad)"):
+            return super().set_local_grad_for_param(value, param)
+
+    def get_local_fp32_param(self, param, optim_state_key=None):
+        with self._aidaptiv_state_access(param, "get_local_fp32_param (safe_get_local_fp32_param/optimizer_state)"):
+            return super().get_local_fp32_param(param, optim_state_key)
+
+    def set_local_hp_param(self, value, param, optim_state_key=None):
+        with self._aidaptiv_state_access(param, "set_local_hp_param (safe_set_local_fp32_param/optimizer_state)"):
+            return super().set_local_hp_param(value, param, optim_state_key)
+
+    def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
+        with self._aidaptiv_state_access(list(param_list), "update_fp32_grad_for_param_vectorized "
+                                                           "(safe_update_full_grad_vectorized)"):
+            return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+
+    def get_hp_param_device(self, param, optim_state_key=None):
+        with self._aidaptiv_state_access(param, "get_hp_param_device"):
+            return super().get_hp_param_device(param, optim_state_key)
