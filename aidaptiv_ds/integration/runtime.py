@@ -1,10 +1,18 @@
-"""The process-wide aidaptiv_ds runtime: one I/O engine, one store, one DRAM tier per process.
+"""The aidaptiv_ds runtime: one I/O engine, one store, one DRAM tier per set of cache paths in a process.
 
 DeepSpeed builds a parameter swapper per ``zero.Init`` and an optimizer swapper per engine; two of
 DeepSpeed's own swappers on one ``nvme_path`` delete each other's files (``docs/deepspeed-seams.md``
-§1.1, case B03). Here every swapper of a process shares one :class:`Runtime`, whose store lives in
-its own (host, run, rank) namespace under each cache path, so engines, ranks and runs can share
-drives without ever touching each other's data.
+§1.1, case B03). Here every swapper of a process on the same cache paths shares one :class:`Runtime`,
+whose store lives in its own (host, run, rank) namespace under each cache path, so engines, ranks and
+runs can share drives without ever touching each other's data.
+
+[Note: several engines in a process] Notebooks, an evaluation engine beside a training engine, HF
+hyperparameter search and DeepSpeed's own tests build several engines in one process. Engines whose
+configs name the same cache paths share that paths' runtime; an engine on other paths gets a runtime of
+its own beside it (:func:`get_runtime`). An engine's optimizer state (its ``opt<N>/`` and ``grad<N>/``
+extents and their slices) is freed when the engine is destroyed (``engine.destroy()``) or garbage
+collected (:meth:`Runtime.attach_engine`); a runtime with no engine and no parameter left is closed then
+too (its files deleted unless ``keep_files``), and every runtime at exit.
 """
 from __future__ import annotations
 
@@ -39,8 +47,9 @@ from .config import AidaptivConfig
 
 log = logging.getLogger("aidaptiv_ds")
 
-_RUNTIME: "Runtime | None" = None
+_RUNTIMES: "dict[tuple[str, ...], Runtime]" = {}  # live runtimes by their cache paths, oldest first
 _LOCK = threading.Lock()
+_IDS = __import__("itertools").count()
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -140,17 +149,54 @@ class Runtime:
         self.order = AccessOrder()
         self.tier = HostTier(self.budget, writeback_limit=wb, order=self.order)
         self.io_wait = Timer()
-        self.param_swapper = None  # the process's AidaptivParamSwapper, created by the first zero.Init
-        self.optimizer_swappers: list = []
-        self.steppers: list = []  # every engine's BackwardStepper (in-backward step counters)
+        self.param_swapper = None  # this runtime's AidaptivParamSwapper, created by the first zero.Init on its paths
+        self._engines: dict = {}  # engine id -> (weakref to its optimizer swapper, weakref to its stepper)
+        self._provider = "aidaptiv_ds" if next(_IDS) == 0 else f"aidaptiv_ds#{id(self)}"
         self.checkpoint_bytes_written = 0  # bytes our checkpoint saves wrote (not on the cache tier)
         self.checkpoint_bytes_cloned = 0  # bytes they shared with the slab by copy-on-write clones
         self.closed = False
         install_sigterm_handler()
-        counters.register_provider("aidaptiv_ds", self.counters, settle=self.flush)
+        counters.register_provider(self._provider, self.counters, settle=self.flush)
         if self.rank == 0:
             log.info("aidaptiv_ds: run %s, %d cache path(s) %s (%s), DRAM budget %s", run, len(paths), paths,
                      cfg.placement, format_bytes(self.budget))
+
+    # ------------------------------------------------------------------ engines ([Note: several engines])
+    @property
+    def optimizer_swappers(self) -> list:
+        """The optimizer swappers of this runtime's live engines."""
+        return [sw for sw in (r[0]() for r in self._engines.values()) if sw is not None]
+
+    @property
+    def steppers(self) -> list:
+        """The in-backward steppers of this runtime's live engines (step counters)."""
+        return [st for st in (r[1]() for r in self._engines.values() if r[1] is not None) if st is not None]
+
+    def attach_engine(self, engine_id: int, swapper, stepper=None) -> None:
+        """Count an engine's optimizer swapper (and in-backward stepper) as this runtime's, weakly: when the
+        swapper is garbage collected, its state is freed as by :meth:`detach_engine`."""
+        import weakref
+
+        self._engines[engine_id] = (weakref.ref(swapper, lambda _r, i=engine_id: self.detach_engine(i)),
+                                    weakref.ref(stepper) if stepper is not None else None)
+
+    def detach_engine(self, engine_id: int) -> None:
+        """The engine is destroyed (or gone): free its optimizer and gradient extents and slices, give back
+        the parameter chunks no live parameter uses, and close this runtime when nothing of it is left."""
+        if self.closed or self._engines.pop(engine_id, None) is None:
+            return
+        for s in [s for s in self.tier.slices() if s.key[:2] in (("opt", engine_id), ("grad", engine_id))]:
+            while s.refs:
+                self.tier.release(s)
+            s.dirty = False  # the engine's state goes away with it: never written
+            self.tier.drop(s)
+        self.tier.wait_writes()
+        for key in [k for k in self.store.keys() if k.split("/")[0] in (f"opt{engine_id}", f"grad{engine_id}")]:
+            self.store.free(key)
+        if self.param_swapper is not None:
+            self.param_swapper.release_dead_chunks()
+        if not self._engines and (self.param_swapper is None or not self.param_swapper.live_partitions()):
+            _close_runtime(self)
 
     def settle_host_memory_reuse(self, heap_bytes: int, budget_free_bytes: int, pool_bytes: int = 0) -> bool:
         """Decide ``io.reuse_host_memory: "auto"`` and ``io.buffer_pool`` once the plan is known; returns
@@ -309,7 +355,7 @@ class Runtime:
             if self.cfg.keep_files:
                 self.tier.flush()
         finally:
-            counters.unregister_provider("aidaptiv_ds")
+            counters.unregister_provider(self._provider)
             if self.buffer_pool is not None and current_pool() is self.buffer_pool:
                 use_pool(None)  # its buffers still alive keep the region; it is unmapped after the last
             try:
@@ -318,24 +364,31 @@ class Runtime:
                 self.engine.close()
 
 
-def get_runtime(cfg: AidaptivConfig) -> Runtime:
-    """The process's runtime, created on first use.
+def _paths_key(paths) -> tuple[str, ...]:
+    return tuple(os.path.abspath(p) for p in paths)
 
-    Raises:
-        AidaptivConfigError: a later config asks for different cache paths than the first one.
+
+def get_runtime(cfg: AidaptivConfig) -> Runtime:
+    """The live runtime of ``cfg``'s cache paths, created on first use ([Note: several engines in a process]).
+
+    A config that names the cache paths of a live runtime shares it (its DRAM budget and other settings
+    are the first config's); other paths get a runtime of their own.
     """
-    global _RUNTIME
+    key = _paths_key(cfg.cache_paths)
     with _LOCK:
-        if _RUNTIME is not None and not _RUNTIME.closed:
-            if [os.path.abspath(p) for p in _RUNTIME.cfg.cache_paths] != [os.path.abspath(p) for p in cfg.cache_paths]:
-                from .config import AidaptivConfigError
-                raise AidaptivConfigError(
-                    f"aidaptiv.cache_paths: {cfg.cache_paths} differs from {_RUNTIME.cfg.cache_paths}, which this "
-                    f"process already uses; one aidaptiv_ds store serves a whole process. Fix: give every engine "
-                    f"of the process the same cache_paths.")
-            return _RUNTIME
-        _RUNTIME = Runtime(cfg)
-        return _RUNTIME
+        rt = _RUNTIMES.get(key)
+        if rt is not None and not rt.closed:
+            return rt
+        rt = _RUNTIMES[key] = Runtime(cfg)
+        return rt
+
+
+def _close_runtime(rt: Runtime) -> None:
+    with _LOCK:
+        for k, v in list(_RUNTIMES.items()):
+            if v is rt:
+                del _RUNTIMES[k]
+    rt.close()
 
 
 def _sum_counters(dicts) -> dict:
@@ -350,16 +403,30 @@ def _sum_counters(dicts) -> dict:
 
 
 def current_runtime() -> Runtime | None:
-    return _RUNTIME if _RUNTIME is not None and not _RUNTIME.closed else None
+    """The most recently created live runtime of the process (None without one)."""
+    live = runtimes()
+    return live[-1] if live else None
+
+
+def runtimes() -> list[Runtime]:
+    """Every live runtime of the process, oldest first."""
+    with _LOCK:
+        return [rt for rt in _RUNTIMES.values() if not rt.closed]
 
 
 def shutdown() -> None:
-    """Close the runtime (safe to call twice; see :func:`_shutdown_at_exit` for interpreter exit)."""
-    global _RUNTIME
+    """Close every runtime (safe to call twice; see :func:`_shutdown_at_exit` for interpreter exit)."""
     with _LOCK:
-        rt, _RUNTIME = _RUNTIME, None
-    if rt is not None:
-        rt.close()
+        live = list(_RUNTIMES.values())
+        _RUNTIMES.clear()
+    errors = []
+    for rt in live:
+        try:
+            rt.close()
+        except BaseException as e:  # noqa: BLE001 - close the others, then raise the first
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def _shutdown_at_exit() -> None:
