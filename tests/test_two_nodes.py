@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from _oracle import REPO, SCRIPT, free_port
-from test_multirank import _env, _results, assert_identical, written_bytes
+from test_multirank import LEDGER_FILES, _env, _results, assert_identical, files_under, written_bytes
 
 pytestmark = pytest.mark.multirank
 
@@ -300,6 +300,10 @@ def test_two_nodes_train_bit_identical_and_save_a_part_per_node(cluster, oracle,
     assert trained["swapper"] == "AidaptivParamSwapper"
     assert_identical(oracle, trained)
     assert [r["host"] for r in trained["ranks"]] == list(HOSTS)
+    assert len({r["run"] for r in trained["ranks"]}) == 1  # rank 0's run name reached the other node
+    for host in HOSTS:  # each node's cache path: its own directory, removed at a clean exit but for the ledger
+        cache = os.path.join(cluster.root, "aidaptiv", f"cache-{host}", "aidaptiv_ds")
+        assert os.listdir(cache) == [host] and {os.path.basename(f) for f in files_under(cache)} == LEDGER_FILES
     tag = f"global_step{SAVE}"
     ids = set()
     for i, host in enumerate(HOSTS):
@@ -341,6 +345,31 @@ def test_bytes_per_node_equal_one_node_running_both_ranks(cluster, trained):
           f"node; one node {[b / nparams / steps for b in per_rank]} per rank, {sum(per_rank) / nparams / steps} "
           f"per node ({nparams} parameters, {steps} steps)")
     assert per_node == per_rank and min(per_node) > 0
+
+
+def test_export_and_gc_over_the_nodes_directories(cluster, trained, tmp_path, capsys):
+    """``aidaptiv-ds export`` given both nodes' directories writes the same model as from the shared
+    checkpoint of the same step; given one, it names the other node's part; ``gc --checkpoint`` lists
+    each node's part and finds nothing left over."""
+    from safetensors.torch import load_file
+
+    from aidaptiv_ds.cli.main import main as cli
+
+    tag = f"global_step{SAVE}"
+    nodes = [cluster.node_dir(i, "ck") for i in range(2)]
+    assert cli(["export", *nodes, "--tag", tag, "--output", str(tmp_path / "parts")]) == 0
+    assert cli(["export", os.path.join(cluster.shared, "ck"), "--tag", tag, "--output", str(tmp_path / "whole")]) == 0
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("parts", "whole"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    assert cli(["export", nodes[0], "--tag", tag, "--output", str(tmp_path / "one")]) == 1
+    err = capsys.readouterr().err
+    assert (f"the part of node node-b (ranks [1]), which it saved to {os.path.join(cluster.local, 'ck')} on that "
+            f"node, is not among the directories given") in err
+    assert cli(["gc", "--checkpoint", nodes[1]]) == 0
+    out = capsys.readouterr().out
+    assert f"tag      {os.path.join(nodes[1], tag)}: part 2 of 2 (ranks [1]), save " in out and "committed" in out
+    assert "nothing left by interrupted saves" in out
 
 
 def test_kill_9_of_one_node_during_a_save_leaves_the_previous_checkpoint_on_both(cluster, oracle, trained):

@@ -481,9 +481,8 @@ def finish_part(save_dir: str, tag: str, record: dict | None, save_latest: bool,
     if record is not None:
         write_commit(tag_dir(save_dir, tag), record)
     shutil.rmtree(retired_dir(save_dir, tag), ignore_errors=True)
-    for root in (RETIRED, STAGING):
-        if root == STAGING:
-            adopt_root_files(save_dir)
+    adopt_root_files(save_dir)
+    for root in (RETIRED, STAGING):  # empty unless other tags have leftovers there
         try:
             os.rmdir(os.path.join(save_dir, root))
         except OSError:
