@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from aidaptiv_ds.checkpoint import parts as P
-from aidaptiv_ds.checkpoint.format import COMMIT, DIRNAME, RETIRED, STAGING, IncompleteCheckpointError, \
-    staging_dir, tag_dir
+from aidaptiv_ds.checkpoint.format import COMMIT, DIRNAME, RETIRED, IncompleteCheckpointError, staging_dir, tag_dir
 from aidaptiv_ds.checkpoint.reader import CheckpointReader
 from aidaptiv_ds.checkpoint.writer import RankWriter
 

@@ -232,7 +232,8 @@ def _resolver(*addrs: str):
                     "error": None if addrs else "Name or service not known"}
 
 
-IFACES = [{"name": "lo", "ipv4": "127.0.0.1", "loopback": True}, {"name": "eth1", "ipv4": "10.0.0.7", "loopback": False}]
+IFACES = [{"name": "lo", "ipv4": "127.0.0.1", "loopback": True},
+          {"name": "eth1", "ipv4": "10.0.0.7", "loopback": False}]
 
 
 def test_a_multi_node_job_on_a_host_name_resolving_to_loopback_gets_a_warning_with_the_flags():

@@ -31,7 +31,6 @@ import time
 
 import pytest
 import torch
-
 from _oracle import REPO, SCRIPT, free_port
 from test_multirank import LEDGER_FILES, _env, _results, assert_identical, files_under, written_bytes
 
@@ -231,7 +230,7 @@ def per_node_cache(wd: str, i: int) -> list[str]:
     return ["--cache_paths", os.path.join(wd, f"cache-{HOSTS[i]}")]
 
 
-# ---------------------------------------------------------------------------------------------- runs shared by the tests
+# ------------------------------------------------------------------------------------------- runs shared by the tests
 @pytest.fixture(scope="module")
 def oracle(cluster):
     wd = os.path.join(cluster.root, "oracle")
@@ -291,7 +290,7 @@ def latest(save_dir: str) -> str | None:
 # ---------------------------------------------------------------------------------------------- tests
 def test_the_documented_commands_carry_the_flags_multi_homed_hosts_need():
     """Each launch command this module runs is in launch/MULTINODE.md once, as run here."""
-    for key, pattern in DOC.items():
+    for pattern in DOC.values():
         documented(pattern)
     assert doc_hostfile() == ["10.0.0.1 slots=8", "10.0.0.2 slots=8"]
 
@@ -432,8 +431,8 @@ def test_resume_from_the_shared_directory_with_deepspeeds_pdsh_mode(cluster, ora
     assert p.returncode == 0 and open(os.path.join(wd, ".deepspeed_env")).read() == "GLOO_SOCKET_IFNAME=eth1\n"
     bin_dir = str(tmp_path / "bin")
     netns_remote.install(bin_dir)
-    hosts = {cluster.addr[i]: {"netns": cluster.ns[i], "env": cluster.env(i), "mount": [cluster.disks[i], cluster.local]}
-             for i in range(2)}
+    hosts = {cluster.addr[i]: {"netns": cluster.ns[i], "env": cluster.env(i),
+                               "mount": [cluster.disks[i], cluster.local]} for i in range(2)}
     env = cluster.env(0, {"AIDAPTIV_TEST_HOSTS": json.dumps(hosts)})
     env["PATH"] = bin_dir + os.pathsep + env["PATH"]
     argv = as_run(documented(DOC["deepspeed-pdsh"]), cluster, free_port(),

@@ -688,12 +688,12 @@ def gc_checkpoints(dirs: list[str], delete: bool) -> list[dict]:
         plan = cleanup_plan(views, tag, dirs)
         for d in dirs:
             mine = [x for x in plan if x[1].startswith(d + os.sep)]
-            done = apply_plan(d, tag, [x for x in mine if x[0] != "keep"]) if delete else []
+            if delete:
+                apply_plan(d, tag, [x for x in mine if x[0] != "keep"])
+            done = {"remove": "removed", "restore": "restored", "keep": "keep"} if delete else {}
             for action, path, why in mine:
-                state = action if not delete or action == "keep" else \
-                    {"remove": "removed", "restore": "restored"}[action]
-                rows.append({"dir": d, "kind": "leftover", "path": path, "state": state, "why": why})
-            del done
+                rows.append({"dir": d, "kind": "leftover", "path": path, "state": done.get(action, action),
+                             "why": why})
     for d in dirs:
         for f in stale_claims(d):
             if delete:

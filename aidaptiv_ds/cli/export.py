@@ -1,4 +1,4 @@
-"""``aidaptiv-ds export CKPT_DIR [CKPT_DIR ...] --output HF_DIR``: an aidaptiv_ds checkpoint as a Hugging Face model directory.
+"""``aidaptiv-ds export CKPT_DIR [CKPT_DIR ...] --output HF_DIR``: a checkpoint as a Hugging Face model directory.
 
 Replaces DeepSpeed's ``zero_to_fp32`` (which cannot read NVMe-offload checkpoints, see
 ``docs/deepspeed-seams.md`` §6.3) for our layout: consolidated fp32 master weights, in fp32 or cast to

@@ -15,8 +15,17 @@ moments, the optimizer step or the loss scaler (the engine skips its ZeRO states
   (:mod:`aidaptiv_ds.checkpoint.format`). A ``kill -9`` at any moment leaves the complete old or the
   complete new checkpoint, never a mix. Before anything is written, the free space of ``save_dir``
   is checked against what the save needs (:func:`check_space`);
-* **load** verifies the tag (manifest, ``rank.json``, every file's size and CRC32, DeepSpeed's
-  files included) and refuses an incomplete or damaged one by name, offering the complete ones;
+* **several directories** (DeepSpeed's ``checkpoint.use_node_local_storage``, a ``save_dir`` per node):
+  every rank creates its ``save_dir`` and the ranks find out which of them share one (a claim per
+  save, :func:`discover_layout`); one group keeps the layout above, several save in *parts*, one per
+  directory, committed across the nodes by rank 0's commit record, the ranks agreeing between the
+  steps so that a node that fails is named on every rank (:func:`_commit_parts`,
+  :mod:`aidaptiv_ds.checkpoint.parts`);
+* **load** first compares what every rank sees of the tag (:func:`_views`,
+  :func:`~aidaptiv_ds.checkpoint.parts.decide`): all ranks load the same save -- in parts, each from
+  its own node's part -- or all refuse, naming the node and path at fault. It verifies the tag
+  (manifest, ``rank.json``, every file's size and CRC32, DeepSpeed's files included) and refuses an
+  incomplete or damaged one by name, offering the complete ones;
   restores engine counters, LR scheduler and client state from DeepSpeed's rank-0 model-states
   file, re-partitions master weights and moments for the current world size and sub-groups,
   restores each sub-group's optimizer ``step`` and the loss scaler, and rebuilds the low-precision
@@ -56,6 +65,11 @@ DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_
 #: ``mid_switch`` exists only where the filesystem cannot exchange two directories atomically.
 KILL_POINTS = ("before_deepspeed", "after_deepspeed", "subgroup", "after_rank_state", "before_manifest",
                "before_switch", "mid_switch", "after_switch", "before_latest", "after_latest")
+#: Crash points of a save in node-local parts, in order (each on every part's leader but the commit,
+#: on rank 0): ``mid_switch`` when the tag's old part is set aside.
+PART_KILL_POINTS = ("before_deepspeed", "after_deepspeed", "subgroup", "after_rank_state", "before_manifest",
+                    "before_switch", "mid_switch", "after_switch", "before_commit", "after_commit", "before_latest",
+                    "after_latest")
 
 
 def _kill_point(name: str) -> None:
