@@ -291,6 +291,14 @@ def test_a_missing_part_is_refused_naming_the_node_and_path(two_saves):
     assert "node0" not in msg.split("is not complete on every node")[1]  # only the node at fault is named
 
 
+def test_a_node_whose_directory_is_gone_is_named(two_saves):
+    """Node 1's disk was replaced: no part and no ``latest`` there; node 0's ``latest`` names the tag."""
+    dirs, _ = two_saves
+    shutil.rmtree(dirs[1])
+    with pytest.raises(IncompleteCheckpointError, match=r"node node1 \(rank 1\): .*node1/global_step2 is missing"):
+        loaded(dirs)
+
+
 def test_a_part_from_another_save_is_refused_naming_the_node_and_path(two_saves):
     dirs, other = two_saves
     shutil.rmtree(tag_dir(dirs[1], "global_step2"))

@@ -418,14 +418,17 @@ def choose_tag(views: list[dict], tag: str | None) -> str | None:
         return None
     if all(t == named[0] for t in named):
         return named[0]
-    ok = []
+    ok, errors = [], []
     for t in sorted({t for t in named if t is not None}):
         try:
             d = decide(views, t, len(views))
-        except IncompleteCheckpointError:
+        except IncompleteCheckpointError as e:
+            errors.append(e)
             continue
         if d.loadable:
             ok.append((d.created or 0, t))
+    if not ok and len(errors) == 1:  # one tag named, by some nodes only: why it is not everywhere
+        raise errors[0]
     detail = "; ".join(f"{_node(v)}: {os.path.join(v['save_dir'], 'latest')} "
                        + (f"names {v['latest']!r}" if v["latest"] else "is missing") for v in views)
     if not ok:
