@@ -219,6 +219,9 @@ def pytest_configure(config):
 
 #: node id -> the default-run test that covers the same behaviour (see the module docstring)
 SLOW_VARIANTS = {
+    "tests/test_checkpoint.py::test_a_save_dir_per_rank_saves_parts_and_resumes_bit_identical":
+        "tests/test_two_nodes.py (the same with two nodes in network namespaces; this one runs where those "
+        "cannot be made)",
     "tests/test_checkpoint.py::test_resume_is_bit_identical[2]": "test_resume_is_bit_identical[1]",
     "tests/test_checkpoint.py::test_resume_with_another_world_size[2-1]": "test_multirank.py world-size reads",
     "tests/test_checkpoint.py::test_resume_with_another_world_size[1-2]": "test_resume_with_another_world_size "

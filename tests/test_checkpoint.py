@@ -58,6 +58,29 @@ def test_resume_is_bit_identical(ws, tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_save_dir_per_rank_saves_parts_and_resumes_bit_identical(tmp_path):
+    """Node-local checkpoints on one machine (issue 40; with two real network namespaces:
+    tests/test_two_nodes.py): with a save_dir per rank, as with a directory per node, each rank writes
+    its part and its own ``latest``; a resume is bit-identical; one with another world size is refused
+    with the fix."""
+    straight = run_ws(2, ARGS, str(tmp_path / "straight"))
+    ck = str(tmp_path / "ck{rank}")
+    run_ws(2, ARGS + ["--save_after", "3", "--ckpt_dir", ck], str(tmp_path / "a"))
+    for r in range(2):
+        man = read_manifest(os.path.join(str(tmp_path / f"ck{r}"), "global_step3"))
+        assert man["part"]["ranks"] == [r] and man["part"]["count"] == 2
+        assert open(os.path.join(str(tmp_path / f"ck{r}"), "latest")).read() == "global_step3"
+    second = run_ws(2, ARGS + ["--resume", "--ckpt_dir", ck], str(tmp_path / "b"))
+    assert second["losses"] == straight["losses"][3:]
+    for name, t in straight["params"].items():
+        assert torch.equal(t, second["params"][name]), name
+    for a, b in zip(straight["masters"], second["masters"]):
+        assert torch.equal(a, b)
+    with pytest.raises(AssertionError) as e:
+        run_ws(1, ARGS + ["--resume", "--ckpt_dir", ck], str(tmp_path / "c"))
+    assert "was written by 2 ranks and this job has 1" in str(e.value) and "export" in str(e.value)
+
+
 def _consolidated(tag_path: str) -> dict[str, torch.Tensor]:
     r = CheckpointReader(tag_path)
     out = {n: r.read_range(n, 0, info.numel) for n, info in r.params.items()}

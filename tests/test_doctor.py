@@ -224,3 +224,66 @@ def test_huge_pages_check_reads_the_kernel_mode(tmp_path):
     assert [p["severity"] for p in r["problems"]] == ["warning"]
     assert "transparent_hugepage/enabled" in r["problems"][0]["fix"]
     assert check_huge_pages(str(tmp_path / "absent"))["kernel_mode"] is None
+
+
+# ---------------------------------------------------------------------------------------------- several nodes
+def _resolver(*addrs: str):
+    return lambda: {"host": "node7", "addresses": list(addrs), "loopback": all(a.startswith("127.") for a in addrs),
+                    "error": None if addrs else "Name or service not known"}
+
+
+IFACES = [{"name": "lo", "ipv4": "127.0.0.1", "loopback": True},
+          {"name": "eth1", "ipv4": "10.0.0.7", "loopback": False}]
+
+
+def test_a_multi_node_job_on_a_host_name_resolving_to_loopback_gets_a_warning_with_the_flags():
+    r = doctor.check_network(2, env={}, resolve=_resolver("127.0.0.1"), list_interfaces=lambda: IFACES)
+    (p,) = r["problems"]
+    assert p["severity"] == "warning" and "one of 2 nodes" in p["problem"] and "'node7' resolves to 127.0.0.1" \
+        in p["problem"]
+    for flag in ("GLOO_SOCKET_IFNAME=eth1", "--local_addr 10.0.0.7", "--rdzv_conf is_host=1", ".deepspeed_env",
+                 "launch/MULTINODE.md"):
+        assert flag in p["fix"], flag
+    assert doctor.check_network(2, env={}, resolve=_resolver(), list_interfaces=lambda: IFACES)["problems"][0][
+        "problem"].endswith("does not resolve (Name or service not known), a loopback address: torchrun's rendezvous "
+                            "and gloo would advertise an address the other nodes cannot reach (the rendezvous hangs "
+                            "or gloo's connect times out)")
+
+
+def test_no_warning_on_one_node_or_with_a_routable_host_name():
+    assert doctor.check_network(1, env={}, resolve=_resolver("127.0.0.1"), list_interfaces=lambda: IFACES)[
+        "problems"] == []
+    assert doctor.check_network(None, env={}, resolve=_resolver("127.0.0.1"), list_interfaces=lambda: IFACES)[
+        "problems"] == []  # outside a job, without --nnodes: one node
+    assert doctor.check_network(4, env={}, resolve=_resolver("10.0.0.7"), list_interfaces=lambda: IFACES)[
+        "problems"] == []
+
+
+def test_the_node_count_comes_from_the_launchers_variables():
+    from aidaptiv_ds.telemetry.netinfo import nodes_in_job
+    assert nodes_in_job({"GROUP_WORLD_SIZE": "3", "WORLD_SIZE": "24", "LOCAL_WORLD_SIZE": "8"}) == 3  # torchrun
+    assert nodes_in_job({"WORLD_SIZE": "16", "LOCAL_SIZE": "8"}) == 2  # the deepspeed launcher
+    assert nodes_in_job({"SLURM_JOB_NUM_NODES": "4"}) == 4
+    assert nodes_in_job({}) is None
+    r = doctor.check_network(None, env={"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"},
+                             resolve=_resolver("127.0.1.1"), list_interfaces=lambda: IFACES)
+    assert r["nnodes"] == 2 and len(r["problems"]) == 1
+
+
+def test_a_gloo_interface_this_node_lacks_is_named():
+    r = doctor.check_network(2, env={"GLOO_SOCKET_IFNAME": "ib0"}, resolve=_resolver("10.0.0.7"),
+                             list_interfaces=lambda: IFACES)
+    (p,) = r["problems"]
+    assert "GLOO_SOCKET_IFNAME=ib0, but this node has no such interface" in p["problem"] and "eth1 10.0.0.7" in p["fix"]
+    assert doctor.check_network(2, env={"GLOO_SOCKET_IFNAME": "eth1"}, resolve=_resolver("10.0.0.7"),
+                                list_interfaces=lambda: IFACES)["problems"] == []
+
+
+def test_this_machines_interfaces_and_host_name_are_read():
+    from aidaptiv_ds.telemetry.netinfo import interfaces, resolve_host
+    ifs = interfaces()
+    assert any(i["name"] == "lo" and i["loopback"] for i in ifs)
+    r = resolve_host()
+    assert r["host"] and (r["addresses"] or r["error"])
+    text = doctor.format_report(doctor.run_doctor([], nnodes=2))
+    assert "network     one of 2 nodes; host name" in text

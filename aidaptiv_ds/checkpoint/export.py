@@ -40,12 +40,13 @@ def _shards(reader: CheckpointReader, dtype: torch.dtype, shard_bytes: int) -> l
     return shards
 
 
-def export_hf(tag_path: str, out_dir: str, dtype: torch.dtype = torch.float32, source_dir: str | None = None,
+def export_hf(tag_path: str | list[str], out_dir: str, dtype: torch.dtype = torch.float32, source_dir: str | None = None,
               shard_bytes: int = 5 << 30) -> list[str]:
     """Write ``out_dir`` as an HF model directory from the checkpoint tag directory ``tag_path``.
 
     Args:
-        tag_path: ``<save_dir>/<tag>`` of a complete aidaptiv_ds checkpoint.
+        tag_path: ``<save_dir>/<tag>`` of a complete aidaptiv_ds checkpoint, or the tag directories of
+            every node-local part of one (:func:`aidaptiv_ds.checkpoint.parts.gather_parts`).
         out_dir: the HF directory to create (existing files of the same names are replaced).
         dtype: dtype of the exported tensors (fp32 keeps the master weights exactly; bf16/fp16 cast).
         source_dir: an HF model directory to copy the config (if the checkpoint has none) and tokenizer from.

@@ -34,6 +34,14 @@ save (a partial staging directory, a retired copy) are finished or removed by th
 Each ``rank.json`` records, per sub-group, its parameters (name, partition numel, offset in the
 sub-group, full numel and shape), so state can be re-partitioned for another world size and
 consolidated into whole tensors (:mod:`aidaptiv_ds.checkpoint.reader`).
+
+**Node-local parts (layout 3).** Where the ranks do not all see one ``save_dir`` (DeepSpeed's
+``checkpoint.use_node_local_storage``, or a save directory on each node's own disk), each directory
+holds the *part* of the tag written by the ranks that see it: their DeepSpeed files, their
+``rankNNNNN`` directories and a manifest that lists only those ranks (``"part"``: index, count,
+ranks, host), and, once the save is committed on every node, ``aidaptiv/COMMIT.json``: one record
+naming every part with its manifest's CRC32. The protocol and how a load checks it are in
+:mod:`aidaptiv_ds.checkpoint.parts`.
 """
 from __future__ import annotations
 
@@ -49,8 +57,10 @@ from ..io.atomic import SELF_CRC, ChecksumMismatch, atomic_write, exchange, fsyn
 from ..io.errors import FileWriteError
 
 LAYOUT_VERSION = 2  # 2: DeepSpeed's files in the manifest, self-CRC of manifest and rank.json
+PARTS_VERSION = 3  # 3: a node-local part: the manifest lists some ranks ("part"), COMMIT.json beside it
 DIRNAME = "aidaptiv"
 MANIFEST = "MANIFEST.json"
+COMMIT = "COMMIT.json"  # <tag>/aidaptiv/COMMIT.json: the commit record of a save in node-local parts
 RANK_INDEX = "rank.json"
 STAGING = ".aidaptiv-staging"  # <save_dir>/STAGING/<tag>: a save being written
 RETIRED = ".aidaptiv-retired"  # <save_dir>/RETIRED/<tag>: the old copy during a two-rename switch
@@ -144,11 +154,19 @@ def read_rank_index(tag_path: str, rank: int, version: int = LAYOUT_VERSION) -> 
         raise _damaged(tag_path, str(e)) from None
 
 
+def manifest_ranks(man: dict) -> list[int]:
+    """The ranks whose state a manifest's directory holds: all ``world_size`` of them, or, in a
+    node-local part (layout 3), the part's ``ranks``."""
+    part = man.get("part")
+    return [int(r) for r in part["ranks"]] if part else list(range(int(man["world_size"])))
+
+
 def read_manifest(tag_path: str, verify_crc: bool = False) -> dict:
     """The manifest of a checkpoint tag directory, after checking that every file it lists is intact.
 
     Always checked: the manifest's own CRC, each ``rank.json``'s CRC, and the size of every file it
-    lists (ours and DeepSpeed's). With ``verify_crc``: also the CRC32 of every file's bytes.
+    lists (ours and DeepSpeed's). With ``verify_crc``: also the CRC32 of every file's bytes. A
+    node-local part (layout 3) is checked for the ranks it holds (:func:`manifest_ranks`).
 
     Raises:
         IncompleteCheckpointError: naming the checkpoint and what is missing or damaged.
@@ -179,7 +197,7 @@ def read_manifest(tag_path: str, verify_crc: bool = False) -> dict:
             metadata = rel.endswith("/" + RANK_INDEX)
             if (verify_crc or metadata) and info.get("crc32") is not None and crc32_file(p) != info["crc32"]:
                 raise _damaged(tag_path, f"the CRC32 of {p} does not match the manifest")
-    for r in range(int(man["world_size"])):
+    for r in manifest_ranks(man):
         read_rank_index(tag_path, r, version)
     return man
 
@@ -236,11 +254,18 @@ def _rmtree(path: str) -> None:
         shutil.rmtree(path)
 
 
-def publish(save_dir: str, tag: str, kill_point=lambda name: None) -> str:
+def publish(save_dir: str, tag: str, kill_point=lambda name: None, keep_old: bool = False) -> str:
     """Put the complete staging directory of ``tag`` at ``<save_dir>/<tag>`` (see module docstring).
 
+    Args:
+        keep_old: leave an existing ``<save_dir>/<tag>`` set aside at
+            ``<save_dir>/.aidaptiv-retired/<tag>`` instead of deleting it (a node-local part: the
+            old part stays until the new save is committed on every node,
+            :mod:`aidaptiv_ds.checkpoint.parts`).
+
     Returns:
-        How: ``"new"`` (rename), ``"exchanged"`` (atomic swap with the old tag) or ``"two renames"``.
+        How: ``"new"`` (rename), ``"exchanged"`` (atomic swap with the old tag), ``"two renames"``,
+        or ``"old set aside"`` (``keep_old``).
 
     Raises:
         FileWriteError: a rename or directory fsync failed, naming the paths (the old tag is intact
@@ -255,6 +280,18 @@ def publish(save_dir: str, tag: str, kill_point=lambda name: None) -> str:
         fsync_dir(os.path.dirname(os.path.abspath(src)))
         kill_point("after_switch")
         return "new"
+    if keep_old:
+        old = retired_dir(save_dir, tag)
+        os.makedirs(os.path.dirname(old), exist_ok=True)
+        _rmtree(old)
+        _rename(dst, old)
+        fsync_dir(os.path.dirname(old))
+        fsync_dir(parent)
+        kill_point("mid_switch")
+        _rename(src, dst)
+        fsync_dir(parent)
+        kill_point("after_switch")
+        return "old set aside"
     if exchange(src, dst):  # now src holds the old tag
         fsync_dir(parent)
         fsync_dir(os.path.dirname(os.path.abspath(src)))

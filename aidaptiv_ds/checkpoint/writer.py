@@ -13,8 +13,8 @@ import time
 import torch
 
 from ..io.atomic import AtomicFile, atomic_write, fsync_dir
-from .format import DIRNAME, LAYOUT_VERSION, MANIFEST, RANK_INDEX, crc32_file, rank_dirname, read_rank_index, \
-    safetensors_header, write_json
+from .format import DIRNAME, LAYOUT_VERSION, MANIFEST, PARTS_VERSION, RANK_INDEX, crc32_file, rank_dirname, \
+    read_rank_index, safetensors_header, write_json
 from .reflink import clone_range
 
 CHUNK = 64 << 20
@@ -124,22 +124,28 @@ def deepspeed_files(tag_path: str) -> dict[str, dict]:
     return out
 
 
-def write_manifest(tag_path: str, world_size: int, extra: dict) -> dict:
-    """Rank 0, after every rank finished: check each ``rank.json``, list DeepSpeed's files with their
-    CRC32, and write ``MANIFEST.json`` last (with its own CRC).
+def write_manifest(tag_path: str, world_size: int, extra: dict, ranks: list[int] | None = None) -> dict:
+    """Rank 0 (or, for a node-local part, the part's leader), after every rank finished: check each
+    ``rank.json``, list DeepSpeed's files with their CRC32, and write ``MANIFEST.json`` last (with
+    its own CRC).
+
+    Args:
+        ranks: the ranks whose state this directory holds (default: all ``world_size``); a manifest
+            with ``extra["part"]`` is a node-local part (layout 3, :mod:`aidaptiv_ds.checkpoint.parts`).
 
     Raises:
         IncompleteCheckpointError: a rank's index is missing or damaged (that rank's save did not finish).
     """
     base = os.path.join(tag_path, DIRNAME)
     files = {}
-    for r in range(world_size):
+    for r in (range(world_size) if ranks is None else ranks):
         idx = read_rank_index(tag_path, r)
         files.update(idx["files"])
         idx_path = os.path.join(base, rank_dirname(r), RANK_INDEX)
         files[f"{rank_dirname(r)}/{RANK_INDEX}"] = {"bytes": os.path.getsize(idx_path), "crc32": crc32_file(idx_path)}
-    man = dict(extra, version=LAYOUT_VERSION, world_size=world_size, files=files,
-               deepspeed_files=deepspeed_files(tag_path), created=time.time())
+    version = PARTS_VERSION if extra.get("part") else LAYOUT_VERSION
+    man = dict(extra, version=version, world_size=world_size, files=files, deepspeed_files=deepspeed_files(tag_path),
+               created=time.time())
     write_json(os.path.join(base, MANIFEST), man, checked=True)
     fsync_dir(tag_path)
     return man

@@ -9,6 +9,11 @@ with a fix. Severity ``error`` makes the path unusable (exit code 1); ``warning`
 Also: torch and DeepSpeed versions against what aidaptiv_ds supports, NVML (absent NVML or no GPU
 is a plain status line), host memory, and whether DeepSpeed's compiled ``async_io`` op is
 installed or JIT-buildable (aidaptiv_ds does not need it: its I/O engine is pure Python).
+
+In a multi-node job (``--nnodes N`` with N > 1, or the launcher's variables when doctor runs inside
+one, :func:`aidaptiv_ds.telemetry.netinfo.nodes_in_job`): a warning when this machine's host name
+resolves to a loopback address, with the flags that fix the launch (``launch/MULTINODE.md``), and
+when ``GLOO_SOCKET_IFNAME`` names an interface this node does not have or that has no address.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import json
 import mmap
 import os
 
+from ..telemetry.netinfo import interfaces, nodes_in_job, resolve_host
 from ..telemetry.nvml import nvml_status
 from ..telemetry.sysinfo import host_memory, mount_of
 from ..units import format_bytes
@@ -229,13 +235,57 @@ def check_huge_pages(sys_root: str = "/sys") -> dict:
     return out
 
 
-def run_doctor(paths: list[str], probe=direct_io_probe, nvml_backend=None, proc_root: str = "/proc") -> dict:
+def check_network(nnodes: int | None = None, env=None, resolve=resolve_host, list_interfaces=interfaces) -> dict:
+    """Whether this node can take part in a multi-node launch as documented (launch/MULTINODE.md).
+
+    Args:
+        nnodes: the job's node count (``--nnodes``); None: from the launcher's variables, if any.
+        env: the environment (default ``os.environ``); resolve / list_interfaces: injected by tests.
+
+    Returns:
+        ``{"nnodes", "host", "addresses", "loopback", "interfaces", "gloo_socket_ifname", "problems"}``.
+    """
+    env = os.environ if env is None else env
+    n = nnodes if nnodes is not None else nodes_in_job(env)
+    r = resolve()
+    ifs = list_interfaces()
+    gloo = env.get("GLOO_SOCKET_IFNAME") or None
+    out = {"nnodes": n, "host": r["host"], "addresses": r["addresses"], "loopback": r["loopback"],
+           "interfaces": ifs, "gloo_socket_ifname": gloo, "problems": []}
+    if not n or n <= 1:
+        return out
+    usable = [i for i in ifs if i["ipv4"] and not i["loopback"]]
+    example = usable[0] if usable else {"name": "eth1", "ipv4": "10.0.0.1"}
+    names = ", ".join(f"{i['name']} {i['ipv4']}" for i in usable) or "none with an IPv4 address"
+    if r["loopback"]:
+        where = f"resolves to {', '.join(r['addresses'])}" if r["addresses"] else f"does not resolve ({r['error']})"
+        out["problems"].append(_problem(
+            "warning", f"this is one of {n} nodes, and its host name {r['host']!r} {where}, a loopback address: "
+                       f"torchrun's rendezvous and gloo would advertise an address the other nodes cannot reach "
+                       f"(the rendezvous hangs or gloo's connect times out)",
+            f"name this node's interface and address (interfaces here: {names}): "
+            f"GLOO_SOCKET_IFNAME={gloo or example['name']} (and NCCL_SOCKET_IFNAME on GPUs); with torchrun also "
+            f"--local_addr {example['ipv4']} and --rdzv_conf is_host=1 on the node of --rdzv_endpoint "
+            f"(is_host=0 on the others); with `deepspeed --hostfile` put GLOO_SOCKET_IFNAME in .deepspeed_env; "
+            f"or make {r['host']!r} resolve to this node's address (/etc/hosts). See launch/MULTINODE.md"))
+    if gloo:
+        mine = next((i for i in ifs if i["name"] == gloo), None)
+        if mine is None or not mine["ipv4"]:
+            out["problems"].append(_problem(
+                "warning", f"GLOO_SOCKET_IFNAME={gloo}, but this node has "
+                           + ("no such interface" if mine is None else "no IPv4 address on it"),
+                f"set it to the interface that reaches the other nodes (here: {names})"))
+    return out
+
+
+def run_doctor(paths: list[str], probe=direct_io_probe, nvml_backend=None, proc_root: str = "/proc",
+               nnodes: int | None = None) -> dict:
     """The full report; ``ok`` is False when a path or the versions have an ``error``."""
     versions = check_versions()
     cache = [check_cache_path(p, probe, proc_root) for p in paths]
     report = {"versions": versions, "cache_paths": cache, "nvml": nvml_status(nvml_backend),
               "host_memory": host_memory(proc_root), "deepspeed_aio": check_deepspeed_aio(),
-              "huge_pages": check_huge_pages()}
+              "huge_pages": check_huge_pages(), "network": check_network(nnodes)}
     errors = [p for p in versions["problems"] if p["severity"] == "error"]
     report["ok"] = not errors and all(c["usable"] for c in cache)
     return report
@@ -279,6 +329,16 @@ def format_report(rep: dict) -> str:
                      f"PyTorch's {torch_thp}")
         for p in h["problems"]:
             lines += [f"  {p['severity'].upper()}: {p['problem']}", f"    fix: {p['fix']}"]
+    net = rep.get("network")
+    if net is not None:
+        nodes = (f"one of {net['nnodes']} nodes" if net["nnodes"] and net["nnodes"] > 1 else
+                 "single node (--nnodes N checks a multi-node launch)")
+        addrs = ", ".join(net["addresses"]) or "nothing"
+        lines.append(f"network     {nodes}; host name {net['host']} resolves to {addrs}"
+                     + (" (loopback)" if net["loopback"] else "")
+                     + (f"; GLOO_SOCKET_IFNAME={net['gloo_socket_ifname']}" if net["gloo_socket_ifname"] else ""))
+        for p in net["problems"]:
+            lines += [f"  {p['severity'].upper()}: {p['problem']}", f"    fix: {p['fix']}"]
     a = rep["deepspeed_aio"]
     lines.append(f"ds async_io installed: {a['installed']}, JIT-buildable: {a['jit_compatible']} ({a['note']})")
     lines.append("result      " + ("OK" if rep["ok"] else "PROBLEMS: fix the errors above"))
@@ -290,16 +350,24 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="check versions, cache paths, GPUs and memory",
                               description=__doc__)
     p.add_argument("--cache", action="append", default=[], metavar="PATH", help="a cache path to check (repeatable)")
+    p.add_argument("--nnodes", type=int, default=None, metavar="N",
+                   help="this machine is one of N nodes of a job: check the multi-node launch settings")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    """Print the report; exit code 0 when everything is usable, 1 otherwise."""
-    rep = run_doctor(args.cache)
+    """Print the report; exit code 0 when everything is usable, 1 otherwise. With ``--json`` stdout holds
+    the JSON alone: what libraries print while the report is made (DeepSpeed logs its accelerator to
+    stdout when imported) goes to stderr."""
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        rep = run_doctor(args.cache, nnodes=args.nnodes)
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
     return 0 if rep["ok"] else 1
 
 
-__all__ = ["direct_io_probe", "check_cache_path", "check_versions", "check_deepspeed_aio", "run_doctor",
-           "format_report", "register", "run", "SUPPORTED_DEEPSPEED"]
+__all__ = ["direct_io_probe", "check_cache_path", "check_versions", "check_deepspeed_aio", "check_network",
+           "run_doctor", "format_report", "register", "run", "SUPPORTED_DEEPSPEED"]

@@ -1,9 +1,14 @@
-"""``aidaptiv-ds export CKPT_DIR --output HF_DIR``: an aidaptiv_ds checkpoint as a Hugging Face model directory.
+"""``aidaptiv-ds export CKPT_DIR [CKPT_DIR ...] --output HF_DIR``: a checkpoint as a Hugging Face model directory.
 
 Replaces DeepSpeed's ``zero_to_fp32`` (which cannot read NVMe-offload checkpoints, see
 ``docs/deepspeed-seams.md`` §6.3) for our layout: consolidated fp32 master weights, in fp32 or cast to
 bf16/fp16, as safetensors shards plus the model config and tokenizer
 (:func:`aidaptiv_ds.checkpoint.export.export_hf`).
+
+A checkpoint saved in node-local parts (``checkpoint.use_node_local_storage``, or a save directory
+per node) is exported from every node's directory, copied or mounted here and given on the command
+line; a part that is missing is named with its node, ranks and the directory it was saved to
+(:func:`aidaptiv_ds.checkpoint.parts.gather_parts`).
 """
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import os
 import torch
 
 from ..checkpoint.export import export_hf
-from ..checkpoint.format import IncompleteCheckpointError, locate_tag, offer_complete
+from ..checkpoint.format import IncompleteCheckpointError, offer_complete
+from ..checkpoint.parts import gather_parts, resolve_dirs
 from ..units import parse_size
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -21,7 +27,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def register(sub) -> None:
     p = sub.add_parser("export", help="write an HF model directory (safetensors) from an aidaptiv_ds checkpoint",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="the save_dir given to engine.save_checkpoint (or a tag directory in it)")
+    p.add_argument("checkpoint", nargs="+", help="the save_dir given to engine.save_checkpoint (or a tag directory in "
+                   "it); for a checkpoint in node-local parts, every node's save_dir (copied or mounted here)")
     p.add_argument("--tag", help="checkpoint tag (default: the one named by SAVE_DIR/latest)")
     p.add_argument("--output", required=True, help="HF model directory to write")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of the exported weights")
@@ -30,30 +37,17 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def resolve_tag_path(checkpoint: str, tag: str | None) -> str:
-    """``checkpoint`` itself when it is a tag directory, else ``checkpoint/<tag or latest>``.
-
-    Raises:
-        ValueError: naming the directory, when no tag is given and there is no ``latest`` file.
-    """
-    if os.path.isdir(os.path.join(checkpoint, "aidaptiv")):
-        return checkpoint
-    if tag is None:
-        latest = os.path.join(checkpoint, "latest")
-        if not os.path.isfile(latest):
-            raise ValueError(f"{checkpoint}: no 'latest' file and no --tag given; pass --tag TAG")
-        with open(latest) as f:
-            tag = f.read().strip()
-    return locate_tag(checkpoint, tag)
-
-
 def run(args) -> int:
-    path = resolve_tag_path(args.checkpoint, args.tag)
+    dirs = args.checkpoint if isinstance(args.checkpoint, list) else [args.checkpoint]
+    save_dirs, tag = resolve_dirs(dirs, args.tag)
+    paths = gather_parts(save_dirs, tag)
     try:
-        files = export_hf(path, args.output, _DTYPES[args.dtype], source_dir=args.source,
-                          shard_bytes=parse_size(args.shard_size, "--shard-size"))
+        files = export_hf(paths if len(paths) > 1 else paths[0], args.output, _DTYPES[args.dtype],
+                          source_dir=args.source, shard_bytes=parse_size(args.shard_size, "--shard-size"))
     except IncompleteCheckpointError as e:
-        save_dir, tag = os.path.split(os.path.normpath(path))
+        save_dir, tag = os.path.split(os.path.normpath(paths[0]))
+        if len(paths) > 1 or "lacks the state of ranks" in str(e):
+            raise
         raise IncompleteCheckpointError(f"{e} {offer_complete(save_dir, tag)}") from None
     print(f"wrote {len(files)} safetensors file(s) ({args.dtype}) to {args.output}")
     return 0

@@ -15,8 +15,17 @@ moments, the optimizer step or the loss scaler (the engine skips its ZeRO states
   (:mod:`aidaptiv_ds.checkpoint.format`). A ``kill -9`` at any moment leaves the complete old or the
   complete new checkpoint, never a mix. Before anything is written, the free space of ``save_dir``
   is checked against what the save needs (:func:`check_space`);
-* **load** verifies the tag (manifest, ``rank.json``, every file's size and CRC32, DeepSpeed's
-  files included) and refuses an incomplete or damaged one by name, offering the complete ones;
+* **several directories** (DeepSpeed's ``checkpoint.use_node_local_storage``, a ``save_dir`` per node):
+  every rank creates its ``save_dir`` and the ranks find out which of them share one (a claim per
+  save, :func:`discover_layout`); one group keeps the layout above, several save in *parts*, one per
+  directory, committed across the nodes by rank 0's commit record, the ranks agreeing between the
+  steps so that a node that fails is named on every rank (:func:`_commit_parts`,
+  :mod:`aidaptiv_ds.checkpoint.parts`);
+* **load** first compares what every rank sees of the tag (:func:`_views`,
+  :func:`~aidaptiv_ds.checkpoint.parts.decide`): all ranks load the same save -- in parts, each from
+  its own node's part -- or all refuse, naming the node and path at fault. It verifies the tag
+  (manifest, ``rank.json``, every file's size and CRC32, DeepSpeed's files included) and refuses an
+  incomplete or damaged one by name, offering the complete ones;
   restores engine counters, LR scheduler and client state from DeepSpeed's rank-0 model-states
   file, re-partitions master weights and moments for the current world size and sub-groups,
   restores each sub-group's optimizer ``step`` and the loss scaler, and rebuilds the low-precision
@@ -30,16 +39,20 @@ import glob
 import logging
 import os
 import shutil
+import time
 
 import torch
 
-from ..checkpoint.format import IncompleteCheckpointError, adopt_root_files, locate_tag, offer_complete, publish, \
-    read_manifest, recover, staging_dir, staging_root, tag_dir
+from ..checkpoint.format import IncompleteCheckpointError, adopt_root_files, locate_tag, manifest_ranks, \
+    offer_complete, publish, read_manifest, recover, staging_dir, staging_root, tag_dir
+from ..checkpoint.parts import Part, apply_plan, choose_tag, claim, cleanup_plan, commit_record, decide, finish_part, \
+    group_parts, leftover_tags, prepare_part, rank_view, release_claim, stale_claims, switch_part, write_commit
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.reflink import clone_range
 from ..checkpoint.space import DEEPSPEED_FILES_ESTIMATE, rank_need, verdict
 from ..checkpoint.writer import RankWriter, write_latest, write_manifest
 from ..io.buffers import alloc_aligned
+from ..io.errors import FileWriteError
 from ..io.killpoint import kill_point
 
 log = logging.getLogger("aidaptiv_ds")
@@ -52,6 +65,11 @@ DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_
 #: ``mid_switch`` exists only where the filesystem cannot exchange two directories atomically.
 KILL_POINTS = ("before_deepspeed", "after_deepspeed", "subgroup", "after_rank_state", "before_manifest",
                "before_switch", "mid_switch", "after_switch", "before_latest", "after_latest")
+#: Crash points of a save in node-local parts, in order (each on every part's leader but the commit,
+#: on rank 0): ``mid_switch`` when the tag's old part is set aside.
+PART_KILL_POINTS = ("before_deepspeed", "after_deepspeed", "subgroup", "after_rank_state", "before_manifest",
+                    "before_switch", "mid_switch", "after_switch", "before_commit", "after_commit", "before_latest",
+                    "after_latest")
 
 
 def _kill_point(name: str) -> None:
@@ -180,7 +198,8 @@ def save_bytes(opt, save_dir: str, tag: str, exclude_frozen: bool) -> int:
         except (IncompleteCheckpointError, OSError, ValueError, KeyError):
             man = None
         if man and man.get("deepspeed_files"):
-            ds = sum(f["bytes"] for f in man["deepspeed_files"].values()) // max(int(man["world_size"]), 1) + (1 << 20)
+            ds = sum(f["bytes"] for f in man["deepspeed_files"].values()) // max(len(manifest_ranks(man)), 1) \
+                + (1 << 20)
             break
     return need + ds
 
@@ -216,56 +235,231 @@ def _read_partitions(rt, params) -> list[torch.Tensor]:
     return out
 
 
+def _gather(obj) -> list:
+    """``obj`` of every rank, by rank (one rank: ``[obj]``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+            torch.distributed.get_world_size() == 1:
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _agree(err: str | None, what: str, host: str, payload=None) -> list:
+    """Every rank's ``payload``, after every rank reported how its step went: when any failed, every
+    rank raises the same error naming each failed rank's node and reason (so no rank waits for one
+    that will never come, and none goes on with a save that cannot be committed)."""
+    got = _gather((err, host, payload))
+    bad = [(r, h, e) for r, (e, h, _) in enumerate(got) if e]
+    if bad:
+        raise IncompleteCheckpointError(
+            f"aidaptiv_ds: checkpoint save failed while {what} on " + "; ".join(f"node {h} (rank {r}): {e}"
+                                                                             for r, h, e in bad)
+            + ". Nothing was committed: the previous checkpoint is loadable on every node.")
+    return [p for _, _, p in got]
+
+
+def _try(fn, *args, **kwargs) -> str | None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # reported to every rank by _agree, which raises
+        log.error("aidaptiv_ds: checkpoint step failed: %s: %s", type(e).__name__, e)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class SaveLayout:
+    """Who writes what in one save: the parts (:func:`~aidaptiv_ds.checkpoint.parts.group_parts`), this
+    rank's part, the save's ``token`` (its ``save_id``), and the tags with leftovers on any part."""
+
+    def __init__(self, parts: list[Part], mine: Part, token: str, leftovers: list[str]) -> None:
+        self.parts, self.mine, self.token, self.leftovers = parts, mine, token, leftovers
+
+    @property
+    def whole(self) -> bool:
+        return len(self.parts) == 1
+
+
+def discover_layout(save_dir: str, rank: int, host: str) -> SaveLayout:
+    """Collective: create ``save_dir`` on this node, find which ranks share it (:func:`claim`), and
+    which tags have leftovers of interrupted saves on any part.
+
+    Raises:
+        FileWriteError: on every rank, naming the node and directory that cannot be written.
+    """
+    token = _broadcast_token()
+    err, owner, left = None, -1, []
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        owner = claim(save_dir, token, rank)
+        left = leftover_tags(save_dir)
+    except OSError as e:
+        err = str(e)
+    got = _gather((owner, host, os.path.abspath(save_dir), err, left))
+    bad = [(r, g) for r, g in enumerate(got) if g[3]]
+    if bad:
+        raise FileWriteError(", ".join(g[2] for _, g in bad), 0, None, None,
+                             step="creating the checkpoint directory on " + "; ".join(
+                                 f"node {g[1]} (rank {r}): {g[3]}" for r, g in bad))
+    parts = group_parts([(g[0], g[1], g[2]) for g in got])
+    mine = next(p for p in parts if rank in p.ranks)
+    if rank == mine.leader:
+        release_claim(save_dir, token)
+    return SaveLayout(parts, mine, token, sorted({t for g in got for t in g[4]}))
+
+
+def _broadcast_token() -> str:
+    import uuid
+    obj = [uuid.uuid4().hex if _dist().get_rank() == 0 else None]
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(obj, src=0)
+    return str(obj[0])
+
+
+def _recover_parts(layout: SaveLayout, save_dir: str, rank: int, host: str) -> None:
+    """Collective, before a save in parts: finish or remove what interrupted saves left on every
+    part (:func:`~aidaptiv_ds.checkpoint.parts.cleanup_plan` over every part's view of each tag
+    with leftovers), and stale claim files."""
+    lead = rank == layout.mine.leader
+    if lead:
+        for f in stale_claims(save_dir, layout.token):
+            os.unlink(f)
+    if not layout.leftovers:
+        return
+    views = _gather(rank_view(save_dir, layout.leftovers, rank, host))
+    if not lead:
+        return
+    for tag in layout.leftovers:
+        plan = cleanup_plan(views, tag, [save_dir], world=len(views))
+        for line in apply_plan(save_dir, tag, plan):
+            log.warning("aidaptiv_ds: checkpoint %s: %s (left by an interrupted save)", save_dir, line)
+
+
 def save_checkpoint(engine, orig, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DS's API
                     exclude_frozen_parameters=False):
     """Replacement of ``DeepSpeedEngine.save_checkpoint`` (see module docstring).
 
     Raises:
         CheckpointSpaceError: ``save_dir`` lacks the space (nothing written, the old tag untouched).
-        FileWriteError: a file could not be written whole (named; never put in place).
+        FileWriteError: a file could not be written whole (named; never put in place), or a node
+            cannot create its ``save_dir``.
+        IncompleteCheckpointError: a node's part failed (every rank raises it, naming the node);
+            nothing was committed.
     """
     if not is_ours(engine):
         return orig(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        for line in recover(save_dir):  # what an interrupted save left: finished or removed
-            log.warning("aidaptiv_ds: checkpoint %s: %s (left by an interrupted save)", save_dir, line)
+    rt = engine.optimizer._aidaptiv_rt
+    host = rt.namespace.host
+    layout = discover_layout(save_dir, rank, host)
+    if layout.whole:
+        if rank == 0:
+            for line in recover(save_dir):  # what an interrupted save left: finished or removed
+                log.warning("aidaptiv_ds: checkpoint %s: %s (left by an interrupted save)", save_dir, line)
+            for f in stale_claims(save_dir, layout.token):
+                os.unlink(f)
+    else:
+        _recover_parts(layout, save_dir, rank, host)
+    if rank == layout.mine.leader:
         shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)
     dist.barrier()
-    rt = engine.optimizer._aidaptiv_rt
     check_space(engine.optimizer, save_dir, tag, exclude_frozen_parameters)
     path = staging_dir(save_dir, tag)
     _kill_point("before_deepspeed")
-    ok = orig(engine, staging_root(save_dir), tag, client_state, False, exclude_frozen_parameters)
+    with _without_swap_folder_copy(engine):
+        ok = orig(engine, staging_root(save_dir), tag, client_state, False, exclude_frozen_parameters)
     _kill_point("after_deepspeed")
     writer = save_rank_state(engine.optimizer, path, exclude_frozen_parameters)
     _kill_point("after_rank_state")
     dist.barrier()
-    if rank == 0:
-        module = engine.module
-        hf = module.config.to_dict() if hasattr(getattr(module, "config", None), "to_dict") else None
-        _kill_point("before_manifest")
-        write_manifest(path, world, {"tag": tag, "global_steps": engine.global_steps, "hf_config": hf,
-                                     "deepspeed_version": _ds_version()})
-        _kill_point("before_switch")
-        how = publish(save_dir, tag, _kill_point)
-        adopt_root_files(save_dir)
-        try:
-            os.rmdir(staging_root(save_dir))  # nothing else staged: leave save_dir as DeepSpeed would
-        except OSError:
-            pass
-        log.info("aidaptiv_ds: checkpoint %s saved (%s)", tag_dir(save_dir, tag), how)
-        _kill_point("before_latest")
-        if save_latest:
-            write_latest(save_dir, tag)
-        _kill_point("after_latest")
+    module = engine.module
+    hf = module.config.to_dict() if hasattr(getattr(module, "config", None), "to_dict") else None
+    extra = {"tag": tag, "global_steps": engine.global_steps, "hf_config": hf, "deepspeed_version": _ds_version(),
+             "save_id": layout.token}
+    if layout.whole:
+        if rank == 0:
+            _kill_point("before_manifest")
+            write_manifest(path, world, extra)
+            _kill_point("before_switch")
+            how = publish(save_dir, tag, _kill_point)
+            _finish_dir(save_dir)
+            log.info("aidaptiv_ds: checkpoint %s saved (%s)", tag_dir(save_dir, tag), how)
+            _kill_point("before_latest")
+            if save_latest:
+                write_latest(save_dir, tag)
+            _kill_point("after_latest")
+    else:
+        _commit_parts(layout, save_dir, tag, world, extra, save_latest, rank, host)
     dist.barrier()
     rt.checkpoint_bytes_written += writer.written_bytes
     rt.checkpoint_bytes_cloned += writer.cloned_bytes
     return ok
+
+
+class _without_swap_folder_copy:
+    """DeepSpeed's save without its copy of the optimizer swapper's folder.
+
+    [Note: DeepSpeed's swap-folder copy]: with NVMe optimizer offload, DeepSpeed's save copies the
+    swapper's ``swap_folder`` to ``<tag>/offloaded_tensors/rank<NN>`` (``engine.py:4937-4951``),
+    ``NN`` the *local* rank under ``checkpoint.use_node_local_storage``. Our swapper keeps nothing
+    there (the state is saved in ``<tag>/aidaptiv/``, and our load never reads that copy), and under
+    the flag two nodes' ranks sharing one directory both copy to ``rank00`` and the second fails
+    (``FileExistsError``). So during DeepSpeed's save the engine's ``zero_nvme_offload_optimizer()``
+    answers False, which only skips that copy (its one other use, ``engine.py:5146``, is for AutoEP
+    MoE layers, which our backend does not run).
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        self.engine.zero_nvme_offload_optimizer = lambda: False  # instance attribute over the method
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.zero_nvme_offload_optimizer
+
+
+def _finish_dir(save_dir: str) -> None:
+    """After the switch: DeepSpeed's recovery scripts beside the tags, the empty staging directory gone."""
+    adopt_root_files(save_dir)
+    try:
+        os.rmdir(staging_root(save_dir))  # nothing else staged: leave save_dir as DeepSpeed would
+    except OSError:
+        pass
+
+
+def _commit_parts(layout: SaveLayout, save_dir: str, tag: str, world: int, extra: dict, save_latest: bool,
+                  rank: int, host: str) -> None:
+    """Steps 2-5 of a save in node-local parts (:mod:`aidaptiv_ds.checkpoint.parts`), the ranks
+    agreeing between them: each part's manifest, each part switched into place (its old part set
+    aside), rank 0's commit record, then on every part the copy of the record, the old part deleted
+    and ``latest``."""
+    part, lead = layout.mine, rank == layout.mine.leader
+    err, crc = None, None
+    if lead:
+        _kill_point("before_manifest")
+        try:
+            crc = prepare_part(staging_dir(save_dir, tag), world, extra, part, layout.parts)
+        except Exception as e:  # every rank raises it in _agree
+            err = f"{type(e).__name__}: {e}"
+        _kill_point("before_switch")
+    crcs = _agree(err, "writing the parts' manifests", host, crc)
+    err = _try(switch_part, save_dir, tag, _kill_point) if lead else None
+    stamps = _agree(err, "switching the parts into place", host, time.time())
+    record = commit_record(tag, layout.token, world, extra["global_steps"], layout.parts,
+                           [crcs[p.leader] for p in layout.parts], created=stamps[0])
+    if rank == 0:
+        _kill_point("before_commit")
+        write_commit(tag_dir(save_dir, tag), record)  # the commit
+        _kill_point("after_commit")
+    _dist().barrier()
+    if lead:
+        finish_part(save_dir, tag, None if rank == 0 else record, save_latest, _kill_point)
+        log.info("aidaptiv_ds: checkpoint %s saved (part %d of %d, ranks %s; save %s)", tag_dir(save_dir, tag),
+                 part.index + 1, len(layout.parts), list(part.ranks), layout.token)
 
 
 def _ds_version() -> str:
@@ -345,27 +539,65 @@ def resolve_tag(load_dir: str, tag) -> str | None:
         return f.read().strip()
 
 
+def _views(load_dir: str, tag, rank: int, host: str) -> list[dict]:
+    """Every rank's :func:`~aidaptiv_ds.checkpoint.parts.rank_view` of ``load_dir`` for ``tag`` (or the
+    tags the ranks' ``latest`` files name: a second round when they differ)."""
+    views = _gather(rank_view(load_dir, [tag if tag is not None else resolve_tag(load_dir, None)], rank, host))
+    if tag is None:
+        named = {v["latest"] for v in views} - {None}
+        if any(set(v["tags"]) != named for v in views):
+            views = _gather(rank_view(load_dir, sorted(named), rank, host))
+    return views
+
+
+def _model_states_file(path: str, rank: int) -> str | None:
+    """This rank's DeepSpeed model-states file in ``path`` (what DeepSpeed's own load reads: ZeRO-3
+    names it by the data-parallel rank), else rank 0's (another world size), else any."""
+    files = sorted(glob.glob(os.path.join(path, "*_model_states.pt")))
+    for r in (rank, 0):
+        own = [f for f in files if os.path.basename(f).startswith(f"zero_pp_rank_{r}_mp_rank_")]
+        if own:
+            return own[0]
+    return files[0] if files else None
+
+
 def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """Replacement of ``DeepSpeedEngine.load_checkpoint`` (see module docstring).
 
+    Collective: the ranks exchange what they see of the checkpoint (:func:`_views`) and load the
+    same save, or all refuse (:func:`~aidaptiv_ds.checkpoint.parts.decide`).
+
     Raises:
-        IncompleteCheckpointError: the tag's save did not finish (named, with the complete tags).
+        IncompleteCheckpointError: the tag's save did not finish (named, with the complete tags); in
+            node-local parts: a node's part is missing, incomplete, from another save or of other
+            ranks (naming the node and the path), or the world size differs from the save's.
     """
     if not is_ours(engine):
         return orig(engine, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                     load_module_only, custom_load_fn)
-    tag = resolve_tag(load_dir, tag)
+    dist = _dist()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    host = engine.optimizer._aidaptiv_rt.namespace.host
+    views = _views(load_dir, tag, rank, host)
+    tag = choose_tag(views, tag)
     if tag is None:
         log.warning("aidaptiv_ds: no 'latest' file in %s; nothing loaded", load_dir)
         return None, None
-    path = locate_tag(load_dir, tag)
+    decision = decide(views, tag, world)
+    path = decision.paths[rank] if decision.loadable else locate_tag(load_dir, tag)
+    err, reader = None, None
     try:
-        reader = CheckpointReader(path)
+        reader = CheckpointReader(path, require_all=not decision.parts)
     except IncompleteCheckpointError as e:
-        raise IncompleteCheckpointError(f"{e} {offer_complete(load_dir, tag)}") from None
-    files = sorted(glob.glob(os.path.join(path, "*_model_states.pt")))
-    ms_file = next((f for f in files if "zero_pp_rank_0_" in os.path.basename(f)), files[0] if files else None)
+        err = str(e) if decision.parts else f"{e} {offer_complete(load_dir, tag)}"
+    errs = _gather(err)
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        raise IncompleteCheckpointError(bad[0][1] if len(bad) == 1 and bad[0][0] == rank or len(views) == 1 else
+                                        "; ".join(f"node {views[r]['host']} (rank {r}): {e}" for r, e in bad))
+    assert reader is not None
+    ms_file = _model_states_file(path, rank)
     if ms_file is None:
         raise IncompleteCheckpointError(f"aidaptiv_ds: checkpoint {path} has no DeepSpeed model-states file. "
                                         f"{offer_complete(load_dir, tag)}")

@@ -75,10 +75,13 @@ def parse():
     ap.add_argument("--extra", default="{}", help="JSON merged into the aidaptiv section")
     ap.add_argument("--zero", default="{}", help="JSON merged into zero_optimization (a null value removes the key, "
                     "leaving DeepSpeed's default)")
-    ap.add_argument("--ckpt_dir", default="")
+    ap.add_argument("--ds_extra", default="{}", help="JSON merged into the DeepSpeed config (top level), e.g. "
+                    '\'{"checkpoint": {"use_node_local_storage": true}}\'')
+    ap.add_argument("--ckpt_dir", default="", help="checkpoint directory; {rank} is replaced by the global rank")
     ap.add_argument("--save_after", type=int, default=0, help="save a checkpoint after this many steps and stop")
     ap.add_argument("--save_at", default="", help="comma-separated steps after which to save and go on")
-    ap.add_argument("--save_dir", default="", help="where to save (default: --ckpt_dir)")
+    ap.add_argument("--save_dir", default="", help="where to save (default: --ckpt_dir); several, comma-separated: "
+                    "every save goes to each; {rank} is replaced by the global rank")
     ap.add_argument("--tag", default="", help="checkpoint tag for every save (default: DeepSpeed's global_stepN)")
     ap.add_argument("--save16", default="", help="after training, engine.save_16bit_model(DIR)")
     ap.add_argument("--resume", action="store_true", help="load the latest checkpoint of --ckpt_dir first")
@@ -141,6 +144,7 @@ def ds_config(a) -> dict:
         cfg["bf16"] = {"enabled": True}
     elif a.dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    cfg.update(json.loads(a.ds_extra))
     if a.backend == "aidaptiv":
         paths = a.cache_paths.split(",") if a.cache_paths else [cache]
         for p in paths:
@@ -383,8 +387,10 @@ def main():
     vocab = getattr(getattr(eng.module, "config", None), "vocab_size", 512)
     losses, io, norms = [], [], []
     micro, first = 0, 0
+    ckpt_dir = a.ckpt_dir.replace("{rank}", str(rank))
+    save_dirs = [d.replace("{rank}", str(rank)) for d in (a.save_dir or a.ckpt_dir).split(",")]
     if a.resume:
-        path, client = eng.load_checkpoint(a.ckpt_dir, load_optimizer_states=not a.no_optimizer_state)
+        path, client = eng.load_checkpoint(ckpt_dir, load_optimizer_states=not a.no_optimizer_state)
         first = client["step"]
         micro = client["micro"]
     save_at = {int(x) for x in a.save_at.split(",") if x}
@@ -392,7 +398,8 @@ def main():
         if step in save_at or (a.save_after and step == a.save_after):
             if a.progress:
                 print(f"aidaptiv-test: saving at step {step}", flush=True)
-            eng.save_checkpoint(a.save_dir or a.ckpt_dir, tag=a.tag or None, client_state={"step": step, "micro": micro})
+            for d in save_dirs:
+                eng.save_checkpoint(d, tag=a.tag or None, client_state={"step": step, "micro": micro})
             if a.progress:
                 print(f"aidaptiv-test: saved at step {step}", flush=True)
             if a.save_after and step == a.save_after:  # (--save_at 0 saved and then stopped)
