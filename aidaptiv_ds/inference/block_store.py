@@ -199,7 +199,7 @@ class KVBlockStore:
             parse_size(capacity, "kv_cache capacity")
         self.ns = namespace(self.paths)
         self._header = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint.as_dict(),
-                        "layout": layout.as_dict()}
+                        "layout": layout.as_dict(), "cache_paths": self.paths}  # paths: not compared
         problems = self._problems(read_header(self.ns))
         if problems:
             msg = (f"KV cache {self.path} was written for something else and is not used:\n  - " + "\n  - ".join(problems)
