@@ -86,7 +86,7 @@ class KVLayout:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_model_config(cls, config, dtype: torch.dtype, block_tokens: int) -> "KVLayout":
+    def from_model_config(cls, config, dtype: torch.dtype, block_tokens: int) -> KVLayout:
         """The layout of a transformers decoder config (``num_hidden_layers``, ``num_key_value_heads``,
         ``head_dim`` or ``hidden_size / num_attention_heads``).
 

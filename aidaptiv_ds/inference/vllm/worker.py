@@ -29,7 +29,6 @@ Counters (``stats``) are written with each commit to ``kv_connector_stats.json``
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import queue
