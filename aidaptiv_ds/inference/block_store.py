@@ -52,7 +52,7 @@ from ..store.store import PathSpec, SlabStore
 from ..tiers.host_tier import HostTier, Slice
 from ..units import format_bytes, parse_size
 from .fingerprint import Fingerprint, mismatches
-from .layout import KVLayout
+from .layout import LAYOUT_DEFAULTS, KVLayout
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -116,13 +116,17 @@ class KVStats:
         return dataclasses.asdict(self)
 
 
-def namespace(path: str) -> Namespace:
-    """The store namespace of the KV cache under directory ``path``.
+def namespace(path: str | list[str]) -> Namespace:
+    """The store namespace of the KV cache under directory ``path`` (or striped over the directories of
+    a list: the indexes live under the first one, each holds a part of the slab).
 
     Raises:
-        CachePathError: ``path`` is missing, not a directory or not writable.
+        CachePathError: a path is missing, not a directory or not writable.
     """
-    return Namespace([check_cache_path(path, "kv_cache_path")], RUN_NAME, 0)
+    paths = [path] if isinstance(path, str) else list(path)
+    if not paths:
+        raise ValueError("KV cache: no cache path given")
+    return Namespace([check_cache_path(p, "kv_cache_path") for p in paths], RUN_NAME, 0)
 
 
 def read_header(ns: Namespace) -> dict | None:
@@ -162,7 +166,8 @@ class KVBlockStore:
     """Prefix KV blocks under a cache directory (see the module docstring).
 
     Args:
-        path: the cache directory (on the cache drive; must exist and be writable).
+        path: the cache directory (on the cache drive; must exist and be writable), or a list of them
+            (one per drive: the blocks are striped over all, the indexes live in the first).
         fingerprint: what the blocks are computed by; layout: their shape.
         capacity: bytes of blocks on the drive: an int, ``"8GiB"``, or ``"auto"`` (a quarter of the
             filesystem's free space at open plus what the cache already holds).
@@ -177,22 +182,24 @@ class KVBlockStore:
         StoreInUseError: another live process has this cache open; ValueError: a bad size or option.
     """
 
-    def __init__(self, path: str, fingerprint: Fingerprint, layout: KVLayout, capacity="auto",
+    def __init__(self, path: str | list[str], fingerprint: Fingerprint, layout: KVLayout, capacity="auto",
                  dram_budget="1GiB", on_mismatch: str = "error", threads: int = 4, direct: bool = True,
                  writeback_limit: int = 256 << 20) -> None:
         if on_mismatch not in ("error", "ignore"):
             raise ValueError(f"on_mismatch: {on_mismatch!r} must be 'error' or 'ignore'")
-        self.path = os.path.abspath(path)
+        self.paths = [os.path.abspath(p) for p in ([path] if isinstance(path, str) else path)]
+        self.path = self.paths[0]
         self.fingerprint = fingerprint
         self.layout = layout
         self.enabled = False
         self.disabled_reason = ""
+        self.removed_log: list[str] | None = None
         self.dram_budget = parse_size(dram_budget, "kv_cache dram_budget")
         want_capacity = capacity if isinstance(capacity, str) and capacity.strip().lower() == "auto" else \
             parse_size(capacity, "kv_cache capacity")
-        self.ns = namespace(path)
+        self.ns = namespace(self.paths)
         self._header = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint.as_dict(),
-                        "layout": layout.as_dict()}
+                        "layout": layout.as_dict(), "cache_paths": self.paths}  # paths: not compared
         problems = self._problems(read_header(self.ns))
         if problems:
             msg = (f"KV cache {self.path} was written for something else and is not used:\n  - " + "\n  - ".join(problems)
@@ -206,7 +213,7 @@ class KVBlockStore:
             return
         self.engine = IOEngine(threads_per_drive=threads, direct=direct)
         try:
-            self.store = SlabStore(self.ns, [PathSpec(self.ns.cache_paths[0])], engine=self.engine, keep=True)
+            self.store = SlabStore(self.ns, [PathSpec(p) for p in self.ns.cache_paths], engine=self.engine, keep=True)
         except BaseException:
             self.engine.close()
             raise
@@ -221,7 +228,7 @@ class KVBlockStore:
             self.clock = 0
             self._load_blocks()
             if want_capacity == "auto":
-                want_capacity = (free_bytes(self.path) + self.bytes_on_drive()) // 4
+                want_capacity = (sum(free_bytes(p) for p in self.paths) + self.bytes_on_drive()) // 4
             self.capacity = int(want_capacity)
             self.tier = HostTier(self.dram_budget, writeback_limit=writeback_limit)
             self.counts = {"dram": 0, "drive": 0, "written": 0, "evicted": 0, "corrupt": 0}
@@ -245,7 +252,7 @@ class KVBlockStore:
         out = mismatches(Fingerprint.from_dict(stored.get("fingerprint") or {}), self.fingerprint)
         theirs = stored.get("layout") or {}
         for k, v in self.layout.as_dict().items():
-            if theirs.get(k) != v:
+            if theirs.get(k, LAYOUT_DEFAULTS.get(k)) != v:  # a field added later: its default for older headers
                 out.append(f"layout.{k}: written as {theirs.get(k)!r}, this run uses {v!r}")
         return out
 
@@ -305,7 +312,10 @@ class KVBlockStore:
         return len(self.blocks) * self.extent_bytes
 
     def stats(self) -> KVStats:
-        io = self.store.io_counters()[self.ns.cache_paths[0]] if self.enabled else {"bytes_read": 0, "bytes_written": 0}
+        io = {"bytes_read": 0, "bytes_written": 0}
+        if self.enabled:
+            for c in self.store.io_counters().values():
+                io = {k: io[k] + c[k] for k in io}
         c = self.counts if self.enabled else dict.fromkeys(("dram", "drive", "written", "evicted", "corrupt"), 0)
         return KVStats(len(self.blocks) if self.enabled else 0,
                        len(self.blocks) * self.layout.block_tokens if self.enabled else 0,
@@ -400,7 +410,8 @@ class KVBlockStore:
         return self.clock
 
     # ------------------------------------------------------------------ store
-    def put(self, chain: list[tuple[str, str | None, int]], fill) -> int:
+    def put(self, chain: list[tuple[str, str | None, int]], fill=None, *, buffers: dict | None = None,
+            commit: bool = True) -> int:
         """Write the blocks of ``chain`` that are not cached yet; returns how many were written.
 
         Args:
@@ -408,11 +419,19 @@ class KVBlockStore:
                 first one's parent must be cached (or it is block 0).
             fill: ``fill(depth, payload)`` writes block ``depth``'s keys and values into ``payload``
                 (uint8, :attr:`KVLayout.block_nbytes` bytes).
+            buffers: instead of ``fill``: ``{depth: buffer}``, each an aligned uint8 host tensor of
+                :attr:`extent_bytes` bytes holding the block's payload (written as it is, no copy; it
+                then becomes the block's DRAM copy, so the caller must not change it).
+            commit: make the blocks durable before returning (see below); False leaves that to a later
+                :meth:`commit` (one commit for several chains: a write-behind batch).
 
-        The blocks are durable when this returns (written, slab fsynced, indexes saved) and counted
-        in the ledger. When the capacity cannot take a block (every other block is an ancestor of
-        this chain) or the drive is full, the chain is stored up to there.
+        With ``commit`` the blocks are durable when this returns (written, slab fsynced, indexes saved)
+        and counted in the ledger. When the capacity cannot take a block (every other block is an
+        ancestor of this chain) or the drive is full, the chain is stored up to there. A block already
+        cached is never written again.
         """
+        if (fill is None) == (buffers is None):
+            raise ValueError("KVBlockStore.put: give exactly one of fill and buffers")
         if not self.enabled or not chain:
             return 0
         protect = {h for h, _, _ in chain} | set(self._ancestors(chain[0][1]))
@@ -448,8 +467,15 @@ class KVBlockStore:
                 except StorageError:
                     pass
                 inflight = sum(self.extent_bytes for _, _, f in issued if not f.done())
-            buf = alloc_aligned(self.extent_bytes, zero=True)
-            fill(int(depth), buf[: self.layout.block_nbytes])
+            if buffers is not None:
+                buf = buffers[int(depth)]
+                if buf.dtype != torch.uint8 or buf.numel() < self.extent_bytes or buf.data_ptr() % self.align:
+                    raise ValueError(f"KVBlockStore.put: the buffer of block {depth} is not an aligned uint8 tensor "
+                                     f"of {self.extent_bytes} bytes")
+                buf = buf[: self.extent_bytes]
+            else:
+                buf = alloc_aligned(self.extent_bytes, zero=True)
+                fill(int(depth), buf[: self.layout.block_nbytes])
             rec.crc32 = zlib.crc32(buf[: self.layout.block_nbytes].numpy())
             issued.append((rec, buf, self.store.write(rec.key, buf, 0, WRITE_BACK)))
             inflight += self.extent_bytes
@@ -477,11 +503,46 @@ class KVBlockStore:
             self.tier.add(Slice(("kv", rec.hash), buf, kind="kv"))  # clean: kept while the DRAM budget allows
         for r in self._chain_records(first_parent):
             r.last_use = t
+        self.counts["written"] += len(ok)
+        self._uncommitted = True
+        if commit:
+            self.commit()
+        return len(ok)
+
+    def commit(self) -> None:
+        """Make the blocks written since the last commit durable: slab fsynced, then the extent index,
+        then the block index saved (each temp file, fsync, rename), then the ledger booked. A crash
+        before the block index is saved loses only those blocks (their extents are freed at the next
+        open); a block the index names has its bytes on the drive."""
+        if not self.enabled or not getattr(self, "_uncommitted", False):
+            return
         self.store.save_index()  # fsyncs the slab first
         self._save_blocks()
         self.store.flush_ledger()
-        self.counts["written"] += len(ok)
-        return len(ok)
+        self._uncommitted = False
+
+    def record(self, h: str) -> BlockRecord | None:
+        """The cached block ``h`` (None when not cached)."""
+        return self.blocks.get(h) if self.enabled else None
+
+    def verify(self) -> list[tuple[str, str]]:
+        """Read every block from the drive (not the DRAM tier) and check its CRC32: ``[(hash, why), ...]``
+        of the blocks that fail (nothing is dropped; :meth:`load` drops a block that fails when it is
+        used). For ``aidaptiv-ds kv-cache --verify`` and the crash tests."""
+        bad: list[tuple[str, str]] = []
+        if not self.enabled:
+            return bad
+        buf = alloc_aligned(self.extent_bytes)
+        for r in sorted(self.blocks.values(), key=lambda r: r.depth):
+            try:
+                self.store.read(r.key, buf, 0, READ_DEMAND).wait()
+            except StorageError as e:
+                bad.append((r.hash, f"read failed: {e}"))
+                continue
+            got = zlib.crc32(buf[: self.layout.block_nbytes].numpy())
+            if got != r.crc32:
+                bad.append((r.hash, f"crc32 {got:#010x}, recorded {r.crc32:#010x}"))
+        return bad
 
     def _ancestors(self, h: str | None) -> list[str]:
         out = []
@@ -508,8 +569,18 @@ class KVBlockStore:
             evicted = True
         return evicted
 
+    def take_removed(self) -> list[str]:
+        """Hashes of the blocks removed (evicted, dropped as corrupt, cleared) since the last call, when
+        :attr:`removed_log` is a list (a caller that mirrors the index sets it; None records nothing)."""
+        if self.removed_log is None:
+            return []
+        out, self.removed_log = self.removed_log, []
+        return out
+
     def _remove(self, h: str) -> None:
         rec = self.blocks.pop(h)
+        if self.removed_log is not None:
+            self.removed_log.append(h)
         self.children.pop(h, None)
         if rec.parent is not None and rec.parent in self.children:
             self.children[rec.parent].discard(h)
@@ -540,9 +611,12 @@ class KVBlockStore:
         """Save the indexes, book the ledger, release the directory (the blocks stay on the drive)."""
         if not self.enabled:
             return
-        self.enabled = False
         try:
-            self._save_blocks()
+            self.commit()
+        finally:
+            self.enabled = False
+        try:
+            self._save_blocks()  # last uses
         finally:
             self.store.close()  # keep=True: saves the extent index, books the ledger, releases the lock
             self.engine.close()

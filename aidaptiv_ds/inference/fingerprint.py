@@ -58,7 +58,7 @@ class Fingerprint:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Fingerprint":
+    def from_dict(cls, d: dict) -> Fingerprint:
         return cls(**{f.name: str(d.get(f.name, "")) for f in dataclasses.fields(cls)})
 
 

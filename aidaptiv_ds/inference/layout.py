@@ -42,12 +42,17 @@ class KVLayout:
         head_dim: elements per head.
         dtype: element type name (``"float32"``, ``"bfloat16"``, ``"float16"``).
         block_tokens: tokens per block (the hashing granularity: a prefix is reused in whole blocks).
+        kv_format: what a row of keys (values) is: ``"transformers"`` (the token's key vector, as a
+            transformers cache holds it; also vLLM's GPU backends, ``"vllm"``), or an engine's own packing
+            that only the same engine reads back (``"vllm-cpu_attn/<isa>/<block>"``: vLLM's CPU backend,
+            whose kernels may pack the rows per instruction set). A directory is reused only with the same.
     """
     layers: int
     kv_heads: int
     head_dim: int
     dtype: str
     block_tokens: int
+    kv_format: str = "transformers"
 
     def __post_init__(self) -> None:
         for f in ("layers", "kv_heads", "head_dim", "block_tokens"):
@@ -56,6 +61,8 @@ class KVLayout:
                 raise ValueError(f"KV cache layout: {f} is {v!r}; it must be a whole number >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"KV cache layout: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if not isinstance(self.kv_format, str) or not self.kv_format:
+            raise ValueError(f"KV cache layout: kv_format {self.kv_format!r} must be a non-empty string")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,7 +86,7 @@ class KVLayout:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_model_config(cls, config, dtype: torch.dtype, block_tokens: int) -> "KVLayout":
+    def from_model_config(cls, config, dtype: torch.dtype, block_tokens: int) -> KVLayout:
         """The layout of a transformers decoder config (``num_hidden_layers``, ``num_key_value_heads``,
         ``head_dim`` or ``hidden_size / num_attention_heads``).
 
@@ -136,3 +143,7 @@ class KVLayout:
                                      f"{self.dtype}")
             dk.copy_(k[0, :, start:end, :])
             dv.copy_(v[0, :, start:end, :])
+
+
+#: the value of a layout field that a header written before the field existed stands for
+LAYOUT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KVLayout) if f.default is not dataclasses.MISSING}
