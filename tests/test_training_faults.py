@@ -531,9 +531,14 @@ def test_filesystem_turning_read_only_mid_run(tmp_path, launch):
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("case", ["missing", "read-only"])
+@pytest.mark.parametrize("case", ["uncreatable", "read-only"])
 def test_bad_cache_path_at_startup_is_the_config_error(tmp_path, launch, case):
+    """A missing cache path is created (as DeepSpeed creates nvme_path); one that cannot be, or a read-only
+    one, is the config error before step 1."""
     cache = str(tmp_path / "cache")
+    if case == "uncreatable":
+        (tmp_path / "a_file").write_text("x")
+        cache = str(tmp_path / "a_file" / "cache")
     if case == "read-only":
         os.makedirs(cache)
         if os.geteuid() != 0:
@@ -550,7 +555,7 @@ def test_bad_cache_path_at_startup_is_the_config_error(tmp_path, launch, case):
             subprocess.run(["umount", cache], capture_output=True)
     msg = clear_error(c, "AidaptivConfigError")
     assert msg.startswith(f"aidaptiv.cache_paths[0]: {cache!r} ")
-    assert ("does not exist" in msg and f"mkdir -p {cache}" in msg) if case == "missing" else \
+    assert ("cannot be created" in msg and f"mkdir -p {cache}" in msg) if case == "uncreatable" else \
         ("read-only filesystem" in msg and "remount" in msg)
     assert c.steps_done == 0
 

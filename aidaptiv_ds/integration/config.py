@@ -557,7 +557,7 @@ def validate(ds: dict, check_paths: bool = True, training: bool | None = None) -
     if check_paths:
         for i, p in enumerate(cfg.cache_paths):
             try:
-                create_cache_path(p)
+                create_cache_path(p, f"{SECTION}.cache_paths[{i}]")
                 check_cache_path(p, f"{SECTION}.cache_paths[{i}]")
             except CachePathError as e:
                 raise AidaptivConfigError(str(e)) from None
@@ -568,7 +568,7 @@ def validate(ds: dict, check_paths: bool = True, training: bool | None = None) -
 _CREATED: set = set()
 
 
-def create_cache_path(path: str) -> bool:
+def create_cache_path(path: str, field: str = f"{SECTION}.cache_paths") -> bool:
     """Create a missing cache directory, as DeepSpeed creates a missing ``nvme_path`` (``os.makedirs``), with
     one log line naming it and its filesystem; returns whether it was created.
 
@@ -583,7 +583,7 @@ def create_cache_path(path: str) -> bool:
     try:
         os.makedirs(ap, exist_ok=True)
     except OSError as e:
-        raise CachePathError(f"{SECTION}.cache_paths: {path!r} does not exist and cannot be created ({e.strerror}). "
+        raise CachePathError(f"{field}: {path!r} does not exist and cannot be created ({e.strerror}). "
                              f"Fix: create it (mkdir -p {ap}) or list an existing directory on the cache drive.") from None
     if ap not in _CREATED:
         _CREATED.add(ap)
