@@ -66,6 +66,9 @@ def ds_config(case: dict, backend: str, cache: str) -> dict:
     }
     if case.get("clip") is not None:
         cfg["gradient_clipping"] = case["clip"]
+    if case.get("scheduler") == "WarmupLR":  # a learning rate that changes every step
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": case.get("lr", 1e-3),
+                                                           "warmup_num_steps": 4}}
     if case.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
     if ours:
@@ -73,7 +76,7 @@ def ds_config(case: dict, backend: str, cache: str) -> dict:
         if budget == "half":  # half the ZeRO-3 + Adam state of this rank (parameter, gradient, master, moments)
             elsize = 2 if case.get("dtype") == "bf16" else 4
             budget = n_params(case) * (elsize + 16) // 2 // case.get("world", 1)
-        cfg["aidaptiv"] = {"cache_paths": [cache], "dram_budget": budget}
+        cfg["aidaptiv"] = {"cache_paths": [cache], "dram_budget": budget, **case.get("aidaptiv", {})}
     return cfg
 
 
@@ -83,6 +86,7 @@ def _flat_state(opt) -> dict:
     (the rest pads the last rank's partitions: DeepSpeed leaves padding uninitialised, so it is not compared)."""
     import deepspeed.comm as dist
 
+    getattr(opt, "_aidaptiv_drain", lambda: None)()  # updates still riding the forward (step_pipeline.py)
     masters, m1, m2, real = [], [], [], []
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
         swapped = opt._swappable_optimizer_subgroup(i)
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         from ..integration.runtime import current_runtime
         rt = current_runtime()
         out["plan"] = getattr(eng.optimizer, "aidaptiv_plan", None).as_dict() if rt is not None else None
+        out["optimizer_steps"] = rt.counters()["optimizer_steps"] if rt is not None else None
     torch.save(out, os.path.join(a.out, f"rank{rank}.pt"))
     print(json.dumps({"rank": rank, "losses": losses, "norms": norms}), flush=True)
 

@@ -143,6 +143,10 @@ class AidaptivConfig(_Model):
             gradient is final, speculatively (``integration/backward_step.py``): ``"auto"`` (default:
             where exact and the drives have room for a second copy of the optimizer state), ``true``
             (refuse to start without that room) or ``false`` (every sub-group steps after backward).
+        step_rides_forward: optimizer sub-groups whose state is on the cache drives and that were not stepped
+            inside backward are updated when the next forward needs their parameters, so their I/O overlaps
+            the forward (``integration/step_pipeline.py``): ``"auto"`` (default: on, except fp16 and hpZ
+            engines) or ``false`` (every sub-group steps inside ``step()``); bit-identical either way.
         min_swap_bytes: partitions smaller than this stay in CPU memory like DeepSpeed's 1 MiB
             threshold (default 0: every partition goes through the store).
         checksum: CRC32 of every written block, verified on read (default false).
@@ -167,6 +171,7 @@ class AidaptivConfig(_Model):
     prefetch_bytes: Union[int, str] = "auto"
     writeback_bytes: Union[int, str] = "auto"
     step_in_backward: Union[bool, Literal["auto"]] = "auto"
+    step_rides_forward: Union[Literal[False], Literal["auto"]] = "auto"
     min_swap_bytes: Union[int, str] = 0
     checksum: bool = False
     keep_files: bool = False
@@ -255,7 +260,7 @@ _EXAMPLES = {
     "path_weights": "one positive number per cache path, e.g. [7.0, 3.5]",
     "primary_path": '"local_rank" or an index of cache_paths such as 0', "stripe_unit": 'a size such as "1MiB"',
     "prefetch_bytes": '"auto" or a size such as "1GiB"', "writeback_bytes": '"auto" or a size such as "512MiB"',
-    "min_swap_bytes": '0 or a size such as "1MiB"', "checksum": "true or false", "keep_files": "true or false",
+    "min_swap_bytes": '0 or a size such as "1MiB"', "step_rides_forward": '"auto" or false', "checksum": "true or false", "keep_files": "true or false",
     "checkpoint_dir": 'a directory such as "/data/ckpt"',
     "endurance": 'an object such as {"rated_dwpd": 100, "capacity": "8TB"}',
     "endurance.capacity": 'a size such as "8TB"', "endurance.rated_dwpd": "a number > 0 such as 100",

@@ -10,6 +10,9 @@ DeepSpeed file is edited; ``docs/deepspeed-seams.md`` §8):
   configs (see :mod:`aidaptiv_ds.integration.stage3`);
 * the coordinator's NVMe prefetch -> :mod:`aidaptiv_ds.integration.prefetch` (it falls back to
   DeepSpeed's for parameters of DeepSpeed's own swapper);
+* ``Init._ensure_availability_of_partitioned_params`` (every all-gather of a parameter passes it) -> a
+  wrapper that first runs the optimizer updates riding the forward of those parameters
+  (:mod:`aidaptiv_ds.integration.step_pipeline`);
 * ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint`` -> :mod:`aidaptiv_ds.integration.checkpointing`
   for engines on our optimizer (DeepSpeed's own methods for the others);
 * ``DeepSpeedEngine._configure_zero_optimizer`` -> a wrapper that, for engines without an optimizer
@@ -127,7 +130,7 @@ def install() -> bool:
             import deepspeed.runtime.zero.stage3 as s3
             from deepspeed.runtime.engine import DeepSpeedEngine
 
-            from . import checkpointing, inference, prefetch
+            from . import checkpointing, inference, prefetch, step_pipeline
             from .stage3 import make_stage3_class
 
             _STATE["orig_param_swapper"] = pp.AsyncPartitionedParameterSwapper
@@ -135,6 +138,7 @@ def install() -> bool:
             _STATE["orig_stage3"] = s3.DeepSpeedZeroOptimizer_Stage3
             s3.DeepSpeedZeroOptimizer_Stage3 = make_stage3_class(s3.DeepSpeedZeroOptimizer_Stage3)
             prefetch.install(po.PartitionedParameterCoordinator)
+            step_pipeline.install(pp.Init)
             checkpointing.install(DeepSpeedEngine)
             inference.install(DeepSpeedEngine)
         else:
@@ -159,10 +163,11 @@ def uninstall() -> None:
             import deepspeed.runtime.zero.stage3 as s3
             from deepspeed.runtime.engine import DeepSpeedEngine
 
-            from . import checkpointing, inference, prefetch
+            from . import checkpointing, inference, prefetch, step_pipeline
             pp.AsyncPartitionedParameterSwapper = _STATE.pop("orig_param_swapper")
             s3.DeepSpeedZeroOptimizer_Stage3 = _STATE.pop("orig_stage3")
             prefetch.uninstall(po.PartitionedParameterCoordinator)
+            step_pipeline.uninstall(pp.Init)
             checkpointing.uninstall(DeepSpeedEngine)
             inference.uninstall(DeepSpeedEngine)
         _STATE.clear()

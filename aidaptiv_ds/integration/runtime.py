@@ -349,6 +349,13 @@ class Runtime:
         """Flush, then delete the store's files (or keep them with ``keep_files``) and free the namespace."""
         if self.closed:
             return
+        for sw in self.optimizer_swappers:  # optimizer updates still riding the forward (step_pipeline.py)
+            opt = getattr(sw, "owner", None)
+            if opt is not None and getattr(opt, "_aidaptiv_pipeline", None) is not None:
+                try:
+                    opt._aidaptiv_pipeline.drain()
+                except Exception as e:  # noqa: BLE001 - a failed update was raised where it ran; close anyway
+                    log.warning("aidaptiv_ds: closing with an optimizer update not applied: %s", e)
         self.closed = True
         try:
             self.flush()

@@ -300,7 +300,8 @@ def norm_scratch_bytes(largest_partition_numel: int) -> int:
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
                          activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
                          baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0,
-                         norm_scratch: int = 0, master_hold: int = 0, step_scratch: int = 0) -> dict:
+                         norm_scratch: int = 0, master_hold: int = 0, step_scratch: int = 0,
+                         ride_slice_bytes: int = 0) -> dict:
     """Host memory (bytes) one CPU rank needs besides the DRAM budget, by phase (module docstring).
 
     Args:
@@ -317,10 +318,15 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
         master_hold: parameter bytes kept for a master slot in the backward phase (:func:`master_hold_bytes`).
         step_scratch: the optimizer step's temporaries (:func:`optimizer_scratch_bytes`), in the optimizer
             phase and, with steps inside backward, in the backward phase.
+        ride_slice_bytes: the largest sub-group's host slice when updates may ride the next forward
+            (``integration/step_pipeline.py``; 0 when they cannot): the forward phase then holds the same
+            two-slice window (:func:`in_backward_window_bytes`) and the step's temporaries beside the
+            read-ahead, DeepSpeed's working set and the activations.
 
     Returns:
-        ``{"baseline", "backward", "optimizer", "in_backward", "step_scratch", "total"}``, bytes; ``backward``
-        includes the ``in_backward`` window; ``total = baseline + max(backward, optimizer)``.
+        ``{"baseline", "forward", "backward", "optimizer", "in_backward", "riding", "step_scratch", "total"}``,
+        bytes; ``backward`` includes the ``in_backward`` window, ``forward`` the ``riding`` one;
+        ``total = baseline + max(forward, backward, optimizer)``.
     """
     backward = (int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
                 + int(norm_scratch) + int(master_hold))
@@ -330,8 +336,12 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
     scratch = int(step_scratch)
     optimizer += scratch
     backward += window + (scratch if window else 0)
-    return {"baseline": int(baseline_bytes), "backward": backward, "optimizer": optimizer, "in_backward": window,
-            "step_scratch": scratch, "total": int(baseline_bytes) + max(backward, optimizer)}
+    riding = in_backward_window_bytes(ride_slice_bytes)
+    forward = (int(readahead_bytes) + int(deepspeed_bytes) + int(activation_bytes) + riding
+               + (scratch if riding else 0))
+    return {"baseline": int(baseline_bytes), "forward": forward, "backward": backward, "optimizer": optimizer,
+            "in_backward": window, "riding": riding, "step_scratch": scratch,
+            "total": int(baseline_bytes) + max(forward, backward, optimizer)}
 
 
 def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int = 0) -> int:

@@ -538,7 +538,9 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
                                  # fp32 parameters are read from their master slots (the runtime's ``alias``)
                                  master_hold=master_hold_bytes(largest_sg * MASTER_BYTES_PER_PARAM)
                                  if speculate and inp.dtype == "fp32" else 0,
-                                 step_scratch=optimizer_scratch_bytes())
+                                 step_scratch=optimizer_scratch_bytes(),
+                                 # sub-groups not stepped inside backward ride the next forward
+                                 ride_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer]))
     return {**parts, "deepspeed": ds, "activations": int(activations), "readahead": readahead}
 
 

@@ -431,6 +431,7 @@ def main():
             params[name] = p.detach().float().cpu().clone()
     masters = []
     opt = eng.optimizer
+    getattr(opt, "_aidaptiv_drain", lambda: None)()  # updates still riding the forward (step_pipeline.py)
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
         if opt._swappable_optimizer_subgroup(i):
             opt._optimizer_states_and_gradient_swap_in(i)

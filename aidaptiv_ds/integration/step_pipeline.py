@@ -1,0 +1,244 @@
+"""The optimizer step riding the next forward: each sub-group is updated when the next forward needs its
+parameters, while the drives read the next sub-groups' state and write back the earlier ones.
+
+[Note: why the step rides the forward]
+With gradient clipping on (HF Trainer's and DeepSpeed's default of 1.0) and a norm that clips, the steps inside
+backward (``backward_step.py``) must wait for the global norm, so the whole optimizer I/O -- every sub-group's
+fp32 master and moments read and written, its kept gradient read back -- ran after backward while nothing
+computed. Here ``step()`` does what DeepSpeed's does up to its per-sub-group loop (the norm, the clipping
+factor, the overflow check), and the loop defers every sub-group whose state is on the drives
+(:meth:`StepPipeline.defer`) instead of stepping it. ``step()`` returns; the next forward's gather of a
+module's parameters first runs the deferred update of their sub-group (:func:`ensure_before_gather`, on
+DeepSpeed's ``Init._ensure_availability_of_partitioned_params``, through which every all-gather of a
+parameter passes), and each update starts the read of the next sub-group's state. So the optimizer's reads
+and write-backs overlap the forward's compute (GreedySnake, arXiv 2512.17570, does this for the step
+after backward).
+
+[Note: exactness] The updates are DeepSpeed's own per-sub-group calls (``_prepare_sub_group``,
+``unscale_and_clip_grads`` with the norm ``step()`` computed, ``_optimizer_step``,
+``_reassign_or_swap_out_partitioned_parameters``, ``_release_sub_group``), with the param group's
+hyperparameters as they were when ``step()`` ran (the engine steps the learning-rate scheduler right after
+it): only *when* they run changes, so the results are bit-identical. Everything that looks at the state
+first runs what is left (:meth:`StepPipeline.drain`): the next backward, the next ``step()``, DeepSpeed's
+state API, checkpoint save and load, ``engine.destroy()``, the runtime's flush and close (process exit);
+a gather (forward, ``GatheredParameters``, a 16-bit save) runs the sub-groups of the parameters it gathers.
+Persistent parameters (``stage3_param_persistence_threshold``) are not re-gathered at the end of ``step()``
+as DeepSpeed does: the next forward gathers them like the others, after their update.
+
+[Note: a failure in the pipeline] An update that fails (a write that failed for good, a read error) is
+raised by the gather or call that ran it, naming the sub-group, and again by every later wait: the run can
+neither go on nor save a checkpoint from a half-updated state.
+
+The per-sub-group record is the stepper's :class:`~aidaptiv_ds.integration.backward_step.SubGroupStep`:
+``PENDING`` -> (``step()``'s loop) ``DEFERRED`` -> (its update) ``STEPPING`` -> ``COMMITTED`` -> (all done)
+``PENDING``. Sub-groups kept in DRAM by the residency plan, fp16 and hpZ engines step in ``step()`` as before.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+from ..spans import span
+from .backward_step import StepState, _hyper
+from .errors import PipelineError
+
+log = logging.getLogger("aidaptiv_ds")
+
+#: Pipelines with deferred updates now: ds_id of a parameter -> (pipeline, sub-group index).
+_WAITING: dict[int, tuple] = {}
+
+
+class StepPipeline:
+    """The deferred optimizer updates of one Stage-3 optimizer ``opt`` (see the module notes).
+
+    Args:
+        opt: the :func:`~aidaptiv_ds.integration.stage3.make_stage3_class` optimizer.
+        stepper: its :class:`~aidaptiv_ds.integration.backward_step.BackwardStepper` (the records, the window).
+        enabled: the mode chosen at initialisation (``aidaptiv.step_rides_forward``).
+    """
+
+    def __init__(self, opt, stepper, enabled: bool) -> None:
+        self._opt = weakref.ref(opt)
+        self.stepper = stepper
+        self.enabled = enabled
+        self.norm = None  # the norm step() handed unscale_and_clip_grads
+        self.hyper: dict[int, dict] = {}  # param group id -> its hyperparameters when step() ran
+        self.deferred: list[int] = []  # sub-groups deferred by this step(), in step order
+        self.started = False
+        self.failed: tuple[int, BaseException] | None = None
+        self.stepped_after = 0  # sub-groups DeepSpeed's own loop stepped in this step() (for end_step)
+
+    @property
+    def opt(self):
+        return self._opt()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.deferred)
+
+    # ------------------------------------------------------------------ inside step()
+    def should_defer(self, index: int) -> bool:
+        """DeepSpeed's loop reaches sub-group ``index``: leave its update to the next forward (its state is on
+        the drives and this engine can ride, see the module docstring)."""
+        opt = self.opt
+        if not self.enabled or self.failed is not None or opt is None:
+            return False
+        rec = self.stepper.subgroups[index]
+        if rec.state is not StepState.PENDING or not opt._swappable_optimizer_subgroup(index):
+            return False
+        sw, g = self.stepper._swapper_group(index)
+        return not g.resident
+
+    def defer(self, index: int) -> None:
+        rec = self.stepper.subgroups[index]
+        rec.state = StepState.DEFERRED
+        self.deferred.append(index)
+
+    def record_norm(self, norm) -> None:
+        self.norm = norm
+
+    def start(self, stepped_after: int) -> None:
+        """``step()`` ends with updates deferred: capture the hyperparameters, make the deferred parameters wait
+        for their update, and start reading the first sub-groups' state."""
+        opt = self.opt
+        self.stepped_after = stepped_after
+        self.hyper = {gid: _hyper(group) for gid, group in enumerate(opt.optimizer.param_groups)}
+        where = opt._aidaptiv_grad_where
+        ids = {i for i in self.deferred}
+        for ds_id, (i, _) in where.items():
+            if i in ids:
+                _WAITING[ds_id] = (self, i)
+        self.started = True
+        self.stepper.counters.riding_forward += len(self.deferred)
+        self._prefetch_next(None)
+
+    # ------------------------------------------------------------------ running the updates
+    def ensure(self, indices) -> None:
+        """Run the deferred updates of ``indices`` (sub-groups) now, if not done yet."""
+        self._raise_if_failed()
+        for i in sorted(set(indices)):
+            if i in self.deferred:
+                self._run(i)
+
+    def drain(self) -> None:
+        """Run every deferred update (see [Note: exactness] for who calls it)."""
+        self._raise_if_failed()
+        while self.deferred:
+            self._run(self.deferred[0])
+
+    def _raise_if_failed(self) -> None:
+        if self.failed is not None:
+            index, exc = self.failed
+            raise PipelineError(f"aidaptiv_ds: the optimizer update of sub-group {index}, riding the forward after "
+                                f"step(), failed ({type(exc).__name__}: {exc}); the training state is only partly "
+                                f"updated, so this run can neither go on nor save a checkpoint from it. Resume from "
+                                f"the last checkpoint.") from exc
+
+    def _run(self, index: int) -> None:
+        opt, st = self.opt, self.stepper
+        rec = st.subgroups[index]
+        self.deferred.remove(index)
+        rec.state = StepState.STEPPING
+        gid = opt.sub_group_to_group_id[index]
+        group = opt.optimizer.param_groups[gid]
+        now = {k: v for k, v in group.items() if k != "params"}
+        try:
+            with span("aidaptiv::step_riding_forward", lane="optimizer", subgroup=int(index)):
+                sw, g = st._swapper_group(index)
+                st._make_room(g)
+                opt._prepare_sub_group(index, None)  # None: no read-ahead by index, ours follows the pipeline
+                self._prefetch_next(index)
+                group.update(self.hyper.get(gid, {}))  # the learning rate of the step() that deferred it
+                try:
+                    opt.unscale_and_clip_grads(index, self.norm)
+                    opt._optimizer_step(index)
+                finally:
+                    group.update(now)
+                opt._reassign_or_swap_out_partitioned_parameters(index)
+                opt._release_sub_group(index, None)
+        except BaseException as e:
+            self.failed = (index, e)
+            rec.state = StepState.DEFERRED
+            raise PipelineError(f"aidaptiv_ds: the optimizer update of sub-group {index}, riding the forward after "
+                                f"step(), failed: {type(e).__name__}: {e}") from e
+        rec.state = StepState.COMMITTED
+        for ds_id in [d for d, (pl, i) in _WAITING.items() if pl is self and i == index]:
+            del _WAITING[ds_id]
+        if not self.deferred:
+            self._finish()
+
+    def _prefetch_next(self, after: int | None) -> None:
+        """Start reading the state (and kept gradient) of the next deferred sub-group that fits in the window."""
+        st = self.stepper
+        for i in self.deferred:
+            if i == after:
+                continue
+            sw, g = st._swapper_group(i)
+            if g.slice is None and st._fits(g):
+                sw.prefetch(g)
+                if sw.gradients is not None:
+                    sw.gradients.prefetch(i)
+            break
+
+    def _finish(self) -> None:
+        """Every deferred update ran: DeepSpeed's end of step (``_post_step``) without its persistent gather."""
+        opt = self.opt
+        self.started = False
+        self.norm = None
+        self.hyper = {}
+        if opt.offload_optimizer:
+            opt.reset_cpu_buffers()
+        if opt.swap_optimizer:
+            opt.optimizer_swapper.log_timers()
+        opt.invalidate_secondary_tensor()
+        self.stepper.end_step(self.stepped_after)
+
+
+def ensure_before_gather(params) -> None:
+    """Before DeepSpeed gathers ``params`` (any all-gather of a ZeRO-3 parameter): run the deferred updates of
+    their sub-groups (the hook on ``Init._ensure_availability_of_partitioned_params``)."""
+    if not _WAITING:
+        return
+    todo: dict = {}
+    for p in params:
+        hit = _WAITING.get(getattr(p, "ds_id", None))
+        if hit is not None:
+            todo.setdefault(hit[0], set()).add(hit[1])
+    for pipeline, indices in todo.items():
+        pipeline.ensure(indices)
+
+
+def drain_all() -> None:
+    """Run every deferred update of the process (process exit, a runtime's flush)."""
+    for pipeline in {pl for pl, _ in list(_WAITING.values())}:
+        pipeline.drain()
+
+
+def install(init_cls) -> None:
+    """Wrap ``Init._ensure_availability_of_partitioned_params`` with :func:`ensure_before_gather`."""
+    orig = init_cls._ensure_availability_of_partitioned_params
+    if getattr(orig, "_aidaptiv_wrapped", None) is not None:
+        return
+
+    def _ensure_availability_of_partitioned_params(self, params):
+        params = list(params)
+        ensure_before_gather(params)
+        return orig(self, params)
+
+    _ensure_availability_of_partitioned_params._aidaptiv_wrapped = orig
+    init_cls._ensure_availability_of_partitioned_params = _ensure_availability_of_partitioned_params
+
+
+def uninstall(init_cls) -> None:
+    cur = init_cls._ensure_availability_of_partitioned_params
+    orig = getattr(cur, "_aidaptiv_wrapped", None)
+    if orig is not None:
+        init_cls._ensure_availability_of_partitioned_params = orig
+
+
+def forget(pipeline: StepPipeline) -> None:
+    """Drop ``pipeline``'s waiting parameters (its engine is destroyed after a drain)."""
+    for ds_id in [d for d, (pl, _) in _WAITING.items() if pl is pipeline]:
+        del _WAITING[ds_id]
+
+
