@@ -141,6 +141,7 @@ class BackwardStepper:
         self.enabled = enabled
         self.keep_gradients = keep_gradients
         self.state_api_used = False  # DeepSpeed's state API was called: gradients are kept ([Note: the state API])
+        self.pipeline = None  # the engine's StepPipeline (step_pipeline.py), set once it is built
         self.boundaries = 0  # accumulation boundaries settled so far
         self.subgroups = [SubGroupStep(i) for i in range(len(opt.fp16_groups))]
         self.counters = StepCounters()
@@ -210,9 +211,17 @@ class BackwardStepper:
         was not read ahead. fp32 master weights come from the parameters backward reads
         (:class:`~aidaptiv_ds.integration.optimizer_swapper.AidaptivOptimizerSwapper`, [Note: master
         weights from the parameter reads])."""
-        if self.may_speculate(index) and self.subgroups[index].state is StepState.PENDING:
+        if self.subgroups[index].state is not StepState.PENDING:
+            return
+        if self.may_speculate(index):
             sw, g = self._swapper_group(index)
             if g.slice is None and self._fits(g, keep_free=self._ahead_without_slice(index) * sw.slice_bytes(g)):
+                sw.prefetch(g, master_from_params=True)
+        elif self.pipeline is not None and self.pipeline.needed_first(index):
+            # it will ride the next forward, which needs it first: read it now, from the parameters backward
+            # reads ([Note: reading ahead for the forward] in step_pipeline.py)
+            sw, g = self._swapper_group(index)
+            if g.slice is None and self._fits(g):
                 sw.prefetch(g, master_from_params=True)
 
     def _waiting(self, j: int) -> bool:

@@ -377,6 +377,7 @@ def make_stage3_class(base: type) -> type:
             self._aidaptiv_stepper = BackwardStepper(self, enabled=speculate, keep_gradients=clip,
                                                      inflight_limit=in_backward_window)
             self._aidaptiv_pipeline = StepPipeline(self, self._aidaptiv_stepper, enabled=rides)
+            self._aidaptiv_stepper.pipeline = self._aidaptiv_pipeline
             sw.wanted = self._aidaptiv_stepper.wanted
             sw.holds_master = self._aidaptiv_holds_master
             sw.master_hold_limit = master_hold if speculate else 0

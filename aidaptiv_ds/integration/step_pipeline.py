@@ -25,6 +25,13 @@ a gather (forward, ``GatheredParameters``, a 16-bit save) runs the sub-groups of
 Persistent parameters (``stage3_param_persistence_threshold``) are not re-gathered at the end of ``step()``
 as DeepSpeed does: the next forward gathers them like the others, after their update.
 
+[Note: the updated parameters stay for the forward] An update runs when the forward is about to gather its
+sub-group's parameters. bf16 (or fp16) partitions are written from a staging buffer that stays their host
+slice, so the gather finds them in DRAM; fp32 partitions are read from their sub-group's master slot, whose
+write-back carries them, so the parameter swapper keeps a copy of the new bytes as a clean, read-ahead
+slice instead (``keep_master_copies``): the forward does not read back what was just written (4 B per fp32
+parameter and step), and the copy is dropped unwritten once used.
+
 [Note: a failure in the pipeline] An update that fails (a write that failed for good, a read error) is
 raised by the gather or call that ran it, naming the sub-group, and again by every later wait: the run can
 neither go on nor save a checkpoint from a half-updated state.
@@ -43,6 +50,9 @@ from .backward_step import StepState, _hyper
 from .errors import PipelineError
 
 log = logging.getLogger("aidaptiv_ds")
+
+#: Sub-groups read ahead at the end of backward for the next forward ([Note: reading ahead for the forward]).
+READ_IN_BACKWARD = 2
 
 #: Pipelines with deferred updates now: ds_id of a parameter -> (pipeline, sub-group index).
 _WAITING: dict[int, tuple] = {}
@@ -67,6 +77,7 @@ class StepPipeline:
         self.started = False
         self.failed: tuple[int, BaseException] | None = None
         self.stepped_after = 0  # sub-groups DeepSpeed's own loop stepped in this step() (for end_step)
+        self._first: frozenset | None = None  # see needed_first
 
     @property
     def opt(self):
@@ -154,7 +165,14 @@ class StepPipeline:
                     opt._optimizer_step(index)
                 finally:
                     group.update(now)
-                opt._reassign_or_swap_out_partitioned_parameters(index)
+                psw = opt._aidaptiv_param_swapper()
+                if psw is not None:
+                    psw.keep_master_copies = True  # [Note: the updated parameters stay for the forward]
+                try:
+                    opt._reassign_or_swap_out_partitioned_parameters(index)
+                finally:
+                    if psw is not None:
+                        psw.keep_master_copies = False
                 opt._release_sub_group(index, None)
         except BaseException as e:
             self.failed = (index, e)
@@ -168,17 +186,42 @@ class StepPipeline:
             self._finish()
 
     def _prefetch_next(self, after: int | None) -> None:
-        """Start reading the state (and kept gradient) of the next deferred sub-group that fits in the window."""
+        """Start reading the state (and kept gradient) of the next deferred sub-groups, in the order the forward
+        needs them, while they fit in the window (stopping at the first that does not)."""
         st = self.stepper
         for i in self.deferred:
             if i == after:
                 continue
             sw, g = st._swapper_group(i)
-            if g.slice is None and st._fits(g):
+            if g.slice is None:
+                if not st._fits(g):
+                    break
                 sw.prefetch(g)
-                if sw.gradients is not None:
-                    sw.gradients.prefetch(i)
-            break
+            if sw.gradients is not None:
+                sw.gradients.prefetch(i)
+
+    def needed_first(self, index: int) -> bool:
+        """Sub-group ``index`` is among the first :data:`READ_IN_BACKWARD` whose update the next forward needs
+        and that would ride it (its state on the drives).
+
+        [Note: reading ahead for the forward] The first module of the next forward (the embedding) needs the
+        first sub-group's update at once. When the step will ride the forward (no speculation in this
+        backward), the stepper reads the first sub-groups' state at the end of backward, when their
+        gradients arrive and backward is reading their parameters (so fp32 master weights come from those
+        reads), in the window the steps inside backward would have used; ``step()`` then finds them in DRAM.
+        """
+        if not self.enabled or self.opt is None:
+            return False
+        if self._first is None:
+            opt, st = self.opt, self.stepper
+            first = []
+            for i in range(len(st.subgroups)):
+                if opt._swappable_optimizer_subgroup(i) and not st._swapper_group(i)[1].resident:
+                    first.append(i)
+                if len(first) == READ_IN_BACKWARD:
+                    break
+            self._first = frozenset(first)
+        return index in self._first
 
     def _finish(self) -> None:
         """Every deferred update ran: DeepSpeed's end of step (``_post_step``) without its persistent gather."""
