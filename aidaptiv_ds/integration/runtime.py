@@ -252,6 +252,7 @@ class Runtime:
             "bytes_read": {"cache": sum(v["bytes_read"] for v in io.values())},
             "bytes_written": {"cache": sum(v["bytes_written"] for v in io.values())},
             "per_path": io,
+            "bytes_read_by_kind": self.store.read_bytes_by_kind(),
             "dram_bytes": self.tier.held_bytes,
             "dram_peak_bytes": self.tier.peak_bytes,
             "io_wait_s": self.io_wait.seconds,

@@ -22,6 +22,8 @@ Snapshot keys (all ints unless noted):
     ``bytes_read`` / ``bytes_written``: dict tier -> bytes moved by aidaptiv_ds (tier ``"cache"``:
         the SSD slabs); empty when no provider is registered.
     ``per_path``: dict cache path -> {"bytes_read", "bytes_written"}.
+    ``bytes_read_by_kind``: dict extent kind (``"opt"``, ``"grad"``, ``"params"``) -> bytes of the cache
+        tier's reads for that kind of state (:func:`aidaptiv_ds.store.store.extent_kind`).
     ``dram_bytes``: bytes the DRAM tier holds now; ``dram_peak_bytes``: the most it held.
     ``io_wait_s`` (float): seconds the training thread waited on I/O.
     ``proc_read_bytes`` / ``proc_write_bytes``: ``/proc/self/io`` read_bytes / write_bytes.
@@ -106,7 +108,7 @@ def snapshot(settle_first: bool = False) -> dict:
     """
     if settle_first:
         settle()
-    snap: dict = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, **{k: 0 for k in _GAUGES},
+    snap: dict = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, "bytes_read_by_kind": {}, **{k: 0 for k in _GAUGES},
                   "io_wait_s": 0.0, "optimizer_steps": {}, **{k: 0 for k in _SUMMED}}
     with _lock:
         providers = list(_providers.values())
@@ -121,6 +123,8 @@ def snapshot(settle_first: bool = False) -> dict:
                 cur[k] += v.get(k, 0)
         for k in _GAUGES + ("io_wait_s",) + _SUMMED:
             snap[k] += d.get(k, 0)
+        for kind, v in d.get("bytes_read_by_kind", {}).items():
+            snap["bytes_read_by_kind"][kind] = snap["bytes_read_by_kind"].get(kind, 0) + v
         for k, v in d.get("optimizer_steps", {}).items():
             snap["optimizer_steps"][k] = snap["optimizer_steps"].get(k, 0) + v
     p = proc_io()
@@ -136,6 +140,8 @@ def delta(after: dict, before: dict) -> dict:
     out["per_path"] = {p: {kk: v[kk] - before["per_path"].get(p, {}).get(kk, 0) for kk in v}
                        for p, v in after["per_path"].items()}
     out["io_wait_s"] = after["io_wait_s"] - before["io_wait_s"]
+    out["bytes_read_by_kind"] = {k: v - before.get("bytes_read_by_kind", {}).get(k, 0)
+                                 for k, v in after.get("bytes_read_by_kind", {}).items()}
     out["optimizer_steps"] = {k: v - before.get("optimizer_steps", {}).get(k, 0)
                               for k, v in after.get("optimizer_steps", {}).items()}
     for k in _SUMMED:
