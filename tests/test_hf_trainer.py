@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-
-from _oracle import REPO, STORIES, free_port
+from _oracle import REPO, STORIES, STORIES_ABSENT, free_port
 
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
 
@@ -28,7 +27,7 @@ def trainer_run(cfg: dict, tmp_path, name: str) -> dict:
     return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 def test_unmodified_hf_trainer_script(tmp_path):
     with open(os.path.join(REPO, "ds_configs", "aidaptiv_zero3.json")) as f:
         ours = json.load(f)

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from . import distributed
-from .data import filter_category, read_dolly, split_train_eval, write_dolly
+from .data import filter_category, load_records, split_train_eval, write_dolly
 from . import checkpoints
 from .cost import run_cost
 from .ds_config import describe_created_dir, is_zero3, load_ds_config, model_dtype, resolve, uses_nvme
@@ -68,7 +68,9 @@ class FinetuneArgs:
     model_name_or_path: str | None = dataclasses.field(default=None, **_flag(
         "local HF model directory, a .gguf file, or a hub id (default: the embedded demo model)"))
     data_path: str | None = dataclasses.field(default=None, **_flag(
-        "Dolly-format JSONL (instruction, context, response[, category]) (default: the embedded demo data)"))
+        "Dolly-format data (instruction, context, response[, category]): a JSONL file, a Hugging Face dataset id "
+        "such as databricks/databricks-dolly-15k[:split] (pip install datasets), or a downloaded dataset's directory "
+        "(default: the embedded demo data)"))
     category: str | None = dataclasses.field(default=None, **_flag(
         "train and evaluate only on records of this Dolly category"))
     num_train_epochs: float = dataclasses.field(default=3.0, **_flag("epochs (HF's default 3)"))
@@ -260,7 +262,7 @@ def run(args: FinetuneArgs) -> dict:
 
     src = resolve_source(model_path)
     tokenizer = load_tokenizer(src)
-    records = filter_category(read_dolly(data_path), args.category)
+    records = filter_category(load_records(data_path), args.category)
     train_recs, eval_recs = split_train_eval(records, args.eval_fraction, args.seed)
     train_split = encode_records(tokenizer, train_recs, args.max_seq_length)
     eval_split = encode_records(tokenizer, eval_recs, args.max_seq_length)
