@@ -29,7 +29,7 @@ from . import distributed
 from .data import filter_category, load_records, split_train_eval, write_dolly
 from . import checkpoints
 from .cost import run_cost
-from .ds_config import describe_created_dir, is_zero3, load_ds_config, model_dtype, resolve, uses_nvme
+from .ds_config import cache_dirs, describe_created_dir, is_zero3, load_ds_config, model_dtype, resolve, uses_nvme
 from .evaluate import EVAL_SPLIT_FILE, RUN_ARGS_FILE
 from .loop import LoopSettings, ResumeState, plan_steps, train
 from ..process_group import destroy_gloo_group_at_exit
@@ -169,6 +169,30 @@ def _setup_aio(cfg: dict, choice: str) -> None:
                            "pure-Python aio handle instead")
 
 
+def _check_aidaptiv_early(cfg: dict, src) -> None:
+    """With an enabled ``"aidaptiv"`` section: its checks, and the whole job's need on the cache paths for
+    the model's parameter count (from its ``config.json``, where it has one), before the model is loaded
+    (:mod:`aidaptiv_ds.integration.startup`), so a bad config or a drive too small is refused in seconds,
+    with the job's numbers. ``deepspeed.initialize`` checks the same again."""
+    from ..integration.config import section_enabled, validate
+
+    if not section_enabled(cfg):
+        return
+    from ..integration.startup import preflight_params, quiet_errors
+
+    quiet_errors()
+    acfg = validate(cfg)
+    if src.kind != "local":
+        return  # a GGUF file or a hub id: deepspeed.initialize checks with the loaded model
+    from ..planner.model_size import load_model_shape
+
+    try:
+        n = load_model_shape(src.path).n_params
+    except (ValueError, KeyError, OSError):
+        return  # a config the planner does not know: deepspeed.initialize checks with the loaded model
+    preflight_params(acfg, cfg, n)
+
+
 def _check_save_flags(args: FinetuneArgs) -> None:
     if args.save_strategy == "steps" and args.save_steps < 1:
         raise ValueError(f"--save_steps {args.save_steps}: must be >= 1 with --save_strategy steps "
@@ -177,16 +201,20 @@ def _check_save_flags(args: FinetuneArgs) -> None:
         raise ValueError(f"--save_total_limit {args.save_total_limit}: must be >= 1 (or leave it out to keep all)")
 
 
-def _report_created(created: list, output_dir: str) -> None:
-    """Say where created cache directories landed (rank 0, once per directory of any rank)."""
+def _report_cache_dirs(cfg: dict, created: list, output_dir: str) -> None:
+    """Say where created cache directories landed, and warn for every cache directory (created or not)
+    that is not on a cache drive of its own (rank 0, once per directory of any rank)."""
     seen = set()
-    for per_rank in distributed.gather_objects(created):
-        for key, d in per_rank:
-            if distributed.rank() != 0 or os.path.abspath(d) in seen:
+    made = {os.path.abspath(d) for _, d in created}
+    for per_rank in distributed.gather_objects([(k, os.path.abspath(d), os.path.abspath(d) in made)
+                                                for k, d in cache_dirs(cfg)]):
+        for key, d, new in per_rank:
+            if distributed.rank() != 0 or d in seen:
                 continue
-            seen.add(os.path.abspath(d))
-            where, warning = describe_created_dir(d, output_dir)
-            _say(f"--cache_path ({key}): {where}")
+            seen.add(d)
+            where, warning = describe_created_dir(d, output_dir, created=new)
+            if new:
+                _say(f"--cache_path ({key}): {where}")
             if warning:
                 _say(f"WARNING: {warning}")
 
@@ -256,11 +284,12 @@ def run(args: FinetuneArgs) -> dict:
                       cache_paths=args.cache_path, dram_budget=args.dram_budget)
     created: list = []
     cfg = resolve(raw_cfg, **resolve_kw, created=created)
-    _report_created(created, args.output_dir)
+    _report_cache_dirs(cfg, created, args.output_dir)
     dtype = model_dtype(cfg)
     _setup_aio(cfg, args.aio_handle)
 
     src = resolve_source(model_path)
+    _check_aidaptiv_early(cfg, src)
     tokenizer = load_tokenizer(src)
     records = filter_category(load_records(data_path), args.category)
     train_recs, eval_recs = split_train_eval(records, args.eval_fraction, args.seed)
