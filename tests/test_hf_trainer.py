@@ -24,7 +24,9 @@ def trainer_run(cfg: dict, tmp_path, name: str) -> dict:
     p = subprocess.run([sys.executable, "-m", "aidaptiv_ds.run", SCRIPT, STORIES, str(path), str(tmp_path / name)],
                        env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stderr[-5000:]
-    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    res["started"] = [ln for ln in p.stderr.splitlines() if ln.startswith("aidaptiv_ds ") and " active: " in ln]
+    return res
 
 
 @pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
@@ -42,3 +44,7 @@ def test_unmodified_hf_trainer_script(tmp_path):
     assert got["param_swapper"] == "AidaptivParamSwapper"
     assert got["optimizer_swapper"] == "AidaptivOptimizerSwapper"
     assert len(got["losses"]) == 3 and got["losses"] == want["losses"]
+    # the unchanged script says once that aidaptiv_ds runs it, with the cache path and the budget
+    (line,) = got["started"]
+    assert f"cache path {cache} (" in line and "DRAM budget 0 B/rank" in line and "written per step" in line, line
+    assert want["started"] == []
