@@ -36,6 +36,8 @@ from ..process_group import destroy_gloo_group_at_exit
 from ..telemetry import sysinfo
 from ..telemetry.metrics import MetricsWriter
 from ..units import format_bytes
+from .memory import describe as describe_memory
+from .memory import memory_parts, planned_parts
 from .model_io import count_parameters, load_model, load_tokenizer, resolve_source, save_hf_model
 from .template import encode_records, pad_token_id
 
@@ -363,6 +365,9 @@ def run(args: FinetuneArgs) -> dict:
                    "deepspeed_config": args.deepspeed, "resumed_from": resume_path,
                    "save_time_s": round(save_s, 3), "save_rss_before_bytes": rss_before, "save_peak_rss_bytes": save_rss,
                    "wall_time_s": round(time.perf_counter() - t0, 3)}
+        summary["memory"] = memory_parts(summary, planned_parts(
+            engine.module.config.to_dict() if hasattr(engine.module, "config") else None, cfg, n_params,
+            args.max_seq_length, settings.micro_batch, world, dtype.itemsize, _cpu_ranks()), world)
         if log is not None:
             log.write(summary)
     finally:
@@ -373,10 +378,18 @@ def run(args: FinetuneArgs) -> dict:
     return summary
 
 
+def _cpu_ranks() -> bool:
+    """The ranks train on DeepSpeed's CPU accelerator (activations and gathered parameters are host memory)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
 def format_summary(s: dict) -> str:
     """The run's last line: eval loss before -> after, steps, tokens/s, bytes per parameter per step
-    (cache tier; ``/proc`` beside it), total written per drive and the DWPD it implies, peak RSS,
-    peak DRAM tier, and where the metrics and the model are."""
+    (cache tier; ``/proc`` beside it), total written per drive and the DWPD it implies, peak RSS and its
+    parts (:mod:`.memory`: model loading, ours with the DRAM tier against its budget, DeepSpeed's working
+    set, activations and logits, the rest), and where the metrics and the model are."""
     def b(n):
         return "n/a" if n is None else format_bytes(n)
 
@@ -396,9 +409,7 @@ def format_summary(s: dict) -> str:
         parts.append(f"{path}: {b(d['bytes_written'])} written{dw}{rated}")
     if s.get("ledger_bytes_written") is not None:
         parts.append(f"ledger {b(s['ledger_bytes_written'])}")
-    parts.append(f"peak RSS {b(s.get('peak_rss_bytes'))}")
-    if s.get("cache_bytes_written_total") is not None:
-        parts.append(f"peak DRAM tier {b(s.get('dram_peak_bytes'))}")
+    parts.append(describe_memory(s.get("memory")) if s.get("memory") else f"peak RSS {b(s.get('peak_rss_bytes'))}")
     parts.append(f"metrics {s['metrics_file']}")
     parts.append(f"model {s['saved_model']}")
     return "; ".join(parts)

@@ -24,7 +24,11 @@ Snapshot keys (all ints unless noted):
     ``per_path``: dict cache path -> {"bytes_read", "bytes_written"}.
     ``bytes_read_by_kind``: dict extent kind (``"opt"``, ``"grad"``, ``"params"``) -> bytes of the cache
         tier's reads for that kind of state (:func:`aidaptiv_ds.store.store.extent_kind`).
-    ``dram_bytes``: bytes the DRAM tier holds now; ``dram_peak_bytes``: the most it held.
+    ``dram_bytes``: bytes the DRAM tier holds now; ``dram_peak_bytes``: the most it held (both with its
+        working memory: read-ahead not used yet, slices in use, write-back in flight, which the budget does
+        not bound, so they are not 0 at a budget of 0).
+    ``dram_budgeted_bytes`` / ``dram_budgeted_peak_bytes``: of those, what the DRAM budget books (resident
+        and cached slices), now and at most; ``dram_budget_bytes``: the budget (:func:`dram_gauges`).
     ``io_wait_s`` (float): seconds the training thread waited on I/O.
     ``proc_read_bytes`` / ``proc_write_bytes``: ``/proc/self/io`` read_bytes / write_bytes.
     ``optimizer_steps``: dict path -> optimizer sub-group steps taken that way (``in_backward``,
@@ -50,7 +54,14 @@ from typing import Callable
 _SUMMED = ("grad_spilled_bytes", "master_from_params_bytes", "master_demand_bytes", "master_held_bytes",
            "buffer_pool_miss_bytes")
 #: Gauges summed over providers and taken from the later snapshot in :func:`delta`.
-_GAUGES = ("dram_bytes", "dram_peak_bytes", "buffer_pool_bytes", "buffer_pool_peak_bytes")
+_GAUGES = ("dram_bytes", "dram_peak_bytes", "dram_budgeted_bytes", "dram_budgeted_peak_bytes", "dram_budget_bytes",
+           "buffer_pool_bytes", "buffer_pool_peak_bytes")
+
+
+def dram_gauges(tier, budget: int) -> dict:
+    """The budget's gauges of a DRAM tier (:class:`aidaptiv_ds.tiers.host_tier.HostTier`) for a provider."""
+    return {"dram_budgeted_bytes": tier.budgeted_bytes(), "dram_budgeted_peak_bytes": tier.budgeted_peak_bytes,
+            "dram_budget_bytes": int(budget)}
 
 _providers: dict[str, Callable[[], dict]] = {}
 _settlers: dict[str, Callable[[], None]] = {}
