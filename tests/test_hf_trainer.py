@@ -15,13 +15,20 @@ pytestmark = pytest.mark.subprocess  # every test here starts a child process (t
 SCRIPT = os.path.join(REPO, "tests", "scripts", "hf_trainer.py")
 
 
-def trainer_run(cfg: dict, tmp_path, name: str) -> dict:
+def trainer_run(cfg: dict, tmp_path, name: str, launcher: str = "python") -> dict:
+    """The script's result; ``launcher`` ``python`` (``python -m aidaptiv_ds.run``) or ``accelerate``
+    (``accelerate launch --use_deepspeed``, the package's site hook activating aidaptiv_ds)."""
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     # MKL on a fixed thread count (as the runtime sets it, integration/blas_threads.py) and alignment-independent
     # (aidaptiv_ds/bench/runner.py REPRODUCIBLE_MKL) in both runs
-    env = dict(os.environ, PYTHONPATH=REPO, MASTER_PORT=str(free_port()), MKL_DYNAMIC="FALSE", MKL_CBWR="AUTO,STRICT")
-    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds.run", SCRIPT, STORIES, str(path), str(tmp_path / name)],
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=REPO, MASTER_PORT=port, MKL_DYNAMIC="FALSE", MKL_CBWR="AUTO,STRICT")
+    head = [sys.executable, "-m", "aidaptiv_ds.run"] if launcher == "python" else [
+        os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--use_deepspeed",
+        "--deepspeed_config_file", str(path), "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--main_process_port", port]
+    p = subprocess.run([*head, SCRIPT, STORIES, str(path), str(tmp_path / name)],
                        env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stderr[-5000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
@@ -48,3 +55,6 @@ def test_unmodified_hf_trainer_script(tmp_path):
     (line,) = got["started"]
     assert f"cache path {cache} (" in line and "DRAM budget 0 B/rank" in line and "written per step" in line, line
     assert want["started"] == []
+    # accelerate launch --use_deepspeed (HF's other launcher): the same run, the same losses
+    acc = trainer_run(ours, tmp_path, "accelerate", launcher="accelerate")
+    assert acc["param_swapper"] == "AidaptivParamSwapper" and acc["losses"] == want["losses"] and len(acc["started"]) == 1
