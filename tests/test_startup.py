@@ -97,5 +97,6 @@ def test_a_refused_config_prints_its_message_once_without_a_traceback(tmp_path, 
         assert "Traceback (most recent call last)" in p.stderr
     else:
         assert "Traceback" not in p.stderr, p.stderr
-        assert "aidaptiv_ds stopped (AidaptivConfigError): invalid \"aidaptiv\" section:" in p.stderr
+        assert "aidaptiv_ds stopped the program (set AIDAPTIV_DS_TRACEBACK=1 for the traceback):\n" \
+               "aidaptiv_ds.errors.AidaptivConfigError: invalid \"aidaptiv\" section:" in p.stderr, p.stderr
         assert "aidaptiv.dram_budgt: unknown key; did you mean 'dram_budget'?" in p.stderr

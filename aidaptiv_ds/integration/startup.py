@@ -47,8 +47,9 @@ def _prints_here() -> bool:
 
 
 def quiet_errors() -> None:
-    """From now on an :class:`~aidaptiv_ds.AidaptivError` that ends the program uncaught prints as
-    ``aidaptiv_ds stopped (<kind>): <message>`` alone (see the module docstring); other uncaught
+    """From now on an :class:`~aidaptiv_ds.AidaptivError` that ends the program uncaught prints as one
+    line saying so and ``<module>.<kind>: <message>`` (a traceback's last line) alone (see the module
+    docstring); other uncaught
     exceptions go to the hook that was there before (torch.distributed's ``[rankN]`` one, say).
     Installed once per process, by the first config with an enabled section."""
     if os.environ.get(TRACEBACK_ENV) == "1":
@@ -60,10 +61,9 @@ def quiet_errors() -> None:
 
         def hook(tp, value, tb):
             if isinstance(value, AidaptivError):
-                if _prints_here():
-                    msg = str(value).removeprefix("aidaptiv_ds: ")
-                    print(f"aidaptiv_ds stopped ({type(value).__name__}): {msg}\n(set {TRACEBACK_ENV}=1 for the "
-                          f"traceback)", file=sys.stderr, flush=True)
+                if _prints_here():  # Python's own last line of a traceback, without the frames above it
+                    print(f"aidaptiv_ds stopped the program (set {TRACEBACK_ENV}=1 for the traceback):\n"
+                          f"{tp.__module__}.{tp.__qualname__}: {value}", file=sys.stderr, flush=True)
                 return
             prev(tp, value, tb)
 
@@ -80,27 +80,40 @@ def _param_bytes(ds: dict) -> int:
 
 
 def job_need(n_params: int, ds: dict, budget: int, world: int) -> dict:
-    """This rank's bytes of training state on the cache tier at the least (steps after backward, the
-    gradients stored, no second copy), by the planner's residency rules for ``budget``:
-    ``{"need", "state", "resident", "param_bytes", "per_param"}``."""
+    """This rank's bytes of training state on the cache tier at the least, by the planner's residency rules
+    for ``budget``: the smaller of the runtime's two ways (steps after backward, the gradients stored; steps
+    inside backward, the gradients consumed but a second copy of the optimizer state not kept in DRAM), so a
+    job refused on it cannot run at any setting. ``{"need", "state", "resident", "param_bytes", "per_param"}``
+    (``state``: parameters, gradients, master weights and moments; fp32 parameters are their master slots)."""
     from ..planner.plan import DEFAULT_SUB_GROUP_SIZE, MOMENT_BYTES, state_sizes_for_rank
     from ..planner.residency import plan_residency
 
     pb = _param_bytes(ds)
     sg = int(float((ds.get("zero_optimization") or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
     sizes = state_sizes_for_rank(n_params, max(world, 1), pb, MOMENT_BYTES["adamw"], max(sg, 1))
-    res = plan_residency(sizes, budget)
-    state = sizes.total - (sizes.param_bytes if sizes.alias_params else 0)  # fp32: read from the master slots
-    resident = min(res.resident_bytes, state)
-    return {"need": state - resident, "state": state, "resident": resident, "param_bytes": pb,
+    alias = sizes.param_bytes if sizes.alias_params else 0  # fp32: read from the master slots
+    state = sizes.total - alias
+    after = plan_residency(sizes, budget)
+    need = state - min(after.resident_bytes, state)
+    sizes.grads_transient = sizes.steps_in_backward = True
+    inside = plan_residency(sizes, budget)
+    shadows = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in inside.resident_subgroups)
+    need_inside = max(state - sizes.grad_bytes - inside.resident_bytes, 0) + shadows
+    need = min(need, need_inside)
+    return {"need": need, "state": state, "resident": state - need if need < state else 0, "param_bytes": pb,
             "per_param": state / max(-(-n_params // max(world, 1)), 1)}
 
 
 def preflight_job(cfg, ds: dict, model) -> None:
-    """:func:`preflight_params` for ``model``'s parameters (``ds_numel`` where already partitioned)."""
+    """:func:`preflight_params` for a model built whole, before ``deepspeed.initialize`` partitions it. A model
+    already partitioned (built under ``zero.Init``) is left to the optimizer's own preflight, which then knows
+    what the parameters hold on the drives already."""
     if model is None or not hasattr(model, "parameters"):
         return
-    preflight_params(cfg, ds, sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()))
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_numel") for p in params):
+        return
+    preflight_params(cfg, ds, sum(int(p.numel()) for p in params))
 
 
 def preflight_params(cfg, ds: dict, n_params: int) -> None:
