@@ -233,6 +233,7 @@ def _between_steps(a, step: int) -> None:
         with open(tmp, "w") as f:
             json.dump(info, f)
         os.replace(tmp, os.path.join(a.pause_dir, f"paused_{step}.json"))
+        open(os.path.join(a.pause_dir, f"paused_{step}.rank{os.environ.get('RANK', '0')}"), "w").close()
         deadline = time.monotonic() + 300
         while not os.path.exists(os.path.join(a.pause_dir, f"resume_{step}")):
             if time.monotonic() > deadline:
