@@ -115,16 +115,31 @@ def test_return_policy_keeps_bucket_sized_blocks_within_a_phase_and_returns_them
     def rss():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    import ctypes
+    class MallInfo2(ctypes.Structure):  # glibc >= 2.33
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
     heap.return_freed_host_memory()
     faults(96, 6)  # glibc's aligned allocations take a few rounds to settle on reused addresses
+    mapped_before = libc.mallinfo2().hblkhd
+    t = torch.ones(96 << 18)
+    mapped_live = libc.mallinfo2().hblkhd - mapped_before  # 0: the block is the heap's, not a mapping of its own
+    del t
     within = faults(96)
     held = rss()
     heap.release_free_host_memory()
     returned = held - rss()
-    print(json.dumps({"within": within, "after_trim": faults(96, 1), "returned": returned}))
+    print(json.dumps({"within": within, "mapped_live": mapped_live, "after_trim": faults(96, 1),
+                      "returned": returned}))
     """)
     block_pages = 96 << 8  # 4 KiB pages of one block
-    assert r["within"] < block_pages / 4, r
+    # served from the heap, not mapped and unmapped per block (at the 32 MiB threshold it was a mapping of its
+    # own). The faults within the phase are printed, not checked: glibc now and then places a block at a new
+    # address, which faults it in anew (0, 1 or 2 of the 4 rounds in runs on 2026-12-05, with the other threads'
+    # allocations in between), so a count would depend on them
+    assert r["mapped_live"] < (96 << 20), r
     assert r["returned"] >= (80 << 20), r  # the trim gave the free blocks back ...
     assert r["after_trim"] >= block_pages / 2, r  # ... so the next use faults in (4 KiB pages)
 
