@@ -101,23 +101,18 @@ _BLOCK_FAULTS = """
 @glibc
 @child
 def test_reuse_policy_keeps_a_freed_block():
-    """A 256 MiB block is the heap's (not a mapping of its own) and, freed, stays in the heap for the next one
-    (with the trim threshold masked to 0, the heap's top was trimmed at every free and each block faulted in
-    anew: 4 x 65,536 faults). Checked on glibc's own books (``mallinfo2``: mapped bytes while the block lives,
-    free bytes the heap keeps after it is freed); the faults of four rounds are printed, not checked: glibc
-    places the blocks at two alternating addresses and now and then at a new one, which faults one in anew
-    (0 to 131,072 in runs on 2026-12-05, with the other threads' allocations in between)."""
-    r = _child(_BLOCK_FAULTS + _MALLINFO + """
+    """A 256 MiB block freed and allocated again comes back from the heap (with the trim threshold masked to
+    0, the heap's top was trimmed at every free and each block faulted in anew: 4 x 65,536 faults). glibc
+    places consecutive blocks at two alternating addresses, and now and then at a new one (the other threads'
+    allocations in between decide), which faults that block in anew: 0 to 2 of the 4 rounds in runs on
+    2026-12-05 (65,536 in two of eight quiet runs, 131,072 in three of four under load). So the check is that
+    not every round faults its block in, which only trimming at every free does, whatever the timing."""
+    r = _child(_BLOCK_FAULTS + """
     heap.reuse_freed_host_memory()
     faults(256, 6)
-    before = mallinfo().hblkhd
-    t = torch.ones(256 << 18)
-    mapped_live = mallinfo().hblkhd - before
-    del t
-    print(json.dumps({"again": faults(256), "mapped_live": mapped_live, "kept_free": mallinfo().fordblks}))
+    print(json.dumps({"again": faults(256)}))
     """)
-    assert r["mapped_live"] < (256 << 20), r  # the heap's block, not a mapping
-    assert r["kept_free"] >= (256 << 20), r  # freed, kept for the next one (trimmed at every free: a few KiB)
+    assert r["again"] <= 3 * 65536 + 1024, r  # trimmed at every free: 4 x 65,536
 
 
 @glibc
