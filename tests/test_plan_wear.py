@@ -44,7 +44,7 @@ def test_the_changes_named_are_re_planned_within_the_rating(capsys):
     more_dram = w["changes"][0]
     assert more_dram["within"] and "of DRAM per node" in more_dram["change"]
     dram = float(more_dram["change"].split(" TB")[0]) * 1e12
-    rc, again = _plan(capsys, "--dwpd", "60", "--step-time", "100", "--dram", f"{dram:.0f}")
+    _, again = _plan(capsys, "--dwpd", "60", "--step-time", "100", "--dram", f"{dram:.0f}")
     assert again["wear"]["dwpd"] == pytest.approx(more_dram["dwpd"]) and not again["wear"]["exceeds"]
     _, less = _plan(capsys, "--dwpd", "60", "--step-time", "100", "--dram", f"{dram - 64e9:.0f}")
     assert less["wear"]["exceeds"]  # the smallest step of 64 GB that does it
