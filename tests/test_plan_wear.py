@@ -56,8 +56,8 @@ def test_the_rating_from_tbw_cache_keys_and_the_config(capsys, tmp_path):
     _, by_tbw = _plan(capsys, "--tbw", f"{30 * 2e12 * 365 * 5:.0f}")
     assert by_tbw["wear"]["rated_dwpd"] == pytest.approx(30) and by_dwpd["wear"]["rated_dwpd"] == 30
     assert not by_tbw["wear"]["rating_assumed"]
-    rc = main(["plan", "--model", "llama-3.1-70b", "--gpus", "4", "--vram", "48GB", "--dram", "512GB",
-               "--cache", "2TB:tbw=110PB", "--cache", "2TB:dwpd=30", "--json"])
+    assert main(["plan", "--model", "llama-3.1-70b", "--gpus", "4", "--vram", "48GB", "--dram", "512GB",
+               "--cache", "2TB:tbw=110PB", "--cache", "2TB:dwpd=30", "--json"]) == 0
     drives = json.loads(capsys.readouterr().out)["drives"]
     assert drives[0]["endurance"]["rated_dwpd"] == pytest.approx(110e15 / (2e12 * 365 * 5))
     assert drives[1]["endurance"]["rated_dwpd"] == 30
