@@ -329,7 +329,7 @@ def test_cli_model_preset_and_cache_path_spec(tmp_path):
 def test_cli_model_config_json_text():
     cfg = os.path.join(STORIES, "config.json")
     if not os.path.isfile(cfg):
-        pytest.skip(f"stories260K config not found at {cfg}")
+        pytest.skip(STORIES_ABSENT)
     rc, out = run_cli("plan", "--model", cfg, "--gpus", "1", "--vram", "8GB", "--dram", "16GB", "--cache", "1TB")
     assert rc == 0
     assert "260,032 parameters" in out
