@@ -77,6 +77,16 @@ def test_mallopt_gets_c_ints_never_a_masked_value(monkeypatch):
     assert heap.current_thresholds() == (heap.C_INT_MAX, heap.C_INT_MAX)
 
 
+_MALLINFO = """
+    import ctypes
+    class _MallInfo2(ctypes.Structure):  # glibc >= 2.33
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _libc = ctypes.CDLL(None)
+    _libc.mallinfo2.restype = _MallInfo2
+    mallinfo = _libc.mallinfo2
+"""
+
 _BLOCK_FAULTS = """
     import json, resource, torch
     from aidaptiv_ds.io import heap
@@ -93,15 +103,16 @@ _BLOCK_FAULTS = """
 def test_reuse_policy_keeps_a_freed_block():
     """A 256 MiB block freed and allocated again comes back from the heap (with the trim threshold masked to
     0, the heap's top was trimmed at every free and each block faulted in anew: 4 x 65,536 faults). glibc
-    places consecutive blocks at two alternating addresses, so the first rounds fault both in, and now and
-    then at a third address, which faults one block in anew (8 runs of
-    this child on 2026-12-05: 0 faults in six, 65,536 in two); never more than one of the four rounds."""
+    places consecutive blocks at two alternating addresses, and now and then at a new one (the other threads'
+    allocations in between decide), which faults that block in anew: 0 to 2 of the 4 rounds in runs on
+    2026-12-05 (65,536 in two of eight quiet runs, 131,072 in three of four under load). So the check is that
+    not every round faults its block in, which only trimming at every free does, whatever the timing."""
     r = _child(_BLOCK_FAULTS + """
     heap.reuse_freed_host_memory()
     faults(256, 6)
     print(json.dumps({"again": faults(256)}))
     """)
-    assert r["again"] <= 65536 + 1024, r  # trimmed at every free: 4 x 65,536
+    assert r["again"] <= 3 * 65536 + 1024, r  # trimmed at every free: 4 x 65,536
 
 
 @glibc
@@ -110,21 +121,30 @@ def test_return_policy_keeps_bucket_sized_blocks_within_a_phase_and_returns_them
     """DeepSpeed's reduce buffers (80-100 MB per bucket at 148M) are reused from the heap within a phase (at the
     32 MiB threshold this replaced, each was a fresh mapping: 4 x 24,576 faults here); the runtime's trim at the
     phase's end gives them back, so their next use faults in again."""
-    r = _child(_BLOCK_FAULTS + """
+    r = _child(_BLOCK_FAULTS + _MALLINFO + """
     import os
     def rss():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     heap.return_freed_host_memory()
     faults(96, 6)  # glibc's aligned allocations take a few rounds to settle on reused addresses
+    mapped_before = mallinfo().hblkhd
+    t = torch.ones(96 << 18)
+    mapped_live = mallinfo().hblkhd - mapped_before  # 0: the block is the heap's, not a mapping of its own
+    del t
     within = faults(96)
     held = rss()
     heap.release_free_host_memory()
     returned = held - rss()
-    print(json.dumps({"within": within, "after_trim": faults(96, 1), "returned": returned}))
+    print(json.dumps({"within": within, "mapped_live": mapped_live, "after_trim": faults(96, 1),
+                      "returned": returned}))
     """)
     block_pages = 96 << 8  # 4 KiB pages of one block
-    assert r["within"] < block_pages / 4, r
+    # served from the heap, not mapped and unmapped per block (at the 32 MiB threshold it was a mapping of its
+    # own). The faults within the phase are printed, not checked: glibc now and then places a block at a new
+    # address, which faults it in anew (0, 1 or 2 of the 4 rounds in runs on 2026-12-05, with the other threads'
+    # allocations in between), so a count would depend on them
+    assert r["mapped_live"] < (96 << 20), r
     assert r["returned"] >= (80 << 20), r  # the trim gave the free blocks back ...
     assert r["after_trim"] >= block_pages / 2, r  # ... so the next use faults in (4 KiB pages)
 

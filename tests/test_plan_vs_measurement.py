@@ -5,8 +5,7 @@ import json
 import os
 
 import pytest
-
-from _oracle import STORIES, run, written_per_param_per_step
+from _oracle import STORIES, STORIES_ABSENT, run, written_per_param_per_step
 
 from aidaptiv_ds.cli.main import main as cli
 
@@ -21,7 +20,7 @@ def plan(budget: str, capsys, clip: float = 0.0, dtype: str = "bf16") -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 @pytest.mark.parametrize("budget, clip", [("0", 0.0),                      # nothing in DRAM, gradients consumed
                                           ("0", 1e6),                      # clipping on, never triggered: kept
                                           ("0", 1e-3),                     # triggered every step: after backward
@@ -46,7 +45,7 @@ def test_planned_writes_match_the_ledger(budget, clip, tmp_path, capsys):
     assert measured == pytest.approx(planned, rel=0.05)
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_planned_reads_match_the_ledger(dtype, tmp_path, capsys):
     """Bytes read per step at budget 0: forward and backward read every parameter (fp32: from the master
@@ -63,7 +62,7 @@ def test_planned_reads_match_the_ledger(dtype, tmp_path, capsys):
     assert p["per_step"]["read_bytes"] / p["n_params"] == 16.0  # no window: fp32 4 + 4 + 8, bf16 2 + 2 + 12
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 def test_fp32_parameters_first_copy_goes_back_to_the_drive(tmp_path):
     """fp32 partitions are read from their master slots, so the copy ``zero.Init`` wrote first is given
     back to the store: no ``params/float32`` extent is left, and the store never grows past the optimizer

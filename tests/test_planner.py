@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from _oracle import STORIES, STORIES_ABSENT
 
 from aidaptiv_ds.cli.main import main
 from aidaptiv_ds.cli.plan import parse_cache_spec
@@ -22,7 +23,6 @@ from aidaptiv_ds.units import GiB
 
 GB, TB = 10 ** 9, 10 ** 12
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STORIES = os.path.join(REPO, "..", "shared", "data", "models", "stories260K", "hf")
 
 # Published parameter counts (model cards / safetensors index total_size / bytes per element).
 PUBLISHED = {"llama-3.1-405b": 405_853_388_800, "llama-3.1-70b": 70_553_706_496, "llama-3.1-8b": 8_030_261_248,
@@ -76,7 +76,7 @@ def test_stories260k_count_equals_safetensors():
     cfg = os.path.join(STORIES, "config.json")
     st = os.path.join(STORIES, "model.safetensors")
     if not (os.path.isfile(cfg) and os.path.isfile(st)):
-        pytest.skip(f"stories260K not found at {STORIES} (shared data missing)")
+        pytest.skip(STORIES_ABSENT)
     from safetensors import safe_open
     with safe_open(st, "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -329,7 +329,7 @@ def test_cli_model_preset_and_cache_path_spec(tmp_path):
 def test_cli_model_config_json_text():
     cfg = os.path.join(STORIES, "config.json")
     if not os.path.isfile(cfg):
-        pytest.skip(f"stories260K config not found at {cfg}")
+        pytest.skip(STORIES_ABSENT)
     rc, out = run_cli("plan", "--model", cfg, "--gpus", "1", "--vram", "8GB", "--dram", "16GB", "--cache", "1TB")
     assert rc == 0
     assert "260,032 parameters" in out

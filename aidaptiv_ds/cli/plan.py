@@ -7,8 +7,14 @@ Examples::
     aidaptiv-ds plan --model ./my-model --gpus 1 --vram 24GB --dram 128GB --cache /mnt/c0:2TB:read=7:write=6:dwpd=30
     aidaptiv-ds plan --params 7e9 --cache /tmp --cpu-ranks            # training on this machine's CPU, one rank
 
-``--cache`` takes ``[PATH:]SIZE[:read=GBPS][:write=GBPS][:dwpd=N][:years=N]`` or a bare existing
+``--cache`` takes ``[PATH:]SIZE[:read=GBPS][:write=GBPS][:dwpd=N|tbw=SIZE][:years=N]`` or a bare existing
 ``PATH`` (capacity = its filesystem size). Formulas: :mod:`aidaptiv_ds.planner.plan`.
+
+The verdict says FITS, but also when the pace wears the drives out before their rating allows
+("FITS, but wears the drives out in N days", :mod:`aidaptiv_ds.planner.wear`), with what brings the
+pace within the rating; ``--strict`` makes that a refusal (exit code 1). The drives' rating comes
+from ``--dwpd``/``--tbw``, the ``dwpd=``/``tbw=`` of a ``--cache``, or the ``"aidaptiv"`` section's
+``endurance`` of ``--deepspeed CONFIG``; without any, 1 DWPD is assumed and the plan asks for it.
 """
 from __future__ import annotations
 
@@ -19,8 +25,8 @@ import os
 from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL
 from ..planner.model_size import load_model_shape, nearest_preset
 from ..planner.plan import (
-    DEFAULT_READ_GBPS,
     DEEPSPEED_MAX_LIVE_PARAMETERS,
+    DEFAULT_READ_GBPS,
     DEFAULT_SUB_GROUP_SIZE,
     DEFAULT_WRITE_GBPS,
     MOMENT_BYTES,
@@ -30,6 +36,7 @@ from ..planner.plan import (
     PlanInput,
     make_plan,
 )
+from ..planner.wear import describe as describe_wear
 from ..store.ledger import EnduranceRating, filesystem_capacity
 from ..store.slab import free_bytes
 from ..telemetry.nvml import nvml_status
@@ -42,7 +49,8 @@ def _dec(n: float) -> str:
     return format_bytes(n, decimal=True)
 
 
-_DRIVE_KEYS = {"read": "read_gbps", "write": "write_gbps", "dwpd": "rated_dwpd", "years": "warranty_years"}
+_DRIVE_KEYS = {"read": "read_gbps", "write": "write_gbps", "dwpd": "rated_dwpd", "years": "warranty_years",
+               "tbw": "rated_tbw"}
 
 
 def parse_cache_spec(spec: str, defaults: dict) -> CacheDrive:
@@ -50,7 +58,8 @@ def parse_cache_spec(spec: str, defaults: dict) -> CacheDrive:
 
     A bare ``PATH`` takes the capacity of its filesystem (for DWPD) and its free space now (for the fit).
 
-    ``defaults`` holds ``read_gbps``, ``write_gbps``, ``rated_dwpd``, ``warranty_years``.
+    ``defaults`` holds ``read_gbps``, ``write_gbps``, ``rated_dwpd``, ``warranty_years`` and optionally
+    ``rated_tbw`` (bytes: the rated DWPD is then ``tbw / (capacity x 365 x warranty_years)``).
 
     Raises:
         ValueError: naming ``--cache``, the spec and the accepted forms.
@@ -65,9 +74,12 @@ def parse_cache_spec(spec: str, defaults: dict) -> CacheDrive:
             raise ValueError(f"--cache {spec!r}: unknown key {k!r}; use {', '.join(_DRIVE_KEYS)} "
                              f"(e.g. /mnt/c0:2TB:read=7:write=6:dwpd=30)")
         try:
-            fields[_DRIVE_KEYS[k]] = float(v)
+            fields[_DRIVE_KEYS[k]] = parse_size(v, f"--cache {spec!r}: tbw") if k == "tbw" else float(v)
         except ValueError:
-            raise ValueError(f"--cache {spec!r}: {k}={v!r} is not a number") from None
+            raise ValueError(f"--cache {spec!r}: {k}={v!r} is not a number"
+                             + (" or size (e.g. tbw=14PB)" if k == "tbw" else "")) from None
+        if k == "dwpd":
+            fields.pop("rated_tbw", None)  # this drive's own DWPD wins over a default --tbw
     path, size = None, None
     if len(rest) == 1:
         try:
@@ -85,6 +97,9 @@ def parse_cache_spec(spec: str, defaults: dict) -> CacheDrive:
             raise ValueError(f"--cache {spec!r}: {path!r} is not a size and not an existing directory; give "
                              f"PATH:SIZE (e.g. {path}:2TB) or a size such as 2TB")
         size, free = filesystem_capacity(path), free_bytes(path)
+    tbw = fields.pop("rated_tbw", None)
+    if tbw is not None:
+        fields["rated_dwpd"] = tbw / (size * 365.0 * fields["warranty_years"])
     return CacheDrive(capacity=size, path=path, free=free, **fields)
 
 
@@ -104,7 +119,13 @@ def register(subparsers) -> None:
                    help="a cache drive (repeat per drive): 8TB, /mnt/c0:2TB, /mnt/c0:2TB:read=7:write=6:dwpd=30")
     p.add_argument("--read-gbps", type=float, help=f"default drive read GB/s (default {DEFAULT_READ_GBPS})")
     p.add_argument("--write-gbps", type=float, help=f"default drive write GB/s (default {DEFAULT_WRITE_GBPS})")
-    p.add_argument("--dwpd", type=float, help=f"default rated DWPD (default {EnduranceRating.rated_dwpd})")
+    p.add_argument("--dwpd", type=float, help="the drives' rated DWPD, from the data sheet (cache SSDs: 30-100; "
+                   f"without it or --tbw: the config's endurance.rated_dwpd, else {EnduranceRating.rated_dwpd}, assumed)")
+    p.add_argument("--tbw", help="the drives' rated TBW per drive instead of --dwpd, e.g. 14PB (over --warranty-years)")
+    p.add_argument("--deepspeed", metavar="CONFIG", help="a DeepSpeed config whose \"aidaptiv\" section gives the "
+                   "drives' endurance (rated_dwpd, warranty_years)")
+    p.add_argument("--strict", action="store_true", help="refuse (exit code 1) a plan that fits but writes the drives "
+                   "faster than their rated DWPD")
     p.add_argument("--warranty-years", type=float, help=f"default warranty (default {EnduranceRating.warranty_years})")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (default 1)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
@@ -191,17 +212,25 @@ def plan_input_from_args(args) -> PlanInput:
         assumed.append("dram (MemTotal of this host)")
     if not args.cache:
         raise ValueError("--cache: no cache drive given; fix: add --cache SIZE or --cache PATH:SIZE per drive")
+    if args.dwpd is not None and args.tbw is not None:
+        raise ValueError("--dwpd and --tbw both given; give the drive's rating one way (the data sheet states both: "
+                         "TBW = DWPD x capacity x 365 x warranty years)")
+    endurance = _config_endurance(args.deepspeed) if args.deepspeed else {}
     defaults = {"read_gbps": args.read_gbps or DEFAULT_READ_GBPS, "write_gbps": args.write_gbps or DEFAULT_WRITE_GBPS,
-                "rated_dwpd": args.dwpd or EnduranceRating.rated_dwpd,
-                "warranty_years": args.warranty_years or EnduranceRating.warranty_years}
+                "rated_dwpd": args.dwpd or endurance.get("rated_dwpd") or EnduranceRating.rated_dwpd,
+                "warranty_years": args.warranty_years or endurance.get("warranty_years")
+                or EnduranceRating.warranty_years}
+    if args.tbw is not None:
+        defaults["rated_tbw"] = parse_size(args.tbw, "--tbw")
     drives = [parse_cache_spec(s, defaults) for s in args.cache]
     specs = ":".join(args.cache)
     if args.read_gbps is None and "read=" not in specs:
         assumed.append(f"drive read GB/s ({DEFAULT_READ_GBPS}, a PCIe 4.0 NVMe figure; measure with bench-io)")
     if args.write_gbps is None and "write=" not in specs:
         assumed.append(f"drive write GB/s ({DEFAULT_WRITE_GBPS}; measure with bench-io)")
-    if args.dwpd is None and "dwpd=" not in specs:
-        assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd}; give the data sheet's figure)")
+    if args.dwpd is None and args.tbw is None and "rated_dwpd" not in endurance and not all(
+            "dwpd=" in c or "tbw=" in c for c in args.cache):
+        assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd:g}; give the data sheet's figure: --dwpd N or --tbw SIZE)")
     budget = None if str(args.dram_budget).lower() == "auto" else parse_size(args.dram_budget, "--dram-budget")
     return PlanInput(
         shape=shape, n_params=n_params, shape_source=source, gpus=gpus, nodes=args.nodes, vram=vram, dram=dram,
@@ -217,6 +246,26 @@ def plan_input_from_args(args) -> PlanInput:
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward], assumed=assumed)
 
 
+def _config_endurance(path: str) -> dict:
+    """``aidaptiv.endurance`` of the DeepSpeed config at ``path`` (validated as the runtime does):
+    ``rated_dwpd`` and ``warranty_years`` where the section sets them.
+
+    Raises:
+        ValueError / AidaptivConfigError: the file cannot be read or its section is invalid (named).
+    """
+    from ..integration.config import load_ds_dict, parse_section, section_enabled
+
+    try:
+        raw = load_ds_dict(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--deepspeed {path!r}: {e}") from None
+    if not section_enabled(raw):
+        return {}
+    sec = raw["aidaptiv"].get("endurance") or {}
+    cfg = parse_section(raw["aidaptiv"]).endurance  # the section's own checks (keys, values), not the whole config's
+    return {k: getattr(cfg, k) for k in ("rated_dwpd", "warranty_years") if k in sec}
+
+
 def _days(x: float | None) -> str:
     if x is None or x == float("inf"):
         return "never (no writes)"
@@ -229,8 +278,9 @@ def _secs(x: float | None) -> str:
     return f"{x:,.2f} s" if x < 600 else f"{x / 60:,.1f} min"
 
 
-def format_plan(p: CapacityPlan) -> str:
-    """The plan as text for people (the JSON carries the same numbers)."""
+def format_plan(p: CapacityPlan, strict: bool = False) -> str:
+    """The plan as text for people (the JSON carries the same numbers); ``strict``: as ``--strict`` words
+    the verdict."""
     m, i = p.model, p.inputs
     cpu = bool(i.get("cpu_ranks"))
     out = [f"model      {m['name']} ({m['model_type']}): {p.n_params:,} parameters"
@@ -297,8 +347,15 @@ def format_plan(p: CapacityPlan) -> str:
             line += f"; the run uses {dr.run_tbw_fraction:.2%} of it"
         out.append(line)
     out.append("")
-    if p.fits:
-        out.append("verdict    FITS")
+    wear = p.wear
+    if p.fits and wear and wear["exceeds"]:
+        out.append(f"verdict    {'DOES NOT FIT (--strict): it fits' if strict else 'FITS'}, but wears the drives out in "
+                   f"{_days(wear['days_to_rated_tbw'])}: {wear['dwpd']:.2f} DWPD at {wear['pace_source']} pace vs "
+                   f"{wear['rated_dwpd']:g} rated" + (" (assumed)" if wear["rating_assumed"] else ""))
+        out += describe_wear(wear)
+    elif p.fits:
+        out.append("verdict    FITS" + (f" (the drives' pace within their rated {wear['rated_dwpd']:g} DWPD"
+                                        + (", assumed)" if wear["rating_assumed"] else ")") if wear else ""))
     else:
         out.append("verdict    DOES NOT FIT")
         for prob, ch in zip(p.verdict.problems, p.verdict.changes):
@@ -308,13 +365,22 @@ def format_plan(p: CapacityPlan) -> str:
         if after is not None:
             out.append("  re-planned with " + ("that change" if len(p.verdict.changes) == 1 else "these changes")
                        + (": FITS" if after else ": still does not fit"))
+    if wear and wear["rating_assumed"]:
+        out.append("rating     the drives' rated DWPD was not given: 1 assumed, which suits no cache drive; give the "
+                   "data sheet's --dwpd N or --tbw SIZE (or aidaptiv.endurance.rated_dwpd with --deepspeed)")
     if i["assumed"]:
         out.append("assumed    " + "; ".join(i["assumed"]))
     return "\n".join(out)
 
 
+def accepted(p: CapacityPlan, strict: bool = False) -> bool:
+    """The plan fits, and with ``strict`` also keeps the drives within their rated DWPD."""
+    return p.fits and not (strict and p.wear is not None and p.wear["exceeds"])
+
+
 def run(args) -> int:
-    """Print the plan (text or ``--json``); exit code 0 when it fits, 1 when it does not."""
+    """Print the plan (text or ``--json``); exit code 0 when it fits (with ``--strict``: and keeps the drives
+    within their rating), 1 otherwise."""
     p = make_plan(plan_input_from_args(args))
-    print(json.dumps(p.as_dict(), indent=1) if args.json else format_plan(p))
-    return 0 if p.fits else 1
+    print(json.dumps(p.as_dict(), indent=1) if args.json else format_plan(p, strict=args.strict))
+    return 0 if accepted(p, args.strict) else 1

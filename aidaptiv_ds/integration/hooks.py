@@ -32,7 +32,7 @@ import functools
 import logging
 import threading
 
-from .config import AidaptivConfigError, load_ds_dict, section_enabled, validate
+from .config import AidaptivConfigError, load_ds_dict, section_enabled, trains, validate
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -69,9 +69,12 @@ def param_swapper_factory(ds_config, model_dtype):
 
 
 def _validate_if_enabled(config, training: bool | None = None):
-    """The validated section of an enabled config (None for a config without one)."""
+    """The validated section of an enabled config (None for a config without one). From then on our
+    errors print without a traceback if nothing catches them (:func:`.startup.quiet_errors`)."""
     ds = load_ds_dict(config)
     if section_enabled(ds):
+        from .startup import quiet_errors
+        quiet_errors()
         _check_version()
         cfg = validate(ds, training=training)
         from .build_locks import check_build_locks
@@ -90,8 +93,15 @@ def _wrap_initialize(orig):
         # deepspeed.initialize(args, model, optimizer, ...): a client optimizer means training
         client_optimizer = kwargs.get("optimizer", args[2] if len(args) > 2 else None)
         cfg = _validate_if_enabled(config, training=True if client_optimizer is not None else None)
+        if cfg is None:
+            return orig(*args, **kwargs)
+        from . import startup
+        ds = load_ds_dict(config)
+        if trains(ds, True if client_optimizer is not None else None):  # the whole job's need on the cache paths
+            startup.preflight_job(cfg, ds, kwargs.get("model", args[1] if len(args) > 1 else None))
         out = orig(*args, **kwargs)
-        if cfg is not None and cfg.profile.steps is not None:
+        startup.announce(out[0])
+        if cfg.profile.steps is not None:
             from ..telemetry.timeline import enable
             enable(out[0], steps=cfg.profile.steps, run_dir=cfg.profile.dir, modules=cfg.profile.modules)
         return out

@@ -38,6 +38,7 @@ from ..store.layout import Namespace
 from ..store.ledger import EnduranceRating
 from ..store.store import PathSpec, SlabStore
 from ..telemetry import counters
+from ..telemetry.counters import dram_gauges
 from ..tiers.eviction import AccessOrder
 from ..tiers.host_tier import HostTier
 from ..torch_env import huge_pages_advice, kernel_huge_page_mode
@@ -298,8 +299,10 @@ class Runtime:
             "bytes_read": {"cache": sum(v["bytes_read"] for v in io.values())},
             "bytes_written": {"cache": sum(v["bytes_written"] for v in io.values())},
             "per_path": io,
+            "bytes_read_by_kind": self.store.read_bytes_by_kind(),
             "dram_bytes": self.tier.held_bytes,
             "dram_peak_bytes": self.tier.peak_bytes,
+            **dram_gauges(self.tier, self.budget),
             "io_wait_s": self.io_wait.seconds,
             "optimizer_steps": _sum_counters(st.counters.as_dict() for st in self.steppers),
             "grad_spilled_bytes": sum(sw.gradients.spilled_bytes for sw in self.optimizer_swappers

@@ -383,6 +383,8 @@ class CapacityPlan:
         drives: one :class:`DrivePlan` per drive of a node.
         epoch: steps per epoch, epochs, run days (None without ``dataset_tokens``).
         verdict: :class:`Verdict`.
+        wear: :func:`~aidaptiv_ds.planner.wear.assess_wear`: the drives' pace against their rated DWPD and
+            what brings it within the rating (None for a plan made with ``wear=False``).
     """
     inputs: dict
     model: dict
@@ -404,6 +406,7 @@ class CapacityPlan:
     epoch: dict
     verdict: Verdict
     cpu_rank_host: dict | None = None
+    wear: dict | None = None
 
     @property
     def fits(self) -> bool:
@@ -673,8 +676,9 @@ def _fixes(inp: PlanInput, checks: dict) -> tuple[list[str | None], bool | None]
     return changes, all(_checks(cur, _core(cur)).values())
 
 
-def make_plan(inp: PlanInput) -> CapacityPlan:
-    """The capacity plan of ``inp`` (every formula in the module docstring).
+def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
+    """The capacity plan of ``inp`` (every formula in the module docstring); with ``wear``, its
+    :attr:`CapacityPlan.wear` (changes re-planned without one).
 
     Raises:
         AidaptivConfigError: from :meth:`PlanInput.validate`, naming the flag, the value and the fix.
@@ -791,7 +795,7 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     inputs["n_params"] = N
     model = shape.as_dict()
     model.update(n_params=N, shape_source=inp.shape_source)
-    return CapacityPlan(
+    plan = CapacityPlan(
         inputs=inputs, model=model, n_params=N, dp=dp, local_ranks=ranks,
         bytes_per_param=total / N, state_bytes_per_param=2 * pb + per_elem_opt,  # gradients in the model dtype
         total_state_bytes=total, rule_of_thumb_bytes=RULE_OF_THUMB_BYTES_PER_PARAM * N,
@@ -809,6 +813,11 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
                "run_days": run_steps * pace / SECONDS_PER_DAY if run_steps else None,
                "write_bytes_per_epoch": write_step * steps_epoch if steps_epoch else None},
         verdict=verdict, cpu_rank_host=c["cpu_rank"])
+    if wear:
+        from .wear import assess_wear
+
+        plan.wear = assess_wear(inp, plan, lambda changed: make_plan(changed, wear=False))
+    return plan
 
 
 __all__ = ["CacheDrive", "PlanInput", "CapacityPlan", "DrivePlan", "Verdict", "make_plan", "state_sizes_for_rank",
