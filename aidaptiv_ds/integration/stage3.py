@@ -318,7 +318,8 @@ def make_stage3_class(base: type) -> type:
                                                          for p in group), default=0)),
                     master_hold=master_hold if may_speculate else 0,
                     step_scratch=optimizer_scratch_bytes(TILE_NUMEL, sw.elsize),
-                    ride_slice_bytes=largest_opt_slice if rides else 0)
+                    ride_slice_bytes=largest_opt_slice if rides else 0,
+                    ride_param_bytes=max(sizes.subgroup_param_bytes, default=0) if alias else 0)
                 ws, overhead = parts["total"], parts["baseline"]
                 in_backward_window = max(parts["in_backward"], parts["riding"])
                 pool_bytes = buffer_pool_bytes(parts, ds_bytes)

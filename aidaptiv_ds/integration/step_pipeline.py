@@ -30,7 +30,9 @@ sub-group's parameters. bf16 (or fp16) partitions are written from a staging buf
 slice, so the gather finds them in DRAM; fp32 partitions are read from their sub-group's master slot, whose
 write-back carries them, so the parameter swapper keeps a copy of the new bytes as a clean, read-ahead
 slice instead (``keep_master_copies``): the forward does not read back what was just written (4 B per fp32
-parameter and step), and the copy is dropped unwritten once used.
+parameter and step), and the copy is dropped unwritten once used. Only for an update a gather asked for: a
+drain (a checkpoint save right after ``step()``) keeps no copies, which would hold every parameter in DRAM.
+The copies of one sub-group live beside the window's two optimizer slices (the planner's ``riding``).
 
 [Note: a failure in the pipeline] An update that fails (a write that failed for good, a read error) is
 raised by the gather or call that ran it, naming the sub-group, and again by every later wait: the run can
@@ -129,7 +131,7 @@ class StepPipeline:
         self._raise_if_failed()
         for i in sorted(set(indices)):
             if i in self.deferred:
-                self._run(i)
+                self._run(i, for_gather=True)
 
     def drain(self) -> None:
         """Run every deferred update (see [Note: exactness] for who calls it)."""
@@ -145,7 +147,9 @@ class StepPipeline:
                                 f"updated, so this run can neither go on nor save a checkpoint from it. Resume from "
                                 f"the last checkpoint.") from exc
 
-    def _run(self, index: int) -> None:
+    def _run(self, index: int, for_gather: bool = False) -> None:
+        """Run sub-group ``index`` 's deferred update; ``for_gather``: a gather of its parameters follows at once
+        (they stay in DRAM for it: [Note: the updated parameters stay for the forward])."""
         opt, st = self.opt, self.stepper
         rec = st.subgroups[index]
         self.deferred.remove(index)
@@ -165,7 +169,7 @@ class StepPipeline:
                     opt._optimizer_step(index)
                 finally:
                     group.update(now)
-                psw = opt._aidaptiv_param_swapper()
+                psw = opt._aidaptiv_param_swapper() if for_gather else None
                 if psw is not None:
                     psw.keep_master_copies = True  # [Note: the updated parameters stay for the forward]
                 try:

@@ -301,7 +301,7 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
                          activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
                          baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0,
                          norm_scratch: int = 0, master_hold: int = 0, step_scratch: int = 0,
-                         ride_slice_bytes: int = 0) -> dict:
+                         ride_slice_bytes: int = 0, ride_param_bytes: int = 0) -> dict:
     """Host memory (bytes) one CPU rank needs besides the DRAM budget, by phase (module docstring).
 
     Args:
@@ -322,6 +322,9 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
             (``integration/step_pipeline.py``; 0 when they cannot): the forward phase then holds the same
             two-slice window (:func:`in_backward_window_bytes`) and the step's temporaries beside the
             read-ahead, DeepSpeed's working set and the activations.
+        ride_param_bytes: with ``ride_slice_bytes``, the largest sub-group's fp32 parameter bytes kept in DRAM
+            for the forward after its update (``step_pipeline.py``, [Note: the updated parameters stay for the
+            forward]; 0 where parameters are not read from their master slots).
 
     Returns:
         ``{"baseline", "forward", "backward", "optimizer", "in_backward", "riding", "step_scratch", "total"}``,
@@ -336,7 +339,7 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
     scratch = int(step_scratch)
     optimizer += scratch
     backward += window + (scratch if window else 0)
-    riding = in_backward_window_bytes(ride_slice_bytes)
+    riding = in_backward_window_bytes(ride_slice_bytes) + (int(ride_param_bytes) if ride_slice_bytes else 0)
     forward = (int(readahead_bytes) + int(deepspeed_bytes) + int(activation_bytes) + riding
                + (scratch if riding else 0))
     return {"baseline": int(baseline_bytes), "forward": forward, "backward": backward, "optimizer": optimizer,

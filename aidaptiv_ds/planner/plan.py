@@ -543,7 +543,8 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
                                  if speculate and inp.dtype == "fp32" else 0,
                                  step_scratch=optimizer_scratch_bytes(),
                                  # sub-groups not stepped inside backward ride the next forward
-                                 ride_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer]))
+                                 ride_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer]),
+                                 ride_param_bytes=largest_sg * MASTER_BYTES_PER_PARAM if inp.dtype == "fp32" else 0)
     return {**parts, "deepspeed": ds, "activations": int(activations), "readahead": readahead}
 
 
