@@ -6,6 +6,12 @@ Examples::
     aidaptiv-ds plan --params 70e9 --gpus 4 --vram 48GB --dram 512GB --cache /mnt/c0:2TB --cache /mnt/c1:2TB --json
     aidaptiv-ds plan --model ./my-model --gpus 1 --vram 24GB --dram 128GB --cache /mnt/c0:2TB:read=7:write=6:dwpd=30
     aidaptiv-ds plan --params 7e9 --cache /tmp --cpu-ranks            # training on this machine's CPU, one rank
+    aidaptiv-ds plan --model llama-3.1-405b --gpus 2 --vram 96GB --dram 512GB --cache 8TB:read=7:write=6 --ga 16
+
+``--ga N`` (``--grad-accum``) plans ``N`` micro-batches per optimizer step; ``--schedule`` shows the drive,
+link and compute cost of one step micro-batch-major (what the runtime does), layer-major (GreedySnake's
+vertical schedule), or both side by side (default), with a step-time estimate from ``--read-gbps`` /
+``--write-gbps`` (or each drive's ``read=`` / ``write=``), ``--pcie-gbps`` and ``--gpu-tflops`` x ``--mfu``.
 
 ``--cache`` takes ``[PATH:]SIZE[:read=GBPS][:write=GBPS][:dwpd=N|tbw=SIZE][:years=N]`` or a bare existing
 ``PATH`` (capacity = its filesystem size). Formulas: :mod:`aidaptiv_ds.planner.plan`.
@@ -35,6 +41,16 @@ from ..planner.plan import (
     CapacityPlan,
     PlanInput,
     make_plan,
+)
+from ..planner.schedule import (
+    DEFAULT_GPU,
+    DEFAULT_MFU,
+    DEFAULT_PCIE,
+    GPU_PEAK_TFLOPS,
+    LAYER_MAJOR,
+    PCIE_PRESETS_GBPS,
+    SCHEDULE_CHOICES,
+    parse_rate,
 )
 from ..planner.wear import describe as describe_wear
 from ..store.ledger import EnduranceRating, filesystem_capacity
@@ -129,7 +145,18 @@ def register(subparsers) -> None:
     p.add_argument("--warranty-years", type=float, help=f"default warranty (default {EnduranceRating.warranty_years})")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (default 1)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
+    p.add_argument("--grad-accum", "--ga", dest="grad_accum", type=int, default=1,
+                   help="gradient accumulation: micro-batches per optimizer step (default 1)")
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="both",
+                   help="gradient-accumulation schedule to cost: micro-batch-major (what the runtime does), "
+                        "layer-major (every micro-batch through a block before the next, GreedySnake), or both "
+                        "side by side (default)")
+    p.add_argument("--pcie-gbps", default=None, metavar="GBPS|PRESET",
+                   help=f"host-device GB/s per direction per GPU for the step-time estimate, or a preset "
+                        f"({', '.join(f'{k} = {v:g}' for k, v in PCIE_PRESETS_GBPS.items())}; default {DEFAULT_PCIE})")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                   help=f"fraction of --gpu-tflops training sustains, for the step-time estimate (default "
+                        f"{DEFAULT_MFU})")
     p.add_argument("--dtype", default="bf16", choices=sorted(PARAM_BYTES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(MOMENT_BYTES))
     p.add_argument("--no-activation-checkpointing", action="store_true", help="keep all activations")
@@ -137,7 +164,10 @@ def register(subparsers) -> None:
     p.add_argument("--dropout", action="store_true", help="the model uses dropout (masks are stored)")
     p.add_argument("--sub-group-size", type=float, default=DEFAULT_SUB_GROUP_SIZE,
                    help="optimizer sub-group in elements (DeepSpeed sub_group_size, default 1e9)")
-    p.add_argument("--gpu-tflops", type=float, help="peak dense TFLOP/s per GPU for the compute bound")
+    p.add_argument("--gpu-tflops", default=None, metavar="TFLOPS|PRESET",
+                   help=f"peak dense TFLOP/s per GPU for the compute bound, or a preset "
+                        f"({', '.join(f'{k} = {v:g}' for k, v in GPU_PEAK_TFLOPS.items())}); the step-time "
+                        f"estimate of the schedules uses {DEFAULT_GPU} when it is left out")
     p.add_argument("--dataset-tokens", type=float, help="tokens in one epoch (for writes per epoch and run)")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the run (default 1)")
     p.add_argument("--step-time", type=float, help="measured seconds per step (endurance pace; default: lower bound)")
@@ -232,13 +262,24 @@ def plan_input_from_args(args) -> PlanInput:
             "dwpd=" in c or "tbw=" in c for c in args.cache):
         assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd:g}; give the data sheet's figure: --dwpd N or --tbw SIZE)")
     budget = None if str(args.dram_budget).lower() == "auto" else parse_size(args.dram_budget, "--dram-budget")
+    tflops = parse_rate(args.gpu_tflops, GPU_PEAK_TFLOPS, "--gpu-tflops") if args.gpu_tflops is not None else None
+    link = parse_rate(args.pcie_gbps, PCIE_PRESETS_GBPS, "--pcie-gbps") if args.pcie_gbps is not None else None
+    if not cpu_ranks:
+        if link is None:
+            assumed.append(f"host-device link {PCIE_PRESETS_GBPS[DEFAULT_PCIE]:g} GB/s per GPU (preset {DEFAULT_PCIE}; "
+                           f"give --pcie-gbps)")
+        if tflops is None:
+            assumed.append(f"GPU peak {GPU_PEAK_TFLOPS[DEFAULT_GPU]:g} TFLOP/s (preset {DEFAULT_GPU}; give "
+                           f"--gpu-tflops) for the schedules' estimate")
+    if args.mfu == DEFAULT_MFU and (tflops is not None or not cpu_ranks):
+        assumed.append(f"training sustains {DEFAULT_MFU:g} of the peak FLOP/s (give --mfu)")
     return PlanInput(
         shape=shape, n_params=n_params, shape_source=source, gpus=gpus, nodes=args.nodes, vram=vram, dram=dram,
         drives=drives, dram_budget=budget, micro_batch=args.micro_batch, seq_len=args.seq_len,
         grad_accum=args.grad_accum, dtype=args.dtype, optimizer=args.optimizer,
         activation_checkpointing=not args.no_activation_checkpointing, flash_attention=not args.no_flash_attention,
         dropout=args.dropout, sub_group_size=int(args.sub_group_size),
-        gpu_flops=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
+        gpu_flops=tflops * 1e12 if tflops else None, schedule=args.schedule, link_gbps=link, gpu_mfu=args.mfu,
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
         step_time_s=args.step_time, cpu_ranks=cpu_ranks,
         max_live_parameters=int(args.max_live_parameters),
@@ -276,6 +317,87 @@ def _secs(x: float | None) -> str:
     if x is None:
         return "n/a"
     return f"{x:,.2f} s" if x < 600 else f"{x / 60:,.1f} min"
+
+
+def _dur(x: float | None) -> str:
+    """Seconds for people: ``s`` below 10 minutes, ``min`` below 2 hours, then ``h``."""
+    if x is None:
+        return "n/a"
+    return f"{x:,.0f} s" if x < 600 else f"{x / 60:,.1f} min" if x < 7200 else f"{x / 3600:,.2f} h"
+
+
+_PARTS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
+          ("activations", "boundary activations"))
+
+
+def schedule_summary(p: CapacityPlan, name: str) -> str:
+    """One line on schedule ``name`` of ``p.schedules``: drive bytes per optimizer step per node, where the
+    boundary activations live (layer-major), the three times and the estimate (the README's planner table
+    quotes these lines as printed)."""
+    sc = p.schedules or {}
+    c = sc[name]
+    t = c["step_time"]
+    line = (f"GA {c['grad_accum']}, {name}: reads {_dec(c['read_bytes_best'])} and writes {_dec(c['write_bytes'])} "
+            f"per optimizer step ({c['read_bytes_best_per_param']:.1f} / {c['write_bytes_per_param']:.1f} B/param)")
+    if name == LAYER_MAJOR:
+        a = c["boundary_activations"]
+        line += (f", boundary activations {_dec(a['bytes'])} ({_dec(a['dram'])} in DRAM, {_dec(a['drive'])} "
+                 f"written and read on the drives)")
+    elif c["reads"]["gradients"] or c["writes"]["gradients"]:
+        line += f", gradients {_dec(c['writes']['gradients'])} written and {_dec(c['reads']['gradients'])} read"
+    parts = [f"drives {_dur(t['drive_s'])}"] + ([f"link {_dur(t['link_s'])}"] if t["link_s"] is not None else []) \
+        + [f"compute {_dur(t['compute_s'])}" if t["compute_s"] is not None else "compute not estimated"]
+    line += (f"; {', '.join(parts)}: "
+             f"about {_dur(t['estimate_s'])} per step (bound by the {t['bound_by']}; {_dur(t['serial_s'])} with no "
+             f"overlap)")
+    if name == LAYER_MAJOR and sc.get("layer_major_speedup"):
+        line += f", {sc['layer_major_speedup']:.2f}x the speed of micro-batch-major"
+    return line
+
+
+def format_schedules(p: CapacityPlan) -> list[str]:
+    """The schedules of ``p`` side by side (text lines; formulas: :mod:`aidaptiv_ds.planner.schedule`)."""
+    sc = p.schedules
+    if not sc:
+        return []
+    names = sc["shown"]
+    r = sc["rates"]
+    w = 30
+
+    def row(label: str, cells: list[str]) -> str:
+        return f"  {label:<24}" + "".join(f"{x:>{w}}" for x in cells)
+
+    out = [f"schedules  GA {sc['grad_accum']}: drive bytes per optimizer step per node, an estimate "
+           f"(aidaptiv_ds/planner/schedule.py)", row("", names)]
+    for key, title in (("read_bytes_best", "drive reads"), ("write_bytes", "drive writes")):
+        part = "reads" if key.startswith("read") else "writes"
+        per = "read_bytes_best_per_param" if part == "reads" else "write_bytes_per_param"
+        out.append(row(title, [f"{_dec(sc[n][key])} ({sc[n][per]:.1f} B/param)" for n in names]))
+        for k, label in _PARTS:
+            out.append(row("  " + label, [_dec(sc[n][part][k]) if sc[n][part][k] else "-" for n in names]))
+    out.append(row("boundary activations", [
+        f"{_dec(sc[n]['boundary_activations']['bytes'])}: {_dec(sc[n]['boundary_activations']['dram'])} in DRAM"
+        if n == LAYER_MAJOR else "on the GPU" if r["link_gbps"] else "in the rank's memory" for n in names]))
+    if r["link_gbps"]:
+        out.append(row("host->GPU / GPU->host", [f"{_dec(sc[n]['link_per_rank']['host_to_device'])} / "
+                                                f"{_dec(sc[n]['link_per_rank']['device_to_host'])}" for n in names]))
+    out.append(row("drives / link / compute", [" / ".join(_dur(sc[n]["step_time"][k]) for k in
+                                                          ("drive_s", "link_s", "compute_s")) for n in names]))
+    out.append(row("step time estimate", [f"{_dur(sc[n]['step_time']['estimate_s'])} ({sc[n]['step_time']['bound_by']})"
+                                          for n in names]))
+    out.append(row("  with no overlap", [_dur(sc[n]["step_time"]["serial_s"]) for n in names]))
+    if not all(sc[n]["cache_fits"] for n in names):
+        out.append(row("cache drives", [("hold it" if sc[n]["cache_fits"] else
+                                         f"short: need {_dec(sc[n]['cache_bytes_needed'])}") for n in names]))
+    drives = ", ".join(f"{d['read_gbps']:g}/{d['write_gbps']:g}" for d in r["drives"])
+    link = f"link {r['link_gbps']:g} GB/s ({r['link_source']}), " if r["link_gbps"] else ""
+    comp = (f"compute {r['peak_flops'] / 1e12:g} TFLOP/s x {r['mfu']:g} ({r['peak_source']})" if r["peak_flops"]
+            else "compute not estimated (give --gpu-tflops)")
+    out.append(f"  rates: drives {drives} GB/s read/write, {link}{comp}")
+    out.append(f"  {sc['formula']}")
+    out.append(f"  {sc['assumptions']}")
+    out += [f"  {schedule_summary(p, n)}" for n in names]
+    return out
 
 
 def format_plan(p: CapacityPlan, strict: bool = False) -> str:
@@ -346,6 +468,9 @@ def format_plan(p: CapacityPlan, strict: bool = False) -> str:
         if dr.run_tbw_fraction is not None:
             line += f"; the run uses {dr.run_tbw_fraction:.2%} of it"
         out.append(line)
+    sched = format_schedules(p)
+    if sched:
+        out += [""] + sched
     out.append("")
     wear = p.wear
     if p.fits and wear and wear["exceeds"]:
