@@ -83,6 +83,25 @@ def _validate_if_enabled(config, training: bool | None = None):
     return None
 
 
+def _init_distributed_as_deepspeed(orig, args, kwargs) -> None:
+    """The process group, set up by the call ``deepspeed.initialize`` makes first (``__init__.py:509``,
+    ``dist.init_distributed`` with the accelerator's backend, ``distributed_port`` and
+    ``dist_init_required``), made before our preflight creates the runtime: the runtime's run name is
+    broadcast from rank 0 when a process group exists, so every node's ranks share one run. DeepSpeed's
+    own call then finds the group made (it is idempotent)."""
+    import inspect
+
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    try:
+        bound = inspect.signature(orig).bind_partial(*args, **kwargs).arguments
+    except TypeError:  # DeepSpeed raises its own error for these arguments
+        return
+    extra = {k: bound[k] for k in ("distributed_port", "dist_init_required") if k in bound}
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **extra)
+
+
 def _wrap_initialize(orig):
     @functools.wraps(orig)
     def initialize(*args, **kwargs):
@@ -98,6 +117,7 @@ def _wrap_initialize(orig):
         from . import startup
         ds = load_ds_dict(config)
         if trains(ds, True if client_optimizer is not None else None):  # the whole job's need on the cache paths
+            _init_distributed_as_deepspeed(orig, args, kwargs)  # the runtime's run name is rank 0's
             startup.preflight_job(cfg, ds, kwargs.get("model", args[1] if len(args) > 1 else None))
         out = orig(*args, **kwargs)
         startup.announce(out[0])

@@ -336,6 +336,8 @@ def scenario_ride_failure(a, rank):
     drive fails: the forward that runs a deferred update raises PipelineError naming the sub-group, and so does
     every later wait (a checkpoint save, the next step). Ours only (the CPU offload has nothing to fail)."""
     model, cfg, keep, deepspeed = _llama(a, a.cache)
+    # several sub-groups: the first two are read at the end of backward, the later ones by the forward
+    cfg["zero_optimization"]["sub_group_size"] = 20000
     eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     run = Run(eng)
     for s in range(2):
@@ -347,7 +349,16 @@ def scenario_ride_failure(a, rank):
     from aidaptiv_ds.io.syscalls import FaultyIO, rules_from_env
     pl = eng.optimizer._aidaptiv_pipeline
     run.checks["updates_deferred"] = pl.pending
-    current_runtime().engine.sysio = FaultyIO(rules_from_env("op=read,err=EIO,path_contains=slab,count=-1"))
+    # every read of the optimizer state fails (only it: a parameter read failing first would be a plain
+    # StorageIOError, and which read comes first depends on the I/O threads)
+    store = current_runtime().store
+    rules = []
+    for key in (k for k in store.keys() if k.startswith("opt")):
+        for _fd, phys, n, _rel in store.physical_runs(key, 0, store.extent(key).nbytes):
+            rules += rules_from_env(f"op=read,err=EIO,path_contains=slab,offset_min={phys},"
+                                    f"offset_max={phys + n},count=-1")
+    run.checks["several_sub_groups"] = sum(k.startswith("opt") and not k.endswith("~") for k in store.keys()) > 2
+    current_runtime().engine.sysio = FaultyIO(rules)
     for what, call in (("forward", lambda: _lm_step(run, 2, rank)),
                        ("save_checkpoint", lambda: eng.save_checkpoint(os.path.join(a.out, "ck"), tag="t")),
                        ("step", lambda: eng.step())):
