@@ -201,11 +201,3 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def memview(t: torch.Tensor) -> memoryview:
-    """A writable ``memoryview`` over the bytes of a contiguous CPU tensor (no copy)."""
-    return byte_view(t).numpy().data
-
-
-def address_aligned(t: torch.Tensor, alignment: int) -> bool:
-    """True when the first byte of ``t`` sits at a multiple of ``alignment``."""
-    return t.data_ptr() % alignment == 0
