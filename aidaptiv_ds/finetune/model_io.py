@@ -122,7 +122,7 @@ def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str, dtype: tor
 
     import deepspeed
 
-    from ..checkpoint.format import atomic_write, safetensors_header
+    from ..checkpoint.format import atomic_write, safetensors_header, split_into_shards
     from ..integration.zero_params import full_numel
 
     items = _tensors_to_save(model)
@@ -133,16 +133,7 @@ def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str, dtype: tor
         n = full_numel(t)
         return n * (elsize if is_param or t.is_floating_point() else t.element_size())
 
-    shards, cur, size = [], [], 0
-    for it in items:
-        n = nbytes(it[1], it[2])
-        if cur and size + n > shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(it)
-        size += n
-    if cur:
-        shards.append(cur)
+    shards = split_into_shards(items, lambda it: nbytes(it[1], it[2]), shard_bytes)
     if rank == 0:
         os.makedirs(output_dir, exist_ok=True)
     weight_map, total = {}, 0
