@@ -308,7 +308,7 @@ def test_preflight_reserves_space_in_the_slabs(tmp_path, engine):
         st.preflight(64 << 20)
         sizes = [os.path.getsize(s.path) for s in st.slabs]
         assert sizes[0] >= 32 << 20 and sizes[1] >= 16 << 20 and sizes[2] >= 16 << 20
-        share = [st.segments[0].layout.share(i) for i in range(len(st.paths))]  # of the first segment's bytes
+        share = st.planned_share()
         assert share == pytest.approx([0.5, 0.25, 0.25])
     finally:
         st.close()

@@ -238,6 +238,11 @@ class SlabStore:
             c0 = first.logical_capacity(caps)
             self.segments = [_Segment(0, c0, first), _Segment(c0, c0 + second.logical_capacity(caps), second)]
 
+    def planned_share(self) -> list[float]:
+        """Fraction of the first segment's bytes that lands on each path (the "intended share")."""
+        lay = self.segments[0].layout
+        return [lay.share(i) for i in range(len(self.paths))]
+
     def _map(self, logical: int, length: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
         """``[(path, phys, [(offset_in_request, length), ...]), ...]`` for logical bytes."""
         out = []

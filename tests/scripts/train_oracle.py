@@ -472,7 +472,7 @@ def main():
             ns = st.ns
             mine.update({"host": ns.host, "run": ns.run, "ns_rank": ns.rank, "cache_paths": ns.cache_paths,
                          "rank_dirs": [ns.rank_dir(i) for i in range(len(ns.cache_paths))],
-                         "per_path": st.io_counters(), "policy": st.policy,
+                         "per_path": st.io_counters(), "planned_share": st.planned_share(), "policy": st.policy,
                          "primary": st.primary, "phys_caps": st.phys_caps, "slab_sizes": [s.size for s in st.slabs],
                          "weights": [p.weight for p in st.paths], "stripe_unit": st.stripe_unit,
                          "alignment": st.alignment, "local_world": getattr(rt, "local_world", None),
