@@ -259,16 +259,16 @@ def test_auto_dram_budget_margin():
         auto.resolve_dram_budget("lots")
 
 
-def test_runtime_defaults_use_plan_residency_and_prefetch():
+def test_prefetch_takes_what_residency_leaves():
     sizes = StateSizes(param_bytes=300, grad_bytes=200, subgroup_bytes=[300, 300])
-    rd = auto.runtime_defaults(sizes, 260, slice_bytes=20, n_slices=5)
-    assert rd.residency == plan_residency(sizes, 260)
-    assert rd.residency.grads_resident and not rd.residency.params_resident and rd.residency.cache_bytes == 60
-    assert (rd.prefetch.depth, rd.prefetch.bytes) == (3, 60)                  # 60 B left / 20 B slices
-    assert auto.runtime_defaults(sizes, 260, slice_bytes=20, n_slices=3).prefetch.depth == 2   # one pass ahead
-    assert auto.runtime_defaults(sizes, 260, slice_bytes=20, n_slices=5, max_depth=1).prefetch.depth == 1
-    rd = auto.runtime_defaults(sizes, 500, slice_bytes=20, n_slices=5)        # grads + params resident
-    assert rd.residency.params_resident and rd.prefetch.depth == 0
+    res = plan_residency(sizes, 260)
+    assert res.grads_resident and not res.params_resident and res.cache_bytes == 60
+    pf = auto.prefetch_bytes_from_budget(res, slice_bytes=20, n_slices=5)
+    assert (pf.depth, pf.bytes) == (3, 60)                                     # 60 B left / 20 B slices
+    assert auto.prefetch_bytes_from_budget(res, slice_bytes=20, n_slices=3).depth == 2    # one pass ahead
+    assert auto.prefetch_bytes_from_budget(res, slice_bytes=20, n_slices=5, max_depth=1).depth == 1
+    res = plan_residency(sizes, 500)                                           # grads + params resident
+    assert res.params_resident and auto.prefetch_bytes_from_budget(res, slice_bytes=20, n_slices=5).depth == 0
 
 
 def test_gradient_slices_take_the_budget_in_backward_order():

@@ -80,39 +80,6 @@ def ds_config(case: dict, backend: str, cache: str) -> dict:
     return cfg
 
 
-def _flat_state(opt) -> dict:
-    """This rank's fp32 masters and Adam moments, each concatenated over the sub-groups (swapped in where
-    the optimizer state lives on a drive), and ``real``: which of their elements hold a parameter's element
-    (the rest pads the last rank's partitions: DeepSpeed leaves padding uninitialised, so it is not compared)."""
-    import deepspeed.comm as dist
-
-    getattr(opt, "_aidaptiv_drain", lambda: None)()  # updates still riding the forward (step_pipeline.py)
-    masters, m1, m2, real = [], [], [], []
-    for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
-        swapped = opt._swappable_optimizer_subgroup(i)
-        if swapped:
-            opt._optimizer_states_and_gradient_swap_in(i)
-        masters.append(fp32.detach().float().clone())
-        state = opt.optimizer.state.get(fp32, {})
-        for out, key in ((m1, "exp_avg"), (m2, "exp_avg_sq")):
-            if key in state:
-                out.append(state[key].detach().float().clone())
-        if swapped:
-            opt._release_swap_buffers(i)
-        mask = torch.zeros(masters[-1].numel(), dtype=torch.bool)
-        off = 0
-        for p in opt.fp16_groups[i]:
-            n = p.partition_numel()
-            rank = dist.get_rank(group=opt._get_param_partition_group(p))
-            mask[off:off + max(0, min(n, p.ds_numel - rank * n))] = True
-            off += n
-        real.append(mask)
-    cat = lambda xs: torch.cat(xs) if xs else torch.empty(0)  # noqa: E731
-    r = cat(real).bool()
-    return {"masters": cat(masters)[r], "exp_avg": cat(m1)[r] if m1 else cat(m1),
-            "exp_avg_sq": cat(m2)[r] if m2 else cat(m2)}
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", required=True, help="the case as JSON")
@@ -126,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(a.out, exist_ok=True)
 
     from ..integration.blas_threads import pin_blas_threads
+    from ..integration.state_readout import flat_optimizer_state
     pin_blas_threads()  # GEMMs on a fixed thread count in both backends (integration/blas_threads.py)
     cfg = ds_config(case, a.backend, a.cache)
     if a.backend == "aidaptiv":
@@ -163,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         losses.append(step_losses)
         norm = eng.get_global_grad_norm()
         norms.append(float(norm) if norm is not None else None)
-    out = {"rank": rank, "world": eng.world_size, "losses": losses, "norms": norms, **_flat_state(eng.optimizer)}
+    out = {"rank": rank, "world": eng.world_size, "losses": losses, "norms": norms,
+           **flat_optimizer_state(eng.optimizer)}
     params = {}
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):

@@ -162,10 +162,9 @@ def _setup_aio(cfg: dict, choice: str) -> None:
         raise ValueError(f"--aio_handle {choice!r}: use deepspeed or aidaptiv")
     if isinstance(cfg.get("aidaptiv"), dict) and cfg["aidaptiv"].get("enabled"):
         return  # the aidaptiv_ds swappers do their own I/O
-    from deepspeed.git_version_info import installed_ops
-    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from ..integration.aio_ops import async_io_buildable, async_io_installed
 
-    if not installed_ops.get("async_io") and not AsyncIOBuilder().is_compatible(verbose=False):
+    if not async_io_installed() and not async_io_buildable():
         raise RuntimeError("the DeepSpeed config offloads to nvme, but DeepSpeed's async_io op is not installed and "
                            "cannot be built here (it needs libaio-dev); pass --aio_handle aidaptiv to use aidaptiv_ds's "
                            "pure-Python aio handle instead")

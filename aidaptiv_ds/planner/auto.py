@@ -74,7 +74,7 @@ import dataclasses
 
 from ..errors import AidaptivConfigError
 from ..units import GiB, parse_size
-from .residency import ResidencyPlan, StateSizes, plan_residency
+from .residency import ResidencyPlan
 
 MIN_FREE_BYTES = 4 * GiB
 FREE_FRACTION = 0.10
@@ -439,27 +439,3 @@ def prefetch_bytes_from_budget(residency: ResidencyPlan, slice_bytes: int, n_sli
     return PrefetchPlan(depth, depth * int(slice_bytes), int(slice_bytes))
 
 
-@dataclasses.dataclass
-class RuntimeDefaults:
-    """What the runtime does with one rank's budget: residency and prefetch."""
-    budget_bytes: int
-    residency: ResidencyPlan
-    prefetch: PrefetchPlan
-
-    def as_dict(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "residency": self.residency.as_dict(),
-                "prefetch": dataclasses.asdict(self.prefetch)}
-
-
-def runtime_defaults(sizes: StateSizes, budget_bytes: int, slice_bytes: int, n_slices: int,
-                     max_depth: int | None = None) -> RuntimeDefaults:
-    """Residency (:func:`plan_residency`) and prefetch for one rank's state ``sizes`` and ``budget_bytes``.
-
-    Args:
-        sizes: the rank's state (bytes of parameter and gradient partitions, optimizer sub-groups).
-        budget_bytes: the rank's DRAM budget (``DramBudget.per_rank_bytes``).
-        slice_bytes: bytes of the rank's partition of the largest parameter slice.
-        n_slices: slices per forward pass (embedding + blocks + head).
-    """
-    res = plan_residency(sizes, budget_bytes)
-    return RuntimeDefaults(int(budget_bytes), res, prefetch_bytes_from_budget(res, slice_bytes, n_slices, max_depth))

@@ -133,10 +133,6 @@ class HostTier:
     def cached_bytes(self) -> int:
         return sum(s.nbytes for s in self._slices.values() if self._cached(s))
 
-    def prefetched_bytes(self) -> int:
-        with self._lock:
-            return sum(s.nbytes for s in self._slices.values() if s.prefetched)
-
     @staticmethod
     def _cached(s: Slice) -> bool:
         return not s.resident and s.refs == 0 and not s.prefetched and s.writing is None

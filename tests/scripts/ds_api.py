@@ -42,8 +42,8 @@ import torch  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from aidaptiv_ds.bench.fuzz_worker import _flat_state  # noqa: E402
 from aidaptiv_ds.integration.blas_threads import pin_blas_threads  # noqa: E402
+from aidaptiv_ds.integration.state_readout import flat_optimizer_state  # noqa: E402
 
 pin_blas_threads()
 MIN_SWAPPABLE_BYTES = 1 << 20  # deepspeed.runtime.swap_tensor.MIN_SWAPPABLE_BYTES
@@ -460,7 +460,8 @@ def main():
         torch.save({"rank": rank, "checks": run.checks, "losses": run.losses}, os.path.join(a.out, f"rank{rank}.pt"))
         print(json.dumps({"rank": rank, "failed_checks": [k for k, v in run.checks.items() if not v]}))
         os._exit(0)  # the store holds a failed state: no clean close
-    out = {"rank": rank, "checks": run.checks, "losses": run.losses, "norms": run.norms, **_flat_state(eng.optimizer)}
+    out = {"rank": rank, "checks": run.checks, "losses": run.losses, "norms": run.norms,
+           **flat_optimizer_state(eng.optimizer)}
     params = {}
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
