@@ -346,6 +346,7 @@ SLOW_VARIANTS = {
         "[ws2-ga2-lr] (accumulation, a scheduler's learning rate)",
     "tests/test_step_pipeline.py::test_updates_riding_the_forward_are_deepspeeds[gpt2-ws2-defaults]":
         "[ws2-ga2-lr] and test_drop_in.py::test_fuzz_sample[gpt2_ckpt-ws2] (DeepSpeed's defaults, GPT-2)",
+    "tests/test_step_pipeline.py::test_without_riding_every_update_runs_in_step[false]": "[auto] (the same path)",
     "tests/test_zero3_api.py::test_destroy_then_new_engine_loads_checkpoint[module_only]": "[full]",
     "tests/test_zero3_api.py::test_destroy_then_new_engine_loads_checkpoint[no_optimizer]": "[full]",
     "tests/test_zero3_api.py::test_gathered_parameters_edit_is_kept[1]": "[2]",

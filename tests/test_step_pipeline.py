@@ -22,7 +22,8 @@ CLIPS = {"clip": 1e-3}  # the norm of these models is far above it: every step c
 
 def _case(**kw) -> dict:
     base = {"model": "llama", "hidden": 64, "layers": 2, "dtype": "fp32", "world": 1, "ga": 1, "micro": 2,
-            "steps": 4, "budget": "0", "zero": {"sub_group_size": 20000}, **CLIPS}
+            "steps": 4, "budget": "0", "zero": {"sub_group_size": 20000}, **CLIPS,
+            "aidaptiv": {"step_rides_forward": True}}  # "auto" keeps the updates in step() on CPU ranks
     return {**base, **kw}
 
 
@@ -46,18 +47,20 @@ def test_a_checkpoint_right_after_step_holds_the_ridden_updates(tmp_path):
     """``save_checkpoint`` between ``step()`` and the next forward runs the deferred updates first: the
     reload (whole, into a new engine) trains on exactly as DeepSpeed's."""
     from test_zero3_api import assert_same_as_deepspeed
-    assert_same_as_deepspeed(tmp_path, "reload", 1, "--load", "full", "--clip", "1e-3")
+    assert_same_as_deepspeed(tmp_path, "reload", 1, "--load", "full", "--clip", "1e-3", "--ride")
 
 
 def test_a_failed_update_is_raised_by_every_later_wait(tmp_path):
-    res = run_scenario(tmp_path, "aidaptiv", "ride_failure", 1, "--clip", "1e-3", "--dtype", "bf16")
+    res = run_scenario(tmp_path, "aidaptiv", "ride_failure", 1, "--clip", "1e-3", "--dtype", "bf16", "--ride")
     failed = [k for k, v in res[0]["checks"].items() if not v]
     assert not failed and len(res[0]["checks"]) >= 5, res[0]["checks"]
 
 
-def test_without_riding_every_update_runs_in_step(tmp_path):
-    """``"step_rides_forward": false``: DeepSpeed's loop steps every sub-group inside ``step()`` (same bits)."""
-    case = _case(aidaptiv={"step_rides_forward": False})
+@pytest.mark.parametrize("mode", ["auto", False], ids=["auto", "false"])
+def test_without_riding_every_update_runs_in_step(tmp_path, mode):
+    """``"step_rides_forward": false``, and ``"auto"`` on a CPU rank ([Note: riding on CPU ranks]): DeepSpeed's
+    loop steps every sub-group inside ``step()`` (same bits)."""
+    case = _case(aidaptiv={"step_rides_forward": mode})
     o = run_case(case, str(tmp_path))
     assert o.ok, "\n".join(o.diffs or [o.error or ""])
     ours, _, _ = run_backend(case, "aidaptiv", str(tmp_path / "again"))

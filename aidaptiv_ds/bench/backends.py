@@ -6,7 +6,8 @@ Backends:
   swappers (``max_in_cpu: 0`` so every partition really goes to the drive; the parameter buffer
   pool is sized for the largest partition);
 * ``cpu``: DeepSpeed ZeRO-3 offload of parameters and optimizer state to DRAM;
-* ``aidaptiv0``: the ``native`` config plus an ``"aidaptiv"`` section with ``dram_budget: 0``;
+* ``aidaptiv0``: the ``native`` config plus an ``"aidaptiv"`` section with ``dram_budget: 0``, and
+  ``max_in_cpu`` left at DeepSpeed's default (for ours it caps the parameters the budget keeps);
 * ``aidaptiv_auto``: the same with ``dram_budget: "auto"``;
 * ``aidaptiv_grads`` (optional, not in the default set): a budget of the fp32 gradients plus 5%, so
   the residency plan keeps exactly the gradients in DRAM (the "<= 14 bytes written per parameter
@@ -173,6 +174,9 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
         cfg["aio"] = {"block_size": int(s.aio_block_size), "queue_depth": int(s.aio_queue_depth),
                       "intra_op_parallelism": int(s.aio_intra_op), "single_submit": False, "overlap_events": True}
     if backend.startswith("aidaptiv"):
+        # DeepSpeed's default max_in_cpu (1e9) for ours: it caps the parameters the DRAM budget keeps
+        # ([Note: max_in_cpu] in integration/stage3.py); 0 would keep them on the drives whatever the budget
+        zero["offload_param"].pop("max_in_cpu", None)
         budget = dram_budget(backend, n_params)
         cfg["aidaptiv"] = _merged({"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget},
                                   s.aidaptiv_extra or {})

@@ -79,6 +79,10 @@ def draw(rng: random.Random, world: list[int] | None = None) -> dict:
     case["zero"] = {k: rng.choice(v) for k, v in ZERO_KNOBS.items() if rng.random() >= UNSET_P}
     if case["offload"] == "nvme" and rng.random() >= UNSET_P:
         case["max_in_cpu"] = rng.choice([0, 10000, 1000000000])
+    # the updates riding the next forward are off by default on CPU ranks ("auto"): half the cases turn them on
+    # (a generator of its own, so the draws of a seed stay the ones they were)
+    if random.Random(case["seed"] * 7919 + 1).random() < 0.5:
+        case["aidaptiv"] = {"step_rides_forward": True}
     if hidden * hidden * layers > 4_000_000:  # a large MLP: keep it short
         case["steps"], case["ga"] = 3, 1
     return case

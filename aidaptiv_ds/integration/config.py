@@ -146,8 +146,10 @@ class AidaptivConfig(_Model):
             (refuse to start without that room) or ``false`` (every sub-group steps after backward).
         step_rides_forward: optimizer sub-groups whose state is on the cache drives and that were not stepped
             inside backward are updated when the next forward needs their parameters, so their I/O overlaps
-            the forward (``integration/step_pipeline.py``): ``"auto"`` (default: on, except fp16 and hpZ
-            engines) or ``false`` (every sub-group steps inside ``step()``); bit-identical either way.
+            the forward (``integration/step_pipeline.py``): ``"auto"`` (default: on where the forward runs on
+            an accelerator, off on CPU ranks, where the update would take the forward's own cores; never for
+            fp16 and hpZ engines), ``true`` (on CPU ranks too) or ``false`` (every sub-group steps inside
+            ``step()``); bit-identical either way.
         min_swap_bytes: partitions smaller than this stay in CPU memory like DeepSpeed's 1 MiB
             threshold (default 0: every partition goes through the store).
         checksum: CRC32 of every written block, verified on read (default false).
@@ -172,7 +174,7 @@ class AidaptivConfig(_Model):
     prefetch_bytes: Union[int, str] = "auto"
     writeback_bytes: Union[int, str] = "auto"
     step_in_backward: Union[bool, Literal["auto"]] = "auto"
-    step_rides_forward: Union[Literal[False], Literal["auto"]] = "auto"
+    step_rides_forward: Union[bool, Literal["auto"]] = "auto"
     min_swap_bytes: Union[int, str] = 0
     checksum: bool = False
     keep_files: bool = False

@@ -302,7 +302,10 @@ def make_stage3_class(base: type) -> type:
             master_hold = master_hold_bytes(max(numels, default=0) * sw.elsize) if alias else 0
             may_speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 \
                 and sw.expected_states > 0
-            rides = (rt.cfg.step_rides_forward is not False and self.dtype != torch.float16
+            # "auto": only where the forward computes on an accelerator ([Note: riding on CPU ranks])
+            wanted = rt.cfg.step_rides_forward is True or (rt.cfg.step_rides_forward == "auto"
+                                                            and get_accelerator().device_name() != "cpu")
+            rides = (wanted and self.dtype != torch.float16
                      and int(getattr(self, "zero_hpz_partition_size", 1) or 1) <= 1 and sw.expected_states > 0)
             pool_bytes = 0  # the host buffer pool, where one is used (CPU ranks)
             if get_accelerator().device_name() == "cpu":  # what a GPU holds is host memory here, by phase

@@ -200,6 +200,8 @@ class PlanInput:
             ``"auto"`` or True (and not fp16) the optimizer steps inside backward, which needs a second
             copy of the non-resident optimizer state on the drives; ``"auto"`` falls back to stepping
             after backward when the drives lack that room, as the runtime's preflight does.
+        step_rides_forward: the ``aidaptiv.step_rides_forward`` setting: True counts the riding window on
+            a CPU rank (``"auto"`` and False keep the updates inside ``step()`` there).
         schedule: which gradient-accumulation schedules :attr:`CapacityPlan.schedules` shows: one of
             :data:`~aidaptiv_ds.planner.schedule.SCHEDULE_CHOICES` (``"both"``: side by side).
         link_gbps: host-device GB/s per direction per GPU for the schedules' estimate (None: the
@@ -238,6 +240,7 @@ class PlanInput:
     cpu_ranks: bool = False
     gradient_clipping: float = 0.0
     step_in_backward: bool | str = "auto"
+    step_rides_forward: bool | str = "auto"
     schedule: str = "both"
     link_gbps: float | None = None
     gpu_mfu: float = DEFAULT_MFU
@@ -582,9 +585,12 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
                                  master_hold=master_hold_bytes(largest_sg * MASTER_BYTES_PER_PARAM)
                                  if speculate and inp.dtype == "fp32" else 0,
                                  step_scratch=optimizer_scratch_bytes(),
-                                 # sub-groups not stepped inside backward ride the next forward
-                                 ride_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer]),
-                                 ride_param_bytes=largest_sg * MASTER_BYTES_PER_PARAM if inp.dtype == "fp32" else 0)
+                                 # sub-groups not stepped inside backward ride the next forward only where
+                                 # asked for (``"auto"`` keeps them in ``step()`` on CPU ranks)
+                                 ride_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer])
+                                 if inp.step_rides_forward is True else 0,
+                                 ride_param_bytes=largest_sg * MASTER_BYTES_PER_PARAM
+                                 if inp.step_rides_forward is True and inp.dtype == "fp32" else 0)
     return {**parts, "deepspeed": ds, "activations": int(activations), "readahead": readahead}
 
 

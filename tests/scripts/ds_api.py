@@ -92,6 +92,7 @@ def parse():
     ap.add_argument("--load", choices=["module_only", "no_optimizer", "full"], default="module_only")
     ap.add_argument("--clip", type=float, default=None, help="gradient_clipping (default: left out, DeepSpeed's 1.0)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ride", action="store_true", help="aidaptiv.step_rides_forward: true (off by default on CPU)")
     ap.add_argument("--local_rank", type=int, default=None)
     return ap.parse_args()
 
@@ -112,6 +113,8 @@ def config(a, cache: str, offload_param: bool = True, extra_zero: dict | None = 
     if ours:
         os.makedirs(cache, exist_ok=True)
         cfg["aidaptiv"] = {"cache_paths": [cache], "dram_budget": a.budget}
+        if a.ride:
+            cfg["aidaptiv"]["step_rides_forward"] = True
     return cfg
 
 
