@@ -267,6 +267,11 @@ def format_plan(p: CapacityPlan) -> str:
                  f"{_dec(c['activations'])}, read-ahead {_dec(c['readahead'])}, gradient window] and optimizer "
                  f"pipeline {_dec(c['optimizer'])})")
     host += f", budget {_dec(d['budget_bytes'])} ({_dec(d['per_rank_bytes'])}/rank)"
+    if p.rank_host:
+        h = p.rank_host
+        host += (f"; per rank besides the budget, the process's peak {_dec(h['peak'])} (model build under zero.Init "
+                 f"{_dec(h['construction'])}, deepspeed.initialize {_dec(h['initialization'])}, steps "
+                 f"{_dec(h['steps'])})")
     sib = (f"inside backward (a second copy of the state on the drives, {_dec(r['shadow_bytes'])}"
            + ("; gradients consumed at once, never written)" if not i.get("gradient_clipping")
               else "; gradients kept until the clipping norm is known)")) if r.get("step_in_backward") \
