@@ -88,9 +88,9 @@ from .auto import (
     host_working_set,
     master_hold_bytes,
     norm_scratch_bytes,
-    process_phases,
     optimizer_scratch_bytes,
     prefetch_bytes_from_budget,
+    process_phases,
 )
 from .model_size import ModelShape
 from .residency import ResidencyPlan, StateSizes, plan_residency
@@ -446,7 +446,7 @@ def _core(inp: PlanInput) -> dict:
     if inp.n_params is not None and shape.n_params:
         slice_numel = int(slice_numel * N / shape.n_params)
     slice_part = -(-slice_numel // dp) * pb
-    largest_sg = max(rank_sub_group_numels(inp), default=0)  # DeepSpeed's sub-groups: up to sub_group_size + a partition
+    largest_sg = max(rank_sub_group_numels(inp), default=0)  # DeepSpeed's: up to sub_group_size + a partition
     # gradients accumulate in per-sub-group slices in the tiers (integration/gradients.py); the open window
     # (two of the largest slice partitions, in the accumulation dtype) is working set
     grad_window = 2 * -(-slice_numel // dp) * grad_accum_bytes(inp.dtype)
