@@ -160,6 +160,9 @@ class PlanInput:
             micro-batches per optimizer step.
         dtype: parameter dtype (``bf16``, ``fp16``, ``fp32``); optimizer: one of :data:`MOMENT_BYTES`.
         activation_checkpointing / flash_attention / dropout: see the module docstring, item 2.
+        logits_tokens: tokens per micro-batch whose logits the LM head computes (default ``micro_batch x
+            seq_len``; fewer where the loss takes logits at the response positions only, the fine-tuning job's
+            default: ``finetune/loop.py``); on CPU ranks logits and the loss are host memory.
         sub_group_size: optimizer sub-group in elements (DeepSpeed ``sub_group_size``).
         gpu_flops: peak FLOP/s per GPU for the compute bound (None: no compute bound).
         dataset_tokens / epochs: for writes per epoch and per run (None: not computed).
@@ -211,6 +214,7 @@ class PlanInput:
     cpu_ranks: bool = False
     gradient_clipping: float = 0.0
     step_in_backward: bool | str = "auto"
+    logits_tokens: int | None = None
     assumed: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -297,6 +301,24 @@ def activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, checkpoi
     layers = L * 2 * seq_len * micro_batch * shape.hidden_size + one if checkpointing else L * one
     logits = seq_len * micro_batch * shape.vocab_size * (2 + 4)
     return {"per_layer": one, "layers": layers, "logits": logits, "total": layers + logits}
+
+
+#: host bytes per logit element of a CPU rank's training step besides the logits in the model dtype: the
+#: loss's fp32 ``log_softmax``, and in backward its gradient and the logits' (fp32, measured: an fp32 LM head
+#: and cross-entropy over 2048 x 49152 logits peak at 4.05 x the logits' bytes)
+CPU_LOSS_BYTES_PER_LOGIT = 3 * 4
+
+
+def cpu_activation_bytes(inp: PlanInput, act: dict) -> dict:
+    """The activations of one micro-batch on a CPU rank (host memory): :func:`activation_bytes` counts 16-bit
+    activations (a GPU's), a CPU rank keeps them in the model dtype (fp32: twice); its logits are those of
+    ``logits_tokens`` tokens in the model dtype plus the loss's fp32 copies (:data:`CPU_LOSS_BYTES_PER_LOGIT`).
+    Returns the dict of :func:`activation_bytes` with ``layers``, ``logits`` and ``total`` replaced."""
+    pb = PARAM_BYTES[inp.dtype]
+    layers = act["layers"] * pb // 2
+    tokens = inp.logits_tokens if inp.logits_tokens is not None else inp.seq_len * inp.micro_batch
+    logits = int(tokens) * inp.shape.vocab_size * (pb + CPU_LOSS_BYTES_PER_LOGIT)
+    return {**act, "layers": layers, "logits": logits, "total": layers + logits}
 
 
 def training_flops_per_token(shape: ModelShape, n_params: int, seq_len: int, checkpointing: bool) -> float:
@@ -452,6 +474,8 @@ def _core(inp: PlanInput) -> dict:
     grad_window = 2 * -(-slice_numel // dp) * grad_accum_bytes(inp.dtype)
     act = activation_bytes(shape, inp.seq_len, inp.micro_batch, inp.activation_checkpointing, inp.flash_attention,
                            inp.dropout)
+    if inp.cpu_ranks:
+        act = cpu_activation_bytes(inp, act)
     vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
             "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
             "overhead": inp.vram_overhead}
