@@ -269,3 +269,27 @@ def test_peak_live_counts_the_pools_buffers_and_the_misses_at_once(pool):
     c = buffers.alloc_aligned(2 * MiB)
     assert pool.peak_live_bytes == 2 * MiB
     del c
+
+
+def test_release_free_gives_the_touched_free_pages_back(pool):
+    """``release_free`` (the runtime's ``release_host_memory``, end of initialisation): the pages of free ranges
+    leave the process; buffers in use keep theirs and their bytes."""
+    def resident(start: int, n: int) -> int:
+        import ctypes
+        import mmap
+
+        page = mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * ((n + page - 1) // page))()
+        assert ctypes.CDLL(None).mincore(ctypes.c_void_p(start), ctypes.c_size_t(n), vec) == 0
+        return sum(v & 1 for v in vec) * page
+
+    a = buffers.alloc_aligned(4 * MiB)
+    b = buffers.alloc_aligned(4 * MiB)
+    a.fill_(7)
+    b.fill_(1)
+    ptr = b.data_ptr()
+    del b
+    gc.collect()
+    assert resident(ptr, 4 * MiB) == 4 * MiB  # a dead buffer's touched pages stay until given back
+    assert pool.release_free() == pool.capacity - 4 * MiB
+    assert resident(ptr, 4 * MiB) == 0 and int(a.min()) == 7 == int(a.max())

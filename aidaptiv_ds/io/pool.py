@@ -241,6 +241,16 @@ class HostBufferPool:
         p = t.data_ptr()
         return self._start <= p and p + t.numel() * t.element_size() <= self._start + self.capacity
 
+    def release_free(self) -> int:
+        """Give the pages of every free range back to the OS now (``MADV_DONTNEED``; the ranges stay mapped
+        and read as zeros when next handed out); returns the bytes of the free ranges. For a one-time drop,
+        e.g. the end of initialisation: touched free pages otherwise stay resident until a miss."""
+        with self._lock:
+            self._merge_returned()
+            self._resident_free = True
+            self._release_free()
+            return sum(self._free_len.values())
+
     def reset_peak_live(self) -> int:
         """Restart :attr:`peak_live_bytes` from the bytes live now (pool and misses); returns the peak it had."""
         with self._lock:
