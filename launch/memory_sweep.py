@@ -51,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
                         '\'{"writeback_bytes": "256MiB"}\'')
     p.add_argument("--backends", default="aidaptiv0,native,cpu")
     p.add_argument("--aio", choices=("python", "compiled"), default="python")
-    p.add_argument("--zero-init-build", action="store_true", help="build each model inside zero.Init")
+    p.add_argument("--zero-init-build", action="store_true",
+                   help="build each model inside zero.Init (--build zero_init)")
+    p.add_argument("--build", choices=("whole", "zero_init", "from_pretrained", "unpacked"), default=None,
+                   help="how each model is built: whole then partitioned (default), inside zero.Init, "
+                        "from_pretrained of a saved copy under ZeRO-3, or from the store `aidaptiv-ds unpack` filled")
     p.add_argument("--trace-detail", action="store_true",
                    help="each RSS trace sample in the JSON also says where the bytes are (C heap, DRAM tier, pool)")
     p.add_argument("--cache", default="/tmp/aidaptiv_memory")
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                        (sys.argv[1:] if argv is None else list(argv)))
     res = sweep(shapes, settings, backends=[b.strip() for b in a.backends.split(",") if b.strip()], steps=a.steps,
                 work_dir=a.cache, aio=a.aio, build_under_zero_init=a.zero_init_build, command=command,
-                trace_detail=a.trace_detail,
+                trace_detail=a.trace_detail, build=a.build,
                 say=lambda m: print(m, file=sys.stderr, flush=True))
     if a.json:
         with open(a.json, "w") as f:

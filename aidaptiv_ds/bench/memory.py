@@ -67,7 +67,7 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
 def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[str], steps: int = 3,
           work_dir: str = "/tmp/aidaptiv_memory", seed: int = 0, aio: str = "python", build_aio: bool = False,
           extensions_dir: str | None = None, timeout_s: float = 3600, build_under_zero_init: bool = False,
-          command: str = "", trace_detail: bool = False, say=None) -> dict:
+          command: str = "", trace_detail: bool = False, build: str | None = None, say=None) -> dict:
     """Train every shape with every backend; return ``{"config", "points", "fits", "table", ...}``.
 
     Args:
@@ -80,19 +80,28 @@ def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[s
             weights alone would not fit in RAM.
         trace_detail: each RSS trace sample also says where the bytes are (C heap, DRAM tier by kind, buffer
             pool: :func:`.worker.memory_detail`).
+        build: how the model is built (:mod:`.worker`'s ``build``): ``"whole"``, ``"zero_init"`` (the default
+            with ``build_under_zero_init``), ``"from_pretrained"`` (the sweep first saves each size, HF-initialised,
+            as safetensors under ``work_dir/models``) or ``"unpacked"`` (the same, then ``unpack`` into the run's
+            cache path before the worker starts: aidaptiv_ds backends only).
     """
     say = say or (lambda _m: None)
     env = aio_env(extensions_dir=extensions_dir)
     pre = preflight(env, build=build_aio) if "native" in backends and aio == "compiled" else \
         {"aio": "python", "status": "aidaptiv_ds pure-Python handle"}
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    build = build or ("zero_init" if build_under_zero_init else "whole")
     points = []
     for i, shape in enumerate(shapes):
+        model_dir = _saved_model(shape, settings, seed, os.path.join(work_dir, "models"), say) \
+            if build in ("from_pretrained", "unpacked") else None
         for b in backends:
             run_dir = os.path.join(work_dir, f"{stamp}-mem", f"{i:02d}-{b}")
             spec = {"backend": b, "shape": dataclasses.asdict(shape), "settings": settings.as_dict(), "steps": steps,
-                    "seed": seed, "aio": pre["aio"], "native_dedup": True,
-                    "build_under_zero_init": build_under_zero_init, "trace_detail": trace_detail}
+                    "seed": seed, "aio": pre["aio"], "native_dedup": True, "build": build,
+                    "trace_detail": trace_detail, "model_dir": model_dir, "run_name": f"mem-{stamp}-{i:02d}"}
+            if build == "unpacked":
+                _unpack_for(model_dir, os.path.join(run_dir, "cache"), spec["run_name"], settings)
             say(f"{describe(shape)}: {b}")
             res = run_worker(spec, run_dir, worker_env(b, env, same_allocator=False), timeout_s=timeout_s, say=say)
             points.append({"backend": b, "n_params": shape.n_params(), "shape": shape.as_dict(),
@@ -119,12 +128,41 @@ def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[s
                 a, slope = fit_line([p["n_params"] for p in pts], [p[key] for p in pts])
                 into[b] = {"fixed_bytes": a, "bytes_per_param": slope, "points": len(pts)}
     result = {"config": {**settings.as_dict(), "steps": steps, "backends": backends, "seed": seed,
-                         "build_under_zero_init": build_under_zero_init,
+                         "build_under_zero_init": build == "zero_init", "build": build,
                          "models": [describe(s) for s in shapes]},
               "command": command, "machine": machine_info(work_dir), "code": code_version(), "aio": pre,
               "points": points, "fits": fits, "process_fits": process_fits}
     result["table"] = format_table(result)
     return result
+
+
+def _saved_model(shape: LlamaShape, settings: TrainSettings, seed: int, root: str, say) -> str:
+    """``root/<shape>-<dtype>``: the HF Llama of ``shape`` (HF init, ``torch.manual_seed(seed)``) saved as safetensors
+    shards of at most 1 GB, made once (this process's memory is not measured)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    path = os.path.join(root, f"h{shape.hidden}-l{shape.layers}-v{shape.vocab}-{settings.dtype}-s{seed}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    say(f"saving {describe(shape)} to {path}")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(shape.hf_config())
+    if settings.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(path + ".tmp", max_shard_size="1GB")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _unpack_for(model_dir: str, cache: str, run_name: str, settings: TrainSettings) -> None:
+    """``aidaptiv-ds unpack`` of ``model_dir`` into ``cache`` under ``run_name``, one rank (before the worker runs)."""
+    import torch
+
+    from ..checkpoint.unpack import unpack
+
+    os.makedirs(cache, exist_ok=True)
+    unpack(model_dir, [cache], run_name, 1, torch.bfloat16 if settings.dtype == "bf16" else torch.float32)
 
 
 def _median(xs: list[float]) -> float | None:

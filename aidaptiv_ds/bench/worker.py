@@ -6,9 +6,12 @@ Usage (the runner does this; by hand only for debugging)::
 
 ``SPEC.json`` keys: ``backend``, ``shape`` (:class:`~aidaptiv_ds.bench.models.LlamaShape` fields),
 ``settings`` (:class:`~aidaptiv_ds.bench.backends.TrainSettings` fields), ``steps``, ``seed``,
-``cache_dir``, ``aio`` (``"compiled"``/``"python"``, native only), ``build_under_zero_init`` (build
-the model inside ``deepspeed.zero.Init``, for models whose whole fp32 weights would not fit in RAM;
-``zero.Init`` takes the model dtype from the config's ``bf16`` section), ``native_dedup`` (native only,
+``cache_dir``, ``aio`` (``"compiled"``/``"python"``, native only), ``build``: ``"whole"`` (below),
+``"zero_init"`` (built inside ``deepspeed.zero.Init``, for models whose whole fp32 weights would not fit in RAM;
+``zero.Init`` takes the model dtype from the config's ``bf16`` section; ``build_under_zero_init`` true says the
+same), ``"from_pretrained"`` (``spec["model_dir"]`` loaded by ``from_pretrained`` under ZeRO-3, through
+``HfDeepSpeedConfig``) or ``"unpacked"`` (zero.Init with ``aidaptiv.from_unpacked`` and ``run_name =
+spec["run_name"]``: the weights come from the store ``aidaptiv-ds unpack`` filled), ``native_dedup`` (native only,
 default true: :func:`dedup_native_swap_in`), ``t_launch`` (``time.time()``
 when the runner started the process), optional ``profile`` (a path: cProfile of the steps after
 ``profile_after`` steps) and ``profile_after``, optional ``timeline`` (``[first, last]``: those steps'
@@ -189,7 +192,20 @@ def build_engine(spec: dict, out: ResultFile, clock) -> tuple:
     dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
     out.update(phase="build", import_s=time.time() - t_launch)
     torch.manual_seed(int(spec["seed"]))
-    if spec.get("build_under_zero_init"):  # each parameter is partitioned as it is created (no whole fp32 model)
+    build = spec.get("build") or ("zero_init" if spec.get("build_under_zero_init") else "whole")
+    if build == "unpacked":  # zero.Init as below; the partitions' bytes come from the store `unpack` filled
+        if not backend.startswith("aidaptiv"):
+            raise ValueError(f"build 'unpacked' needs an aidaptiv_ds backend, not {backend!r}")
+        cfg["aidaptiv"].update(run_name=spec["run_name"], from_unpacked=True)
+        build = "zero_init"
+    if build == "from_pretrained":  # transformers builds it under zero.Init and loads the weights into the partitions
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds = HfDeepSpeedConfig(cfg)  # noqa: F841 - transformers keeps only a weak reference
+        model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype)
+        out.update(phase="initialize", n_params=sum(p.ds_numel for p in model.parameters()),
+                   build_s=time.time() - t_launch, partition_s=time.time() - t_launch)
+    elif build == "zero_init":  # each parameter is partitioned as it is created (no whole fp32 model)
         # no dtype argument: DeepSpeed 0.19.8 on a CPU accelerator turns any dtype given into bf16
         # (partition_parameters.py:409, an operator precedence slip); from the config it takes the right one
         with deepspeed.zero.Init(config_dict_or_path=cfg):
