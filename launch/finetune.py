@@ -11,7 +11,7 @@ Single process (no launcher; RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT 
 
     python launch/finetune.py --deepspeed ds_configs/cpu_offload.json --output_dir output/demo
     python launch/finetune.py --model_name_or_path ../shared/data/models/stories260K/hf \\
-        --data_path ../shared/data/dolly/dolly_sample_151.jsonl --deepspeed ds_configs/cpu_offload.json \\
+        --data_path data/dolly/dolly_sample_151.jsonl --deepspeed ds_configs/cpu_offload.json \\
         --output_dir output/stories --num_train_epochs 1 --max_seq_length 256 --per_device_train_batch_size 8
 
 DeepSpeed launcher on a CPU-only machine: ``--num_gpus N`` starts N ranks on DeepSpeed's CPU

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -51,9 +50,10 @@ def summary(out_dir) -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A rendezvous port below the kernel's ephemeral range (:func:`aidaptiv_ds.ports.free_port`)."""
+    from aidaptiv_ds.ports import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 def deepspeed_cli() -> str:

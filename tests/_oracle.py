@@ -17,6 +17,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "train_oracle.py")
 SHARED = os.path.join(REPO, "..", "shared")
 STORIES = os.path.join(SHARED, "data", "models", "stories260K", "hf")
+#: why tests of the real model skip without it: where it comes from (it is not shipped with the repository)
+STORIES_ABSENT = (f"real model not found at {os.path.normpath(STORIES)}: stories260K (Karpathy's llama2.c "
+                  f"tinyllamas checkpoint, MIT) converted to HF, from the project's shared data next to the "
+                  f"repository (../shared/data/models/stories260K, whose NOTICE names the source of the bytes); "
+                  f"a clone without ../shared skips these tests")
 _CACHE: dict[tuple, dict] = {}
 
 

@@ -87,8 +87,8 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
                         or real(working_set_bytes=working_set_bytes))
     # our own windows out of the way (0), so what the budget is cut by is DeepSpeed's alone
     monkeypatch.setattr(stage3, "cpu_rank_working_set",
-                        lambda **kw: {"baseline": 0, "backward": kw["deepspeed_bytes"], "optimizer": 0,
-                                      "in_backward": 0, "total": kw["deepspeed_bytes"]})
+                        lambda **kw: {"baseline": 0, "forward": 0, "backward": kw["deepspeed_bytes"], "optimizer": 0,
+                                      "in_backward": 0, "riding": 0, "total": kw["deepspeed_bytes"]})
     one_rank_env(monkeypatch)
     cfg = nvme_config(tmp_path / "cache", dram_budget="auto", stage3_max_live_parameters=max_live,
                       **({} if bucket is None else {"reduce_bucket_size": bucket}))

@@ -252,6 +252,10 @@ def test_examples_found_by_the_fuzz(section, key):
     (lambda z: z.__setitem__("sub_group_size", 1.5), "zero_optimization.sub_group_size"),
     (lambda z: z.__setitem__("sub_group_size", "1e9"), "zero_optimization.sub_group_size"),
     (lambda z: z.__setitem__("sub_group_size", 2.0 ** 63), "zero_optimization.sub_group_size"),  # found by the fuzz
+    # keys DeepSpeed's own ZeRO config model refuses (extra="forbid"): refused by us before any data is touched
+    (lambda z: z.__setitem__("offload_param", {"": None}), "zero_optimization.offload_param."),  # found by the fuzz
+    (lambda z: z["offload_optimizer"].__setitem__("pin_memroy", True), "did you mean 'pin_memory'"),
+    (lambda z: z.__setitem__("stage3_prefetch_bucket_size", "big"), "zero_optimization.stage3_prefetch_bucket_size"),
 ])
 def test_deepspeed_examples_found_by_the_fuzz(cache, edit, key):
     ds = good_ds(cache)

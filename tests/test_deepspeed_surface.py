@@ -1,13 +1,19 @@
-"""docs/deepspeed-surface.md stays true and complete, and every docs/ citation in the code resolves.
+"""docs/deepspeed-surface.md stays true and complete, DeepSpeed's internals stay in integration/, and
+every docs/ citation in the code resolves.
 
 * true: each row's DeepSpeed name is at the cited DeepSpeed 0.19.8 line (within 3 lines), and our
   spelling at each cited line of ours (within 8; ``python tests/_surface.py --update`` refreshes
   ours after code moves);
-* complete: a private DeepSpeed name used in integration/ or bench/ (an attribute or method DeepSpeed
-  defines with a leading underscore, a name-mangled attribute, a DeepSpeed module or class attribute
-  we assign) has a row;
+* complete: each DeepSpeed internal name used in integration/ (the rules of ``tests/_surface.py``: a
+  private or name-mangled name, a name from a non-public DeepSpeed module, an attribute DeepSpeed's
+  internal code defines, a DeepSpeed module or class attribute we assign) is a name of a row, matched
+  exactly (``_release_swap_buffers`` is not covered by ``release_swap_buffers``);
+* confined: no other part of the package uses one (the benchmarks, the exporter, the doctor call
+  functions of integration/ instead), and every row cites integration/ only;
 * citations: every ``docs/<file>.md`` named in aidaptiv_ds/, tests/, README.md and launch/ exists,
   and every ``§N`` after it is a heading of that file.
+
+``python tests/_surface.py --uses`` lists every use with its row, and the counts.
 """
 from __future__ import annotations
 
@@ -22,10 +28,6 @@ REPO = _surface.REPO
 PKG = REPO / "aidaptiv_ds"
 DS = _surface.deepspeed_root()
 
-# our own private names that DeepSpeed happens to define too (not DeepSpeed's objects)
-COINCIDENCES = {"_capacity", "_handle", "_lock", "_names", "_pending", "_release", "_sizes", "_t0", "_write",
-                "_timed", "_state", "_loc", "_run", "_fn", "_mean"}
-
 
 @pytest.fixture(scope="module")
 def rows():
@@ -33,17 +35,18 @@ def rows():
 
 
 @pytest.fixture(scope="module")
-def tokens(rows):
-    out = set()
-    for r in rows:
-        out.add(r.ds_token)
-        out.add(r.our_token.strip('"'))
-        out.add(r.name.rsplit(".", 1)[-1].removesuffix("()"))
-    return out
+def covered(rows):
+    return set().union(*(r.covers for r in rows))
+
+
+@pytest.fixture(scope="module")
+def uses():
+    assert DS is not None, "DeepSpeed is not installed (install_requires pins deepspeed==0.19.8)"
+    return _surface.uses_by_file(PKG, DS)
 
 
 def test_the_table_is_read(rows):
-    assert len(rows) >= 70, len(rows)
+    assert len(rows) >= 90, len(rows)
     assert {r.kind for r in rows} >= {"name-mangled attribute read", "private method overridden",
                                       "private method called", "module attribute swapped (looked up when `Init` "
                                                                 "builds its swapper)"}
@@ -82,71 +85,91 @@ def test_update_moves_our_line_numbers_to_the_name(tmp_path):
     assert _surface.problems(_surface.parse(new), DS, repo=tmp_path) == []
 
 
-def _deepspeed_private_names() -> set:
-    names = set()
-    for p in DS.rglob("*.py"):
-        s = p.read_text(errors="ignore")
-        names |= set(re.findall(r"def (_[A-Za-z]\w*)\(", s))
-        names |= set(re.findall(r"self\.(_[A-Za-z]\w*)\s*=", s))
-        names |= set(re.findall(r"^\s*(_[A-Za-z]\w*)\s*=", s, re.M))
-    return names
+# ---------------------------------------------------------------------------- complete and confined
+def test_every_deepspeed_internal_name_used_in_integration_has_a_row(uses, covered):
+    missing: dict = {}
+    for rel, found in uses.items():
+        if _surface.in_adapter(rel):
+            for line, name, how in found:
+                if name not in covered:
+                    missing.setdefault(name, []).append(f"{rel}:{line} ({how})")
+    assert not missing, ("DeepSpeed internal names used without a row in docs/deepspeed-surface.md (add one; or, for "
+                         "a name that is ours or another library's, an entry in _surface.COINCIDENCES):\n"
+                         + "\n".join(f"{n}: {', '.join(w)}" for n, w in sorted(missing.items())))
 
 
-def _adapter_files():
-    for p in sorted(PKG.rglob("*.py")):
-        if p.relative_to(PKG).parts[0] in ("integration", "bench"):
-            yield p
+def test_no_deepspeed_internal_name_outside_integration(uses):
+    outside = [f"{rel}:{line}: {name} ({how})" for rel, found in uses.items() if not _surface.in_adapter(rel)
+               for line, name, how in found]
+    assert not outside, ("DeepSpeed internal names used outside aidaptiv_ds/integration/ (give integration/ a "
+                         "function for it and call that):\n" + "\n".join(outside))
 
 
-def test_every_private_deepspeed_name_we_use_has_a_row(tokens):
-    ds_private = _deepspeed_private_names()
-    missing = {}
-    for p in _adapter_files():
-        tree = ast.parse(p.read_text())
-        mangled = any(isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(r"_[A-Z]\w*__", n.value)
-                      for n in ast.walk(tree))
-        for n in ast.walk(tree):
-            found = []
-            if isinstance(n, ast.Attribute):
-                found.append(n.attr)
-            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found.append(n.name)
-            elif isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(r"\w+", n.value):
-                found.append(n.value)
-                if mangled and not n.value.startswith("_"):  # "param_queue" -> DeepSpeed's self.__param_queue
-                    found.append("__" + n.value)
-            for name in found:
-                private = name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
-                if private and (name in ds_private or name.startswith("__")) and name not in COINCIDENCES \
-                        and name not in tokens and name.lstrip("_") not in tokens and not name.startswith("_aidaptiv"):
-                    if name.startswith("__") and not _mangled_in_deepspeed(name):
-                        continue
-                    missing.setdefault(name, set()).add(str(p.relative_to(REPO)))
-    assert not missing, ("DeepSpeed private names used without a row in docs/deepspeed-surface.md "
-                         "(add one, or list our own coincident name in COINCIDENCES): " + repr(missing))
+def test_every_row_cites_integration_only(rows):
+    bad = [f"{_surface.DOC.name}:{r.line_no} ({r.name}): {path}" for r in rows for path, _ in r.ours
+           if not _surface.in_adapter(path)]
+    assert not bad, "rows citing code outside aidaptiv_ds/integration/:\n" + "\n".join(bad)
 
 
-_MANGLED_CACHE: dict = {}
+def test_every_coincidence_is_still_needed():
+    seen = {name for found in _surface.uses_by_file(PKG, DS, coincidences=set()).values() for _, name, _ in found}
+    stale = set(_surface.COINCIDENCES) - seen
+    assert not stale, f"_surface.COINCIDENCES entries no longer needed; delete them: {sorted(stale)}"
 
 
-def _mangled_in_deepspeed(name: str) -> bool:
-    if not _MANGLED_CACHE:
-        text = (DS / "runtime" / "zero" / "partitioned_param_coordinator.py").read_text()
-        _MANGLED_CACHE["names"] = set(re.findall(r"(?:self\.|def )(__[a-z]\w*[a-z0-9])\b", text))
-    return name in _MANGLED_CACHE["names"]
+def test_the_scanner_sees_each_kind_of_use(tmp_path):
+    """The scanner on a planted package, against the installed DeepSpeed: a private method one underscore
+    away from a row's name, a name from a non-public module, internal attributes (read, by ``getattr``),
+    a name-mangled attribute set by string and one built from a prefix, a private module dunder; and
+    what it must leave alone: our own private attribute, torch's and Python's names, a public engine
+    method, a name imported from ``deepspeed.comm``."""
+    pkg = tmp_path / "aidaptiv_ds"
+    (pkg / "bench").mkdir(parents=True)
+    (pkg / "integration").mkdir()
+    (pkg / "bench" / "w.py").write_text(
+        "import deepspeed\nimport deepspeed.ops\nfrom deepspeed.comm import get_rank\n"
+        "from deepspeed.runtime.utils import is_invalid_grad_norm\n\n\n"
+        "def f(opt, p, engine):\n"
+        "    opt._release_swap_buffers(0)\n"                        # 8
+        "    g = opt.sub_group_to_group_id[0]\n"                     # 9
+        "    n = getattr(p, 'ds_numel', 0)\n"                        # 10
+        "    deepspeed.ops.__compatible_ops__['x'] = False\n"        # 11
+        "    engine.backward(p.dtype)\n"
+        "    return g, n, get_rank(), is_invalid_grad_norm\n")
+    (pkg / "integration" / "s.py").write_text(
+        "_PREFIX = '_PartitionedParameterCoordinator__'\n\n\n"
+        "class Ours:\n"
+        "    def __init__(self):\n"
+        "        self._lock = None\n\n"
+        "    def g(self, c):\n"
+        "        setattr(self, '_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition', 1)\n"  # 9
+        "        self._lock = getattr(c, _PREFIX + 'param_queue')\n"  # 10
+        "        return self._lock, c.keys()\n")
+    found = _surface.uses_by_file(pkg, DS)
+    assert sorted((line, name) for line, name, _ in found["aidaptiv_ds/bench/w.py"]) == [
+        (4, "is_invalid_grad_norm"), (8, "_release_swap_buffers"), (9, "sub_group_to_group_id"),
+        (10, "ds_numel"), (11, "__compatible_ops__")], found["aidaptiv_ds/bench/w.py"]
+    assert sorted((line, name) for line, name, _ in found["aidaptiv_ds/integration/s.py"]) == [
+        (9, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"), (10, "__param_queue")], \
+        found["aidaptiv_ds/integration/s.py"]
+    row = _surface.parse("| DeepSpeed name | kind | DeepSpeed 0.19.8 | ours | what breaks |\n|---|---|---|---|---|\n"
+                         "| `release_swap_buffers` | m | `runtime/zero/stage3.py:2784` | `a.py:1` | x |\n")[0]
+    assert "release_swap_buffers" in row.covers and "_release_swap_buffers" not in row.covers
 
 
-def test_every_deepspeed_attribute_we_assign_has_a_row(tokens):
+def test_every_deepspeed_attribute_we_assign_has_a_row(covered):
     """``pp.AsyncPartitionedParameterSwapper = ...``, ``OpBuilder._loaded_ops[...] = ...``, ``S.swap_in =
-    ...``: an assignment to an attribute of a name bound by a DeepSpeed import."""
+    ...``: an assignment to an attribute of a name bound by a DeepSpeed import; in integration/ with a
+    row, nowhere else."""
     missing = []
-    for p in _adapter_files():
+    for p in sorted(PKG.rglob("*.py")):
+        rel = str(p.relative_to(REPO))
         tree = ast.parse(p.read_text())
         ds_names = set()
         for n in ast.walk(tree):
             if isinstance(n, ast.Import):
                 ds_names |= {(a.asname or a.name.split(".")[0]) for a in n.names if a.name.startswith("deepspeed")}
-            elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("deepspeed") and not n.level:
+            elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("deepspeed"):
                 ds_names |= {a.asname or a.name for a in n.names}
         for n in ast.walk(tree):
             if not isinstance(n, ast.Assign):
@@ -157,9 +180,11 @@ def test_every_deepspeed_attribute_we_assign_has_a_row(tokens):
                     root = t.value
                     while isinstance(root, ast.Attribute):
                         root = root.value
-                    if isinstance(root, ast.Name) and root.id in ds_names and t.attr not in tokens:
-                        missing.append(f"{p.relative_to(REPO)}:{n.lineno}: {ast.unparse(t)}")
-    assert not missing, "DeepSpeed attributes assigned without a row in docs/deepspeed-surface.md:\n" + "\n".join(missing)
+                    if isinstance(root, ast.Name) and root.id in ds_names \
+                            and (t.attr not in covered or not _surface.in_adapter(rel)):
+                        missing.append(f"{rel}:{n.lineno}: {ast.unparse(t)}")
+    assert not missing, ("DeepSpeed attributes assigned outside integration/ or without a row in "
+                         "docs/deepspeed-surface.md:\n" + "\n".join(missing))
 
 
 # ---------------------------------------------------------------------------- citations of docs/

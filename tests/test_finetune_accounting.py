@@ -24,6 +24,12 @@ from _finetune_helpers import deepspeed_cli, free_port, run, step_lines, summary
 pytestmark = pytest.mark.multirank
 STEPS = 4
 SLACK = 64 << 10  # metrics.jsonl lines and the ledger's JSON, written by the ranks during a step
+#: what /proc/self/io counts beside our files, as a share of the step's cache bytes: 45-130 KiB per process and
+#: window on this VM (also in eval windows that write nothing; 4 KiB pages the kernel books to the process,
+#: not traced as writes of any file), more than SLACK on some days and loads. A step's write-back booked in
+#: the next window would differ by at least one sub-group's extent (here 1/4 of a rank's state per step), so
+#: the bound keeps the test's point without depending on the machine
+UNTRACED = 16
 
 
 def _launch(kind: str, out: str, cache: str) -> None:
@@ -33,7 +39,8 @@ def _launch(kind: str, out: str, cache: str) -> None:
         cmd = [torchrun_cli(), "--nproc_per_node", "2", "--master_port", str(free_port()), *args]
     else:
         cmd = [deepspeed_cli(), "--num_gpus", "2", "--master_port", str(free_port()), *args]
-    run(cmd, timeout=400)
+    # the two launchers' losses compared bit for bit: GEMMs alignment-independent and on a fixed thread count
+    run(cmd, timeout=400, MKL_CBWR="AUTO,STRICT", MKL_DYNAMIC="FALSE")
 
 
 def _ledger_run_bytes(cache: str) -> int:
@@ -62,7 +69,7 @@ def test_each_step_counts_its_own_write_back(runs, kind):
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     for s in steps:
         assert s["cache_write_bytes"] > 0
-        assert 0 <= s["proc_write_bytes"] - s["cache_write_bytes"] <= SLACK, s
+        assert 0 <= s["proc_write_bytes"] - s["cache_write_bytes"] <= SLACK + s["cache_write_bytes"] // UNTRACED, s
         assert s["cache_read_bytes"] <= s["proc_read_bytes"] + SLACK
 
 
@@ -92,4 +99,4 @@ def test_launchers_agree(runs):
         # backward (integration/backward_step.py), so at most every other step is redone
         assert 16.0 <= s["bytes_written_per_param_per_step"] <= 22.05
         assert s["bytes_written_per_param_per_step"] == pytest.approx(s["proc_bytes_written_per_param_per_step"],
-                                                                      rel=0.01)
+                                                                      rel=1 / UNTRACED)

@@ -10,7 +10,8 @@ from aidaptiv_ds.finetune.data import (DollyFormatError, DollyRecord, filter_cat
                                        write_dolly)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOLLY = os.path.join(REPO, "..", "shared", "data", "dolly", "dolly_sample_151.jsonl")
+#: 151 records of databricks-dolly-15k, shipped with the repository (CC BY-SA 3.0: data/dolly/NOTICE)
+DOLLY = os.path.join(REPO, "data", "dolly", "dolly_sample_151.jsonl")
 
 
 def _write_lines(path, lines) -> str:
@@ -103,8 +104,67 @@ def test_split_keeps_one_eval_record_and_rejects_bad_fractions():
 
 
 def test_shared_dolly_sample_parses():
-    if not os.path.isfile(DOLLY):
-        pytest.skip(f"shared data absent: {DOLLY} (the ../shared checkout is not mounted)")
     recs = read_dolly(DOLLY)
     assert len(recs) == 151
     assert sum(1 for r in recs if r.context) == 47
+
+
+def _dataset_dir(tmp_path, n: int = 5) -> str:
+    """A local directory laid out as the Hub repository databricks/databricks-dolly-15k (its one JSONL file),
+    with a category on every record (the shipped sample has none)."""
+    d = tmp_path / "databricks-dolly-15k"
+    d.mkdir()
+    with open(DOLLY, encoding="utf-8") as f, open(d / "databricks-dolly-15k.jsonl", "w", encoding="utf-8") as out:
+        for i, line in zip(range(n), f):
+            out.write(json.dumps({**json.loads(line), "category": ["open_qa", "closed_qa"][i % 2]}) + "\n")
+    return str(d)
+
+
+def test_a_dataset_directory_loads_through_the_datasets_library(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets", reason="the datasets library (the test extra) is not installed")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    from aidaptiv_ds.finetune.data import load_records
+
+    recs = load_records(_dataset_dir(tmp_path))
+    want = read_dolly(DOLLY)[:5]
+    assert [(r.instruction, r.context, r.response) for r in recs] == [(r.instruction, r.context, r.response)
+                                                                      for r in want]
+    assert [r.category for r in recs] == ["open_qa", "closed_qa"] * 2 + ["open_qa"]
+    assert len(filter_category(recs, "closed_qa")) == 2
+    assert load_records(DOLLY) == read_dolly(DOLLY)  # a file is read as JSONL, without datasets
+
+
+def test_a_hub_id_goes_to_load_dataset_with_its_split(tmp_path, monkeypatch):
+    """No network at test time: the Hub id is handed to ``datasets.load_dataset`` (replaced here by one that
+    loads the local copy), with ``train`` or the split after the colon; a failed load names what to do."""
+    datasets = pytest.importorskip("datasets", reason="the datasets library (the test extra) is not installed")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    from aidaptiv_ds.finetune import data
+
+    local, calls = _dataset_dir(tmp_path), []
+    real = datasets.load_dataset
+
+    def hub(name, split):
+        calls.append((name, split))
+        if name != "databricks/databricks-dolly-15k":
+            raise ConnectionError("no network")
+        return real(local, split="train")
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    assert len(data.load_records("databricks/databricks-dolly-15k")) == 5
+    assert len(data.load_records("databricks/databricks-dolly-15k:train")) == 5
+    assert calls == [("databricks/databricks-dolly-15k", "train")] * 2
+    with pytest.raises(FileNotFoundError, match="needs the network the first time.*HF_DATASETS_OFFLINE=1"):
+        data.load_records("someone/not-cached")
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face dataset id"):
+        data.load_records(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_dataset_row_that_is_not_a_dolly_record_is_named():
+    from aidaptiv_ds.finetune.data import read_hf_dataset
+
+    rows = [{"instruction": "a", "context": "", "response": "b"}, {"instruction": "a", "response": "b"}]
+    with pytest.raises(DollyFormatError, match=r"org/ds\[test\]:2: missing field 'context'"):
+        read_hf_dataset("org/ds:test", load_dataset=lambda name, split: rows)
+    with pytest.raises(DollyFormatError, match="holds no records"):
+        read_hf_dataset("org/ds", load_dataset=lambda name, split: [])

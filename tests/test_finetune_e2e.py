@@ -19,6 +19,7 @@ import sys
 import textwrap
 
 import pytest
+from _oracle import STORIES, STORIES_ABSENT
 
 from aidaptiv_ds.ports import free_port
 
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.subprocess  # every test here starts a child process (t
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.normpath(os.path.join(REPO, "..", "shared", "data"))
-DOLLY = os.path.join(SHARED, "dolly", "dolly_sample_151.jsonl")
-STORIES = os.path.join(SHARED, "models", "stories260K", "hf")
+#: shipped with the repository (CC BY-SA 3.0: data/dolly/NOTICE)
+DOLLY = os.path.join(REPO, "data", "dolly", "dolly_sample_151.jsonl")
 CPU_OFFLOAD = os.path.join(REPO, "ds_configs", "cpu_offload.json")
 STEP_KEYS = {"step", "epoch", "loss", "lr", "tokens", "tokens_per_s", "step_time_s", "bytes_read", "bytes_written",
              "proc_read_bytes", "proc_write_bytes", "dram_bytes", "dram_peak_bytes", "io_wait_s"}
@@ -74,7 +75,7 @@ def metrics(out_dir) -> tuple[list[dict], list[dict], dict]:
 def _need_shared(*paths):
     for p in paths:
         if not os.path.exists(p):
-            pytest.skip(f"shared data absent: {p} (the ../shared checkout is not mounted next to the repo)")
+            pytest.skip(STORIES_ABSENT if p == STORIES else f"shared data absent: {p}")
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +121,15 @@ def _dolly_subset(path, n=8) -> str:
     return str(path)
 
 
-def test_stories260k_on_dolly_saves_a_model_that_reproduces_the_eval_loss(tmp_path):
+def test_stories260k_on_dolly_saves_a_model_that_reproduces_the_eval_loss(tmp_path, monkeypatch):
+    """The data as a Hugging Face dataset: ``--data_path`` a local directory laid out as the Hub repository
+    ``databricks/databricks-dolly-15k`` (one JSONL file), loaded through ``datasets.load_dataset`` as a Hub
+    id is (the ``datasets`` cache under the test's directory)."""
     _need_shared(DOLLY, STORIES)
-    data = _dolly_subset(tmp_path / "dolly8.jsonl")
+    pytest.importorskip("datasets", reason="the datasets library (the test extra) is not installed")
+    (tmp_path / "databricks-dolly-15k").mkdir()
+    data = os.path.dirname(_dolly_subset(tmp_path / "databricks-dolly-15k" / "databricks-dolly-15k.jsonl"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
     out = str(tmp_path / "out")
     # 6 train examples, micro-batch 2, accumulation 2: windows of 2 + 1 micro-batches, 2 steps per epoch
     finetune("--model_name_or_path", STORIES, "--data_path", data, "--deepspeed", CPU_OFFLOAD, "--output_dir", out,

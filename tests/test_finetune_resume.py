@@ -109,11 +109,12 @@ def test_killed_after_step_4_resumes_from_latest(inputs, straight, tmp_path):
     s = summary(out)
     assert s["final_eval_loss"] == summary(straight)["final_eval_loss"]
     assert s["checkpoints"] == [os.path.join(out, "checkpoint-6")]           # --save_total_limit 1
-    # the checkpoint is what aidaptiv-ds export reads
+    # the checkpoint is what aidaptiv-ds export reads; the tokenizer comes from the run's model without --source
     hf = str(tmp_path / "hf")
     model = inputs[inputs.index("--model_name_or_path") + 1]
-    run([sys.executable, "-m", "aidaptiv_ds.cli.main", "export", os.path.join(out, "checkpoint-6"), "--output", hf,
-         "--source", model])
+    p = run([sys.executable, "-m", "aidaptiv_ds.cli.main", "export", os.path.join(out, "checkpoint-6"), "--output", hf])
+    assert f"(tokenizer from the run's model {model})" in p.stdout
+    assert os.path.isfile(os.path.join(hf, "tokenizer.json")) or os.path.isfile(os.path.join(hf, "tokenizer_config.json"))
     code = (f"import json; from aidaptiv_ds.finetune.evaluate import reload_eval_loss; "
             f"import shutil; shutil.copy({os.path.join(out, 'eval_split.jsonl')!r}, {hf!r}); "
             f"shutil.copy({os.path.join(out, 'finetune_args.json')!r}, {hf!r}); "

@@ -77,6 +77,16 @@ def test_mallopt_gets_c_ints_never_a_masked_value(monkeypatch):
     assert heap.current_thresholds() == (heap.C_INT_MAX, heap.C_INT_MAX)
 
 
+_MALLINFO = """
+    import ctypes
+    class _MallInfo2(ctypes.Structure):  # glibc >= 2.33
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _libc = ctypes.CDLL(None)
+    _libc.mallinfo2.restype = _MallInfo2
+    mallinfo = _libc.mallinfo2
+"""
+
 _BLOCK_FAULTS = """
     import json, resource, torch
     from aidaptiv_ds.io import heap
@@ -93,15 +103,16 @@ _BLOCK_FAULTS = """
 def test_reuse_policy_keeps_a_freed_block():
     """A 256 MiB block freed and allocated again comes back from the heap (with the trim threshold masked to
     0, the heap's top was trimmed at every free and each block faulted in anew: 4 x 65,536 faults). glibc
-    places consecutive blocks at two alternating addresses, so the first rounds fault both in, and now and
-    then at a third address, which faults one block in anew (8 runs of
-    this child on 2026-12-05: 0 faults in six, 65,536 in two); never more than one of the four rounds."""
+    places consecutive blocks at two alternating addresses, and now and then at a new one (the other threads'
+    allocations in between decide), which faults that block in anew: 0 to 2 of the 4 rounds in runs on
+    2026-12-05 (65,536 in two of eight quiet runs, 131,072 in three of four under load). So the check is that
+    not every round faults its block in, which only trimming at every free does, whatever the timing."""
     r = _child(_BLOCK_FAULTS + """
     heap.reuse_freed_host_memory()
     faults(256, 6)
     print(json.dumps({"again": faults(256)}))
     """)
-    assert r["again"] <= 65536 + 1024, r  # trimmed at every free: 4 x 65,536
+    assert r["again"] <= 3 * 65536 + 1024, r  # trimmed at every free: 4 x 65,536
 
 
 @glibc
@@ -111,8 +122,9 @@ def test_return_policy_gives_bucket_sized_blocks_back_when_freed():
     per bucket at 148M) are mappings of their own under the return policy: freed, they leave the process at
     once, and the heap does not keep them as free chunks that a phase trimmed only at its end lets grow
     (issue 34: 0.6-0.9 GiB of free heap at the peak of a 640M fp32 Llama's backward at the 1 GiB threshold
-    this replaced; ``io/heap.py`` [Note: why 16 MiB, not 1 GiB]). The price: each use faults in again."""
-    r = _child(_BLOCK_FAULTS + """
+    this replaced; ``io/heap.py`` [Note: why 16 MiB, not 1 GiB]). The price: each use faults in again.
+    Checked on glibc's books (mallinfo2), not by counting faults (main's 8c13d8c)."""
+    r = _child(_BLOCK_FAULTS + _MALLINFO + """
     import os
     from aidaptiv_ds.bench.probes import heap_bytes
     def rss():
@@ -120,12 +132,15 @@ def test_return_policy_gives_bucket_sized_blocks_back_when_freed():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     heap.return_freed_host_memory()
     faults(96, 2)
+    mapped_before = mallinfo().hblkhd
+    t = torch.ones(96 << 18)
+    mapped_live = mallinfo().hblkhd - mapped_before  # 96 MiB: the block is a mapping of its own
+    del t
     base = rss()
-    within = faults(96)
-    print(json.dumps({"within": within, "held": rss() - base, "heap_free": heap_bytes().get("heap_free", 0)}))
+    faults(96)
+    print(json.dumps({"mapped_live": mapped_live, "held": rss() - base, "heap_free": heap_bytes().get("heap_free", 0)}))
     """)
-    block_pages = 96 << 8  # 4 KiB pages of one block
-    assert r["within"] >= 4 * block_pages / 2, r  # a fresh mapping each time (4 KiB pages)
+    assert r["mapped_live"] >= (96 << 20), r  # not carved from the heap
     assert r["held"] < (16 << 20), r  # nothing of the freed blocks stays resident
     assert r["heap_free"] < (16 << 20), r  # nor as free chunks of the heap
 

@@ -8,27 +8,35 @@ import subprocess
 import sys
 
 import pytest
-
-from _oracle import REPO, STORIES, free_port
+from _oracle import REPO, STORIES, STORIES_ABSENT, free_port
 
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "hf_trainer.py")
 
 
-def trainer_run(cfg: dict, tmp_path, name: str) -> dict:
+def trainer_run(cfg: dict, tmp_path, name: str, launcher: str = "python") -> dict:
+    """The script's result; ``launcher`` ``python`` (``python -m aidaptiv_ds.run``) or ``accelerate``
+    (``accelerate launch --use_deepspeed``, the package's site hook activating aidaptiv_ds)."""
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     # MKL on a fixed thread count (as the runtime sets it, integration/blas_threads.py) and alignment-independent
     # (aidaptiv_ds/bench/runner.py REPRODUCIBLE_MKL) in both runs
-    env = dict(os.environ, PYTHONPATH=REPO, MASTER_PORT=str(free_port()), MKL_DYNAMIC="FALSE", MKL_CBWR="AUTO,STRICT")
-    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds.run", SCRIPT, STORIES, str(path), str(tmp_path / name)],
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=REPO, MASTER_PORT=port, MKL_DYNAMIC="FALSE", MKL_CBWR="AUTO,STRICT")
+    head = [sys.executable, "-m", "aidaptiv_ds.run"] if launcher == "python" else [
+        os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--use_deepspeed",
+        "--deepspeed_config_file", str(path), "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--main_process_port", port]
+    p = subprocess.run([*head, SCRIPT, STORIES, str(path), str(tmp_path / name)],
                        env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stderr[-5000:]
-    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    res["started"] = [ln for ln in p.stderr.splitlines() if ln.startswith("aidaptiv_ds ") and " active: " in ln]
+    return res
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 def test_unmodified_hf_trainer_script(tmp_path):
     with open(os.path.join(REPO, "ds_configs", "aidaptiv_zero3.json")) as f:
         ours = json.load(f)
@@ -43,3 +51,10 @@ def test_unmodified_hf_trainer_script(tmp_path):
     assert got["param_swapper"] == "AidaptivParamSwapper"
     assert got["optimizer_swapper"] == "AidaptivOptimizerSwapper"
     assert len(got["losses"]) == 3 and got["losses"] == want["losses"]
+    # the unchanged script says once that aidaptiv_ds runs it, with the cache path and the budget
+    (line,) = got["started"]
+    assert f"cache path {cache} (" in line and "DRAM budget 0 B/rank" in line and "written per step" in line, line
+    assert want["started"] == []
+    # accelerate launch --use_deepspeed (HF's other launcher): the same run, the same losses
+    acc = trainer_run(ours, tmp_path, "accelerate", launcher="accelerate")
+    assert acc["param_swapper"] == "AidaptivParamSwapper" and acc["losses"] == want["losses"] and len(acc["started"]) == 1

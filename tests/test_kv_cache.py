@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from _oracle import REPO, SHARED, STORIES
+from _oracle import REPO, SHARED, STORIES, STORIES_ABSENT
 
 from aidaptiv_ds.inference import KVCacheMismatchError, KVCacheWarning, KVLayout, PrefixKVCache
 from aidaptiv_ds.inference.block_store import KVBlockStore, namespace
@@ -27,7 +27,7 @@ def stories():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isdir(STORIES):
-        pytest.skip(f"real model not found at {STORIES} (../shared absent)")
+        pytest.skip(STORIES_ABSENT)
     tok = AutoTokenizer.from_pretrained(STORIES)
     model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
     return model, tok

@@ -98,4 +98,7 @@ def test_format_step_summary():
     rec = build_record(7, d, step_time_s=2.0, loss=1.23456, tokens=8192, vram=vram)
     assert format_step_summary(rec) == \
         "loss 1.2346 | 4,096 tok/s | cache R 1.50 W 0.50 GB/s | io-wait 15% | DRAM 45.2 GiB | VRAM 72.0 GiB"
+    # with the budget's gauges: what the budget books, and the tier's working memory beside it
+    rec = build_record(7, {**d, "dram_budgeted_bytes": int(40 * GiB), "dram_budget_bytes": int(40 * GiB)})
+    assert format_step_summary(rec) == "DRAM tier 40.0 + working 5.2 GiB"
     assert format_step_summary(build_record(0, {"bytes_read": {}, "bytes_written": {}})) == ""

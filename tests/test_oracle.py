@@ -8,8 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from _oracle import STORIES, assert_identical, oracle, proc_written_per_param_per_step, run, \
+from _oracle import STORIES, STORIES_ABSENT, assert_identical, oracle, proc_written_per_param_per_step, run, \
     written_per_param_per_step
 
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
@@ -56,7 +55,7 @@ def test_reduce_bucket_size_changes_no_arithmetic(case, tmp_path_factory):
     assert_identical(ref, got)
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 @pytest.mark.parametrize("dtype,ga", [("bf16", "1"), ("fp32", "2")])
 def test_real_stories260k_from_pretrained_under_zero3(dtype, ga, tmp_path_factory):
     """The real pretrained 260K Llama, loaded by HF ``from_pretrained`` under ZeRO-3 (``zero.Init``)."""

@@ -5,23 +5,22 @@ import json
 import os
 
 import pytest
-
-from _oracle import STORIES, run, written_per_param_per_step
+from _oracle import STORIES, STORIES_ABSENT, run, written_per_param_per_step
 
 from aidaptiv_ds.cli.main import main as cli
 
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
 
 
-def plan(budget: str, capsys, clip: float = 0.0, dtype: str = "bf16") -> dict:
+def plan(budget: str, capsys, clip: float = 0.0, dtype: str = "bf16", ga: int = 1) -> dict:
     cfg = os.path.join(STORIES, "config.json")
     assert cli(["plan", "--model", cfg, "--gpus", "1", "--vram", "80GB", "--dram", "24GiB", "--dram-budget", budget,
                 "--cache", "/tmp:10GB", "--dtype", dtype, "--micro-batch", "2", "--seq-len", "24", "--cpu-ranks",
-                "--gradient-clipping", str(clip), "--json"]) == 0
+                "--gradient-clipping", str(clip), "--ga", str(ga), "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 @pytest.mark.parametrize("budget, clip", [("0", 0.0),                      # nothing in DRAM, gradients consumed
                                           ("0", 1e6),                      # clipping on, never triggered: kept
                                           ("0", 1e-3),                     # triggered every step: after backward
@@ -46,7 +45,24 @@ def test_planned_writes_match_the_ledger(budget, clip, tmp_path, capsys):
     assert measured == pytest.approx(planned, rel=0.05)
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
+@pytest.mark.parametrize("dtype, clip, ga", [("bf16", 0.0, 2), ("fp32", 1e6, 4)])
+def test_planned_writes_with_gradient_accumulation_match_the_ledger(dtype, clip, ga, tmp_path, capsys):
+    """Micro-batch-major at GA ``k`` (the runtime's schedule, ``planner/schedule.py``): a gradient slice the
+    budget does not hold is written back after every micro-batch but the last, ``(k-1) x`` 2 (bf16) or 4
+    (fp32) B/param more than at GA 1 (bf16 GA 2 clipping off: 16; fp32 GA 4 clipping on: 28)."""
+    p = plan("0", capsys, clip, dtype=dtype, ga=ga)
+    res = run("aidaptiv", ["--model", "stories", "--zinit", "--dtype", dtype, "--steps", "4", "--budget", "0",
+                           "--ga", str(ga), "--clip", str(clip)], str(tmp_path))
+    measured = written_per_param_per_step(res)
+    planned = p["per_step"]["write_bytes"] / p["n_params"]
+    assert planned == p["schedules"]["micro-batch-major"]["write_bytes_per_param"]
+    print(f"{dtype} GA {ga} clip {clip}: planned {planned:.3f} B/param/step, measured {measured:.3f}")
+    assert planned == pytest.approx({("bf16", 2): 16.0, ("fp32", 4): 28.0}[(dtype, ga)], rel=1e-3)
+    assert measured == pytest.approx(planned, rel=0.05)
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_planned_reads_match_the_ledger(dtype, tmp_path, capsys):
     """Bytes read per step at budget 0: forward and backward read every parameter (fp32: from the master
@@ -63,7 +79,7 @@ def test_planned_reads_match_the_ledger(dtype, tmp_path, capsys):
     assert p["per_step"]["read_bytes"] / p["n_params"] == 16.0  # no window: fp32 4 + 4 + 8, bf16 2 + 2 + 12
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 def test_fp32_parameters_first_copy_goes_back_to_the_drive(tmp_path):
     """fp32 partitions are read from their master slots, so the copy ``zero.Init`` wrote first is given
     back to the store: no ``params/float32`` extent is left, and the store never grows past the optimizer

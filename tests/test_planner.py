@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from _oracle import STORIES, STORIES_ABSENT
 
 from aidaptiv_ds.cli.main import main
 from aidaptiv_ds.cli.plan import parse_cache_spec
@@ -23,7 +24,6 @@ from aidaptiv_ds.units import GiB
 
 GB, TB = 10 ** 9, 10 ** 12
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STORIES = os.path.join(REPO, "..", "shared", "data", "models", "stories260K", "hf")
 
 # Published parameter counts (model cards / safetensors index total_size / bytes per element).
 PUBLISHED = {"llama-3.1-405b": 405_853_388_800, "llama-3.1-70b": 70_553_706_496, "llama-3.1-8b": 8_030_261_248,
@@ -77,7 +77,7 @@ def test_stories260k_count_equals_safetensors():
     cfg = os.path.join(STORIES, "config.json")
     st = os.path.join(STORIES, "model.safetensors")
     if not (os.path.isfile(cfg) and os.path.isfile(st)):
-        pytest.skip(f"stories260K not found at {STORIES} (shared data missing)")
+        pytest.skip(STORIES_ABSENT)
     from safetensors import safe_open
     with safe_open(st, "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -306,16 +306,16 @@ def test_auto_dram_budget_margin():
         auto.resolve_dram_budget("lots")
 
 
-def test_runtime_defaults_use_plan_residency_and_prefetch():
+def test_prefetch_takes_what_residency_leaves():
     sizes = StateSizes(param_bytes=300, grad_bytes=200, subgroup_bytes=[300, 300])
-    rd = auto.runtime_defaults(sizes, 260, slice_bytes=20, n_slices=5)
-    assert rd.residency == plan_residency(sizes, 260)
-    assert rd.residency.grads_resident and not rd.residency.params_resident and rd.residency.cache_bytes == 60
-    assert (rd.prefetch.depth, rd.prefetch.bytes) == (3, 60)                  # 60 B left / 20 B slices
-    assert auto.runtime_defaults(sizes, 260, slice_bytes=20, n_slices=3).prefetch.depth == 2   # one pass ahead
-    assert auto.runtime_defaults(sizes, 260, slice_bytes=20, n_slices=5, max_depth=1).prefetch.depth == 1
-    rd = auto.runtime_defaults(sizes, 500, slice_bytes=20, n_slices=5)        # grads + params resident
-    assert rd.residency.params_resident and rd.prefetch.depth == 0
+    res = plan_residency(sizes, 260)
+    assert res.grads_resident and not res.params_resident and res.cache_bytes == 60
+    pf = auto.prefetch_bytes_from_budget(res, slice_bytes=20, n_slices=5)
+    assert (pf.depth, pf.bytes) == (3, 60)                                     # 60 B left / 20 B slices
+    assert auto.prefetch_bytes_from_budget(res, slice_bytes=20, n_slices=3).depth == 2    # one pass ahead
+    assert auto.prefetch_bytes_from_budget(res, slice_bytes=20, n_slices=5, max_depth=1).depth == 1
+    res = plan_residency(sizes, 500)                                           # grads + params resident
+    assert res.params_resident and auto.prefetch_bytes_from_budget(res, slice_bytes=20, n_slices=5).depth == 0
 
 
 def test_gradient_slices_take_the_budget_in_backward_order():
@@ -376,7 +376,7 @@ def test_cli_model_preset_and_cache_path_spec(tmp_path):
 def test_cli_model_config_json_text():
     cfg = os.path.join(STORIES, "config.json")
     if not os.path.isfile(cfg):
-        pytest.skip(f"stories260K config not found at {cfg}")
+        pytest.skip(STORIES_ABSENT)
     rc, out = run_cli("plan", "--model", cfg, "--gpus", "1", "--vram", "8GB", "--dram", "16GB", "--cache", "1TB")
     assert rc == 0
     assert "260,032 parameters" in out

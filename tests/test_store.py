@@ -324,3 +324,24 @@ def test_index_is_json_with_the_extents(tmp_path, engine):
     assert idx["extents"] == {"a": [0, 4096]} and idx["alignment"] == 4096
     st = open_store(dirs, engine, run="idx")
     st.close(keep=False)
+
+
+def test_reads_are_counted_per_kind_of_extent(tmp_path, engine):
+    """``read_bytes_by_kind``: the bytes of completed reads per extent kind (the key's first part without
+    its engine number), the same bytes the per-path counters hold; writes are not counted there."""
+    from aidaptiv_ds.store.store import extent_kind
+
+    assert (extent_kind("opt0/3"), extent_kind("grad12/0"), extent_kind("params/bfloat16/c2"), extent_kind("w")) \
+        == ("opt", "grad", "params", "w")
+    st = open_store(make_dirs(tmp_path, 2), engine)
+    try:
+        for key in ("opt0/0", "opt1/0", "grad0/0"):
+            st.put(key, torch.ones(3000)).wait()
+        assert st.read_bytes_by_kind() == {}
+        for key in ("opt0/0", "opt1/0", "grad0/0", "opt0/0"):
+            buf = alloc_aligned(12288)
+            st.read(key, buf).wait()
+        assert st.read_bytes_by_kind() == {"opt": 3 * 12288, "grad": 12288}
+        assert sum(v["bytes_read"] for v in st.io_counters().values()) == 4 * 12288
+    finally:
+        st.close()

@@ -274,7 +274,9 @@ def test_drive_too_small_is_refused_before_step_1(tmp_path, launch, ref):
         cap_lo = (st.f_bavail * st.f_frsize - 16384 - total // 50) // MiB * MiB
         assert params <= cap_lo and cap_hi < needed, "the filesystem must hold the parameters, not the state"
         cache = os.path.join(mnt, "cache")
-        c = launch("small", ARGS + ["--cache", cache, "--extra", json.dumps({"keep_files": True, "run_name": "r"})])
+        # built under zero.Init: the parameters are on the drive before deepspeed.initialize sees the model
+        c = launch("small", ARGS + ["--zinit", "--cache", cache,
+                                    "--extra", json.dumps({"keep_files": True, "run_name": "r"})])
         c.finish()
         msg = clear_error(c, "StorageFullError")
         assert c.steps_done == 0
@@ -289,6 +291,31 @@ def test_drive_too_small_is_refused_before_step_1(tmp_path, launch, ref):
         with open(os.path.join(rank_dir, "index.json")) as f:
             extents = json.load(f)["extents"]
         assert extents == {f"params/float32/{k}": [sum(chunks[:k]), size] for k, size in enumerate(chunks)}, extents
+
+
+@pytest.mark.subprocess
+def test_drive_too_small_for_a_model_built_whole_names_the_jobs_need(tmp_path, launch, ref):
+    """The model built whole, then partitioned by ``deepspeed.initialize``: the whole job's need on the cache
+    path is checked before anything is partitioned or written (``integration/startup.py``), and the refusal
+    names it (parameters, bytes per parameter, the budget), not the first extent that did not fit."""
+    from aidaptiv_ds.integration.startup import job_need
+
+    n = ref["nparams"]
+    need = job_need(n, {}, budget=0, world=1)["need"]
+    assert need == 16 * n  # fp32: gradients 4 + master 4 + moments 8 (the parameters are their master slots)
+    with mounted(tmp_path, "tmpfs", need // 2 // MiB + 6) as mnt:
+        cache = os.path.join(mnt, "cache")
+        c = launch("whole", ARGS + ["--cache", cache, "--extra", json.dumps({"keep_files": True, "run_name": "w"})])
+        c.finish()
+        msg = clear_error(c, "StorageFullError")
+        assert c.steps_done == 0
+        m = re.fullmatch(rf"aidaptiv_ds: cache path {re.escape(cache)} needs \S+ \S+ \((\d+) bytes\) for the training "
+                         rf"state of this job \({n:,} parameters, 16 B/param of parameters, fp32 master weights, Adam "
+                         r"moments and gradients: \S+ \S+ for this rank, DRAM budget 0 B\) but has .* Fix: .*", msg)
+        assert m and int(m.group(1)) == need, msg
+        rank_dir = os.path.join(cache, "aidaptiv_ds", os.listdir(os.path.join(cache, "aidaptiv_ds"))[0], "w", "rank0")
+        assert not os.path.exists(os.path.join(rank_dir, "slab.bin")) or \
+            os.path.getsize(os.path.join(rank_dir, "slab.bin")) < need // 4  # nothing partitioned yet
 
 
 @pytest.mark.subprocess

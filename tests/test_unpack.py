@@ -8,9 +8,8 @@ import sys
 
 import pytest
 import torch
+from _oracle import REPO, STORIES, STORIES_ABSENT, run
 from safetensors.torch import save_file
-
-from _oracle import REPO, STORIES, run
 
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
 
@@ -29,7 +28,7 @@ def cli(*args) -> subprocess.CompletedProcess:
                           env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 def test_training_starts_from_the_unpacked_store(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -47,7 +46,7 @@ def test_training_starts_from_the_unpacked_store(tmp_path):
     assert again["losses"] == ref["losses"]
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES} (../shared absent)")
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
 def test_world_size_mismatch_is_named(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 import torch
-
 from _oracle import REPO, free_port
+
 from aidaptiv_ds.bench.fuzz import _same, _tail, compare
 
 pytestmark = pytest.mark.multirank

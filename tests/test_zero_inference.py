@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from _oracle import REPO, STORIES, free_port
+from _oracle import REPO, STORIES, STORIES_ABSENT, free_port
 
 pytestmark = [pytest.mark.subprocess,  # every test here starts a child process (tests/conftest.py)
-              pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"real model not found at {STORIES}")]
+              pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)]
 PROMPT = {"prompt_tokens": 40, "seed": 1, "max_new_tokens": 12}
 
 

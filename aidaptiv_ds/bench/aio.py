@@ -159,9 +159,8 @@ def install_native_aio(want: str, clock: WaitClock) -> dict:
         ``{"aio": "compiled" | "python", "status", "load_s"}``; when ``"compiled"`` was wanted and
         does not load, ``status`` is ``"compiled aio unavailable: <reason>"`` and the Python handle is used.
     """
-    from deepspeed.ops.op_builder.builder import OpBuilder
-
     from ..integration.aio_handle import register_with_deepspeed
+    from ..integration.aio_ops import loaded_async_io, set_loaded_async_io
     from .bench_io import load_deepspeed_aio
 
     t0 = time.perf_counter()
@@ -169,13 +168,13 @@ def install_native_aio(want: str, clock: WaitClock) -> dict:
     if want == "compiled":
         module, why = load_deepspeed_aio("build")
         if module is not None:
-            OpBuilder._loaded_ops["async_io"] = module
+            set_loaded_async_io(module)
             kind, status = "compiled", f"DeepSpeed async_io op ({getattr(module, '__file__', '?')})"
         else:
             status = f"compiled aio unavailable: {why}"
     if kind == "python":
         register_with_deepspeed()
-    OpBuilder._loaded_ops["async_io"] = timed_op_module(OpBuilder._loaded_ops["async_io"], clock)
+    set_loaded_async_io(timed_op_module(loaded_async_io(), clock))
     return {"aio": kind, "status": status, "load_s": time.perf_counter() - t0}
 
 

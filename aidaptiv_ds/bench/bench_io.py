@@ -207,62 +207,23 @@ class EngineRunner:
 
 
 # ---------------------------------------------------------------------------- DeepSpeed's compiled handle
-def _is_ours(module) -> bool:
-    return getattr(getattr(module, "aio_handle", None), "__module__", "").startswith("aidaptiv_ds")
-
-
 def load_deepspeed_aio(mode: str = "auto"):
     """DeepSpeed's compiled ``async_io`` module, or ``(None, "not built: <reason>")``.
 
     ``mode``: ``"auto"`` uses it only when it is precompiled or already loaded (never starts a JIT
     build), ``"build"`` allows the JIT build (minutes; needs libaio-dev and a compiler), ``"off"``
-    does not look.
+    does not look (:func:`aidaptiv_ds.integration.aio_ops.load_compiled_async_io`).
     """
     if mode == "off":
         return None, "not built: not requested (--no-deepspeed-aio)"
     import contextlib
     import sys
 
+    from ..integration.aio_ops import load_compiled_async_io
+
     # DeepSpeed logs to stdout (its handler binds sys.stdout on import); keep stdout for our JSON
     with contextlib.redirect_stdout(sys.stderr):
-        return _load_deepspeed_aio(mode)
-
-
-def _load_deepspeed_aio(mode: str):
-    try:
-        from deepspeed.git_version_info import installed_ops
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        from deepspeed.ops.op_builder.builder import OpBuilder
-    except Exception as e:  # noqa: BLE001 - any import problem is a reason, not a crash
-        return None, f"not built: deepspeed is not importable ({type(e).__name__}: {e})"
-    loaded = OpBuilder._loaded_ops.get("async_io")
-    if loaded is not None and not _is_ours(loaded):
-        return loaded, "loaded"
-    if mode != "build" and not installed_ops.get("async_io", False):
-        return None, ("not built: async_io is not precompiled in this DeepSpeed install (installed_ops['async_io'] "
-                      "is False) and a JIT build takes minutes; pass --with-deepspeed-aio to build it")
-    # our handle may be registered in this process: step it aside while DeepSpeed loads its own
-    import sys
-
-    ours = OpBuilder._loaded_ops.pop("async_io", None) if loaded is not None else None
-    pin = getattr(sys, "_deepspeed_pin_memory_op_module", None)
-    pin_is_ours = pin is not None and not getattr(pin, "__file__", None)
-    if pin_is_ours:
-        sys._deepspeed_pin_memory_op_module = None
-    try:
-        builder = AsyncIOBuilder()
-        if not builder.is_compatible(verbose=False):
-            return None, ("not built: AsyncIOBuilder().is_compatible() is False (libaio and its headers not found; "
-                          "install libaio-dev)")
-        return builder.load(verbose=False), "built"
-    except Exception as e:  # noqa: BLE001
-        msg = str(e).strip().splitlines()
-        return None, f"not built: {type(e).__name__}: {msg[-1] if msg else ''}"
-    finally:
-        if ours is not None:
-            OpBuilder._loaded_ops["async_io"] = ours
-        if pin_is_ours and getattr(sys, "_deepspeed_pin_memory_op_module", None) is None:
-            sys._deepspeed_pin_memory_op_module = pin
+        return load_compiled_async_io(allow_build=mode == "build")
 
 
 class DeepSpeedRunner:

@@ -181,7 +181,7 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
         profile: cProfile each run's measured steps into its run directory (inflates step times).
         native_dedup: let DeepSpeed's parameter swapper drop repeated parameters in ``swap_in`` (its
             NVMe prefetch passes a Llama's ``lm_head`` twice and it then asserts; see
-            :func:`.worker.dedup_native_swap_in`); False runs DeepSpeed unmodified.
+            :func:`aidaptiv_ds.integration.bench_patches.dedup_native_swap_in`); False runs DeepSpeed unmodified.
         same_allocator: give the DeepSpeed backends the glibc allocator settings aidaptiv_ds's runtime
             applies to its own process (:func:`.runner.allocator_env`); False runs each as shipped.
         io_bench_bytes: test file of the bench-io before and after the runs (:func:`cache_path_rates`);

@@ -4,7 +4,8 @@ oracle) and with aidaptiv_ds, compared bit for bit.
 The promise is "add one section to your DeepSpeed JSON and keep your project". So the draws come from
 what users run: DeepSpeed's documented ZeRO-3 knobs, each left out (DeepSpeed's default) about as often
 as set, HF's and DeepSpeed's clipping defaults (``gradient_clipping`` left out is 1.0 in DeepSpeed 0.19.8),
-gradient accumulation, fp32 and bf16, one and two ranks, the DRAM budgets, offload combinations, and the
+gradient accumulation, a learning-rate scheduler, fp32 and bf16, one and two ranks, the DRAM budgets, offload
+combinations, and the
 model shapes of :mod:`aidaptiv_ds.bench.fuzz_models`. Each case trains a few optimizer steps with both
 backends (:mod:`aidaptiv_ds.bench.fuzz_worker`, a fresh process set each) and compares per-micro-step
 losses, per-step gradient norms, every gathered parameter, and each rank's fp32 master weights and Adam
@@ -36,7 +37,7 @@ import time
 
 import torch
 
-from .fuzz_models import KINDS, LM_KINDS
+from .fuzz_models import KINDS
 
 #: ``zero_optimization`` knobs drawn, with the values a set knob takes (a knob is left out with
 #: probability :data:`UNSET_P`, so DeepSpeed's default runs as often as a chosen value).
@@ -66,9 +67,12 @@ def draw(rng: random.Random, world: list[int] | None = None) -> dict:
     case: dict = {"model": kind, "hidden": hidden, "layers": layers,
                   "dtype": rng.choice(["fp32", "bf16"]), "world": rng.choice(world or [1, 2]),
                   "ga": rng.choice([1, 1, 2, 4]), "micro": rng.choice([1, 2]), "steps": 3,
-                  "zinit": rng.random() < 0.5, "offload": rng.choice(["nvme", "nvme", "nvme", "param_cpu", "param_none"]),
+                  "zinit": rng.random() < 0.5,
+                  "offload": rng.choice(["nvme", "nvme", "nvme", "param_cpu", "param_none"]),
                   "budget": rng.choice(["0", "0", "auto", "half"]), "seed": rng.randrange(1000),
                   "optimizer": rng.choice(["AdamW", "AdamW", "Adam"])}
+    if rng.random() < 0.3:
+        case["scheduler"] = "WarmupLR"
     clip = rng.choice(["unset", "unset", 0.0, 1.0, 1e-3])
     if clip != "unset":
         case["clip"] = clip
@@ -183,7 +187,7 @@ def compare(ref: list[dict], got: list[dict]) -> list[str]:
         elif not _same(a, b):
             out.append(f"parameter {name} differs" + (f" (max abs diff {(a - b).abs().max().item():.3e})"
                                                       if a.shape == b.shape else f" (shape {a.shape} vs {b.shape})"))
-    for r, (x, y) in enumerate(zip(ref, got)):
+    for r, (x, y) in enumerate(zip(ref, got, strict=True)):
         for key in ("masters", "exp_avg", "exp_avg_sq"):
             if not _same(x[key], y[key]):
                 out.append(f"rank {r}: {key} differ ({x[key].numel()} vs {y[key].numel()} elements)")
@@ -221,7 +225,7 @@ def _reductions(case: dict):
     for k, v in simpler.items():
         if case.get(k, v) != v:
             yield {**copy.deepcopy(case), k: v}
-    for k in ("clip", "max_in_cpu"):
+    for k in ("clip", "max_in_cpu", "scheduler"):
         if k in case:
             c = copy.deepcopy(case)
             del c[k]

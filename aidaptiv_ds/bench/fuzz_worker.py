@@ -66,6 +66,9 @@ def ds_config(case: dict, backend: str, cache: str) -> dict:
     }
     if case.get("clip") is not None:
         cfg["gradient_clipping"] = case["clip"]
+    if case.get("scheduler") == "WarmupLR":  # a learning rate that changes every step
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": case.get("lr", 1e-3),
+                                                           "warmup_num_steps": 4}}
     if case.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
     if ours:
@@ -73,40 +76,8 @@ def ds_config(case: dict, backend: str, cache: str) -> dict:
         if budget == "half":  # half the ZeRO-3 + Adam state of this rank (parameter, gradient, master, moments)
             elsize = 2 if case.get("dtype") == "bf16" else 4
             budget = n_params(case) * (elsize + 16) // 2 // case.get("world", 1)
-        cfg["aidaptiv"] = {"cache_paths": [cache], "dram_budget": budget}
+        cfg["aidaptiv"] = {"cache_paths": [cache], "dram_budget": budget, **case.get("aidaptiv", {})}
     return cfg
-
-
-def _flat_state(opt) -> dict:
-    """This rank's fp32 masters and Adam moments, each concatenated over the sub-groups (swapped in where
-    the optimizer state lives on a drive), and ``real``: which of their elements hold a parameter's element
-    (the rest pads the last rank's partitions: DeepSpeed leaves padding uninitialised, so it is not compared)."""
-    import deepspeed.comm as dist
-
-    masters, m1, m2, real = [], [], [], []
-    for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
-        swapped = opt._swappable_optimizer_subgroup(i)
-        if swapped:
-            opt._optimizer_states_and_gradient_swap_in(i)
-        masters.append(fp32.detach().float().clone())
-        state = opt.optimizer.state.get(fp32, {})
-        for out, key in ((m1, "exp_avg"), (m2, "exp_avg_sq")):
-            if key in state:
-                out.append(state[key].detach().float().clone())
-        if swapped:
-            opt._release_swap_buffers(i)
-        mask = torch.zeros(masters[-1].numel(), dtype=torch.bool)
-        off = 0
-        for p in opt.fp16_groups[i]:
-            n = p.partition_numel()
-            rank = dist.get_rank(group=opt._get_param_partition_group(p))
-            mask[off:off + max(0, min(n, p.ds_numel - rank * n))] = True
-            off += n
-        real.append(mask)
-    cat = lambda xs: torch.cat(xs) if xs else torch.empty(0)  # noqa: E731
-    r = cat(real).bool()
-    return {"masters": cat(masters)[r], "exp_avg": cat(m1)[r] if m1 else cat(m1),
-            "exp_avg_sq": cat(m2)[r] if m2 else cat(m2)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(a.out, exist_ok=True)
 
     from ..integration.blas_threads import pin_blas_threads
+    from ..integration.state_readout import flat_optimizer_state
     pin_blas_threads()  # GEMMs on a fixed thread count in both backends (integration/blas_threads.py)
     cfg = ds_config(case, a.backend, a.cache)
     if a.backend == "aidaptiv":
@@ -159,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         losses.append(step_losses)
         norm = eng.get_global_grad_norm()
         norms.append(float(norm) if norm is not None else None)
-    out = {"rank": rank, "world": eng.world_size, "losses": losses, "norms": norms, **_flat_state(eng.optimizer)}
+    out = {"rank": rank, "world": eng.world_size, "losses": losses, "norms": norms,
+           **flat_optimizer_state(eng.optimizer)}
     params = {}
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
@@ -171,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         from ..integration.runtime import current_runtime
         rt = current_runtime()
         out["plan"] = getattr(eng.optimizer, "aidaptiv_plan", None).as_dict() if rt is not None else None
+        out["optimizer_steps"] = rt.counters()["optimizer_steps"] if rt is not None else None
     torch.save(out, os.path.join(a.out, f"rank{rank}.pt"))
     print(json.dumps({"rank": rank, "losses": losses, "norms": norms}), flush=True)
 

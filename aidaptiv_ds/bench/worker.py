@@ -12,7 +12,7 @@ Usage (the runner does this; by hand only for debugging)::
 same), ``"from_pretrained"`` (``spec["model_dir"]`` loaded by ``from_pretrained`` under ZeRO-3, through
 ``HfDeepSpeedConfig``) or ``"unpacked"`` (zero.Init with ``aidaptiv.from_unpacked`` and ``run_name =
 spec["run_name"]``: the weights come from the store ``aidaptiv-ds unpack`` filled), ``native_dedup`` (native only,
-default true: :func:`dedup_native_swap_in`), ``t_launch`` (``time.time()``
+default true: :func:`aidaptiv_ds.integration.bench_patches.dedup_native_swap_in`), ``t_launch`` (``time.time()``
 when the runner started the process), optional ``profile`` (a path: cProfile of the steps after
 ``profile_after`` steps) and ``profile_after``, optional ``timeline`` (``[first, last]``: those steps'
 timeline into ``timeline-rank0.json`` beside ``RESULT.json``, :mod:`aidaptiv_ds.telemetry.timeline`).
@@ -109,44 +109,6 @@ def batch(seed: int, step: int, micro: int, seq: int, vocab: int):
     return torch.randint(0, vocab, (micro, seq), generator=g)
 
 
-def dedup_native_swap_in() -> None:
-    """Make DeepSpeed's own ``AsyncPartitionedParameterSwapper.swap_in`` drop repeated parameters.
-
-    DeepSpeed 0.19.8's NVMe prefetch (``partitioned_param_coordinator.py:667-690``) walks the trace
-    without de-duplicating, so a parameter used at the end of the forward and again at the start of
-    the backward (a Llama's ``lm_head``) can be passed twice, and its swapper then asserts
-    ``param N already assigned swap buffer id M`` (``docs/deepspeed-seams.md`` §5). Keeping the first
-    occurrence is what the call means; nothing else changes.
-    """
-    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper as S
-
-    orig = S.swap_in
-
-    def swap_in(self, params, async_op=True, swap_in_buffers=None):
-        seen, unique = set(), []
-        for p in params:
-            if p.ds_id not in seen:
-                seen.add(p.ds_id)
-                unique.append(p)
-        return orig(self, unique, async_op=async_op, swap_in_buffers=swap_in_buffers)
-
-    S.swap_in = swap_in
-
-
-def skip_shm_comm_build() -> None:
-    """Keep DeepSpeed's CPU accelerator from JIT-loading its ``deepspeed_shm_comm`` op.
-
-    Every DeepSpeed process on a CPU accelerator builds or loads that op (shared-memory collectives
-    for several ranks on one host) when ``deepspeed.comm`` initialises, through the torch extensions
-    cache: a first build takes minutes, and a stale lock left there by a killed build makes every
-    later process wait forever. A single-rank run never uses it, so each backend skips it alike and
-    launch-to-first-step measures the backends, not that cache.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
 def _counters():
     from ..telemetry import counters
 
@@ -156,6 +118,8 @@ def _counters():
 def build_engine(spec: dict, out: ResultFile, clock) -> tuple:
     """Set up the backend's I/O probes, build and initialise the model, partition it, build the
     engine. Returns ``(engine, settings, shape)``."""
+    from ..integration.bench_patches import dedup_native_swap_in, skip_shm_comm_build
+    from ..integration.zero_params import full_numel
     from .aio import install_native_aio
     from .backends import TrainSettings, ds_config
     from .models import LlamaShape
@@ -203,14 +167,14 @@ def build_engine(spec: dict, out: ResultFile, clock) -> tuple:
 
         hf_ds = HfDeepSpeedConfig(cfg)  # noqa: F841 - transformers keeps only a weak reference
         model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype)
-        out.update(phase="initialize", n_params=sum(p.ds_numel for p in model.parameters()),
+        out.update(phase="initialize", n_params=sum(full_numel(p) for p in model.parameters()),
                    build_s=time.time() - t_launch, partition_s=time.time() - t_launch)
     elif build == "zero_init":  # each parameter is partitioned as it is created (no whole fp32 model)
         # no dtype argument: DeepSpeed 0.19.8 on a CPU accelerator turns any dtype given into bf16
         # (partition_parameters.py:409, an operator precedence slip); from the config it takes the right one
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = LlamaForCausalLM(shape.hf_config())
-        out.update(phase="initialize", n_params=sum(p.ds_numel for p in model.parameters()),
+        out.update(phase="initialize", n_params=sum(full_numel(p) for p in model.parameters()),
                    build_s=time.time() - t_launch, partition_s=time.time() - t_launch)
     else:
         model = LlamaForCausalLM(shape.hf_config())  # HF init runs here, before any partitioning
@@ -229,15 +193,17 @@ def build_engine(spec: dict, out: ResultFile, clock) -> tuple:
 
 def _engine_info(engine, backend: str) -> dict:
     """The swapper classes DeepSpeed ended up with and, for aidaptiv_ds, the budget and residency plan."""
+    from ..integration.zero_params import optimizer_swapper_of, swapper_of
+
     info = {}
     if backend.startswith("aidaptiv"):
         from ..integration.runtime import current_runtime
 
         plan = getattr(engine.optimizer, "aidaptiv_plan", None)
         info = {"budget_bytes": current_runtime().budget, "plan": plan.as_dict() if plan is not None else None}
-    swapper = getattr(next(engine.module.parameters()), "nvme_swapper", None)
+    swapper = swapper_of(next(engine.module.parameters()))
     info["swapper"] = type(swapper).__name__ if swapper is not None else None
-    info["optimizer_swapper"] = type(getattr(engine.optimizer, "optimizer_swapper", None)).__name__
+    info["optimizer_swapper"] = type(optimizer_swapper_of(engine.optimizer)).__name__
     return info
 
 

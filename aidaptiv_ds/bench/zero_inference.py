@@ -96,7 +96,7 @@ def _load(spec: dict, backend: str, torch):
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
-    from .worker import dedup_native_swap_in, skip_shm_comm_build
+    from ..integration.bench_patches import dedup_native_swap_in, skip_shm_comm_build
 
     skip_shm_comm_build()
     if backend == "native":
@@ -140,13 +140,14 @@ def run(spec: dict, out: dict, write) -> None:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
 
+    from ..integration.zero_params import swapper_of
     from ..telemetry import counters
     from .probes import process_peak_rss_bytes
 
     model, engine, _keep = _load(spec, backend, torch)
     out["threads"] = torch.get_num_threads()
     out["setup_s"] = time.time() - t_start
-    swapper = getattr(next(model.parameters()), "nvme_swapper", None)
+    swapper = swapper_of(next(model.parameters()))
     out["swapper"] = type(swapper).__name__ if swapper is not None else None
     plan = getattr(engine, "aidaptiv_inference", None) if engine is not None else None
     out["plan"] = plan.as_dict() if plan is not None else None

@@ -17,27 +17,12 @@ import shutil
 import torch
 
 from ..io.atomic import AtomicFile, atomic_write
-from .format import safetensors_header
+from .format import safetensors_header, split_into_shards
 from .reader import CheckpointReader
 
 #: Files copied from ``source_dir`` when present (tokenizer, chat template, generation defaults).
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
               "merges.txt", "generation_config.json", "chat_template.jinja", "added_tokens.json")
-
-
-def _shards(reader: CheckpointReader, dtype: torch.dtype, shard_bytes: int) -> list[list[str]]:
-    shards, cur, size = [], [], 0
-    elsize = dtype.itemsize
-    for name, info in reader.params.items():
-        n = info.numel * elsize
-        if cur and size + n > shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(name)
-        size += n
-    if cur:
-        shards.append(cur)
-    return shards
 
 
 def export_hf(tag_path: str | list[str], out_dir: str, dtype: torch.dtype = torch.float32, source_dir: str | None = None,
@@ -62,8 +47,8 @@ def export_hf(tag_path: str | list[str], out_dir: str, dtype: torch.dtype = torc
     """
     reader = CheckpointReader(tag_path)
     os.makedirs(out_dir, exist_ok=True)
-    shards = _shards(reader, dtype, shard_bytes)
     elsize = dtype.itemsize
+    shards = split_into_shards(list(reader.params), lambda n: reader.params[n].numel * elsize, shard_bytes)
     dname = str(dtype).replace("torch.", "")
     files, weight_map, total = [], {}, 0
     for k, names in enumerate(shards):

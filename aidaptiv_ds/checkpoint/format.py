@@ -78,6 +78,25 @@ def rank_dirname(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
+def split_into_shards(items: list, nbytes, shard_bytes: int) -> list[list]:
+    """``items`` in order, in consecutive groups of at most ``shard_bytes`` bytes (``nbytes(item)``
+    each; an item larger than ``shard_bytes`` is a group of its own): the files of an HF model
+    directory of several ``model-0000k-of-0000n.safetensors``."""
+    shards: list[list] = []
+    cur: list = []
+    size = 0
+    for it in items:
+        n = nbytes(it)
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(it)
+        size += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
 def safetensors_header(tensors: list[tuple[str, str, list[int], int]], metadata: dict | None = None,
                        align: int = ALIGN) -> tuple[bytes, list[int]]:
     """Header bytes of a safetensors file whose data starts at a multiple of ``align`` bytes.
@@ -281,16 +300,7 @@ def publish(save_dir: str, tag: str, kill_point=lambda name: None, keep_old: boo
         kill_point("after_switch")
         return "new"
     if keep_old:
-        old = retired_dir(save_dir, tag)
-        os.makedirs(os.path.dirname(old), exist_ok=True)
-        _rmtree(old)
-        _rename(dst, old)
-        fsync_dir(os.path.dirname(old))
-        fsync_dir(parent)
-        kill_point("mid_switch")
-        _rename(src, dst)
-        fsync_dir(parent)
-        kill_point("after_switch")
+        _set_aside_and_rename(save_dir, tag, kill_point)
         return "old set aside"
     if exchange(src, dst):  # now src holds the old tag
         fsync_dir(parent)
@@ -298,6 +308,16 @@ def publish(save_dir: str, tag: str, kill_point=lambda name: None, keep_old: boo
         kill_point("after_switch")
         _rmtree(src)
         return "exchanged"
+    _rmtree(_set_aside_and_rename(save_dir, tag, kill_point))
+    return "two renames"
+
+
+def _set_aside_and_rename(save_dir: str, tag: str, kill_point) -> str:
+    """Move the old ``<save_dir>/<tag>`` to its retired directory, then the staging one into its place,
+    each rename made durable before the next (kill points ``mid_switch``, ``after_switch``). Returns
+    the retired directory."""
+    src, dst = staging_dir(save_dir, tag), tag_dir(save_dir, tag)
+    parent = os.path.dirname(os.path.abspath(dst))
     old = retired_dir(save_dir, tag)
     os.makedirs(os.path.dirname(old), exist_ok=True)
     _rmtree(old)
@@ -308,8 +328,7 @@ def publish(save_dir: str, tag: str, kill_point=lambda name: None, keep_old: boo
     _rename(src, dst)
     fsync_dir(parent)
     kill_point("after_switch")
-    _rmtree(old)
-    return "two renames"
+    return old
 
 
 def _rename(a: str, b: str) -> None:

@@ -69,29 +69,47 @@ def rank_need(save_dir: str, need: int, cache_paths: list[str], slab_bytes: list
     return RankNeed(fs, st.f_bavail * st.f_frsize, int(need), [p for p, _ in shared], sum(b for _, b in shared))
 
 
-def verdict(save_dir: str, tag: str, ranks: list[RankNeed]) -> CheckpointSpaceError | None:
-    """The error every rank raises when the ranks' needs on one filesystem exceed its free space
-    (the smallest free space any of them sees), else None. Deterministic in ``ranks``, so every rank
-    computes the same answer from the same gathered list."""
+@dataclasses.dataclass
+class _Short:
+    """A filesystem where the ranks' needs exceed its free space."""
+    need: int  # bytes, summed over the ranks writing there
+    free: int  # bytes, the smallest free space any of them sees
+    shared_cache_paths: list[str]  # cache paths on that filesystem (sorted)
+    slab_bytes: int  # bytes the slabs of those ranks hold there
+
+
+def _first_short_filesystem(ranks: list[RankNeed]) -> _Short | None:
+    """The first filesystem (in sorted order of its id) whose ranks need more than it has free, or
+    None. Deterministic in ``ranks``, so every rank finds the same one from the same gathered list."""
     by_fs: dict[str, list[RankNeed]] = {}
     for r in ranks:
         by_fs.setdefault(r.fs, []).append(r)
     for fs in sorted(by_fs):
         group = by_fs[fs]
         need, free = sum(r.need for r in group), min(r.free for r in group)
-        if need <= free:
-            continue
-        detail = ""
-        paths = sorted({p for r in group for p in r.shared_cache_paths})
-        if paths:
-            held = sum(r.slab_bytes for r in group)
-            detail = (f" The cache path{'s' if len(paths) > 1 else ''} {', '.join(paths)} {'are' if len(paths) > 1 else 'is'} "
-                      f"on the same filesystem; the slabs of this run hold {format_bytes(held)} there (the state "
-                      f"plus its margin).")
-            for p in paths:
-                detail += dead_store_hint(p, need, free)
-        return CheckpointSpaceError(save_dir, tag, need, free, detail)
+        if need > free:
+            return _Short(need, free, sorted({p for r in group for p in r.shared_cache_paths}),
+                          sum(r.slab_bytes for r in group))
     return None
+
+
+def verdict(save_dir: str, tag: str, ranks: list[RankNeed]) -> CheckpointSpaceError | None:
+    """The error every rank raises when the ranks' needs on one filesystem exceed its free space
+    (the smallest free space any of them sees), else None. Deterministic in ``ranks``, so every rank
+    computes the same answer from the same gathered list."""
+    short = _first_short_filesystem(ranks)
+    if short is None:
+        return None
+    need, free, paths = short.need, short.free, short.shared_cache_paths
+    detail = ""
+    if paths:
+        many = len(paths) > 1
+        detail = (f" The cache path{'s' if many else ''} {', '.join(paths)} {'are' if many else 'is'} on the same "
+                  f"filesystem; the slabs of this run hold {format_bytes(short.slab_bytes)} there (the state plus "
+                  f"its margin).")
+        for p in paths:
+            detail += dead_store_hint(p, need, free)
+    return CheckpointSpaceError(save_dir, tag, need, free, detail)
 
 
 def preflight_verdict(checkpoint_dir: str, ranks: list[RankNeed]) -> StorageFullError | None:
@@ -99,26 +117,19 @@ def preflight_verdict(checkpoint_dir: str, ranks: list[RankNeed]) -> StorageFull
     shares a filesystem with ``checkpoint_dir`` does not fit in what is free there now -- after the
     slabs reserved the state, so when a cache path shares the filesystem the numbers are state +
     checkpoint against its free space. None when it fits."""
-    by_fs: dict[str, list[RankNeed]] = {}
-    for r in ranks:
-        by_fs.setdefault(r.fs, []).append(r)
-    for fs in sorted(by_fs):
-        group = by_fs[fs]
-        need, free = sum(r.need for r in group), min(r.free for r in group)
-        if need <= free:
-            continue
-        paths = sorted({p for r in group for p in r.shared_cache_paths})
-        held = sum(r.slab_bytes for r in group)
-        if paths:
-            detail = (f"; it shares its filesystem with the cache path{'s' if len(paths) > 1 else ''} "
-                      f"{', '.join(paths)}, where the slabs already reserved {format_bytes(held)} for the training "
-                      f"state (and its margin), so state + checkpoint need {format_bytes(held + need)} of the "
-                      f"{format_bytes(held + free)} there.")
-            detail += "".join(dead_store_hint(p, need, free) for p in paths)
-        else:
-            detail = "."
-        return CheckpointPreflightError(checkpoint_dir, need, free, detail)
-    return None
+    short = _first_short_filesystem(ranks)
+    if short is None:
+        return None
+    need, free, paths, held = short.need, short.free, short.shared_cache_paths, short.slab_bytes
+    if paths:
+        detail = (f"; it shares its filesystem with the cache path{'s' if len(paths) > 1 else ''} "
+                  f"{', '.join(paths)}, where the slabs already reserved {format_bytes(held)} for the training "
+                  f"state (and its margin), so state + checkpoint need {format_bytes(held + need)} of the "
+                  f"{format_bytes(held + free)} there.")
+        detail += "".join(dead_store_hint(p, need, free) for p in paths)
+    else:
+        detail = "."
+    return CheckpointPreflightError(checkpoint_dir, need, free, detail)
 
 
 class CheckpointPreflightError(StorageFullError):

@@ -204,14 +204,14 @@ def check_deepspeed_aio() -> dict:
     """Whether DeepSpeed's compiled ``async_io`` op is installed or JIT-buildable (informational only)."""
     out = {"installed": None, "jit_compatible": None, "needed": False,
            "note": "aidaptiv_ds does not need DeepSpeed's async_io op: its own I/O engine replaces it"}
+    from ..integration.aio_ops import async_io_buildable, async_io_installed
+
     try:
-        import deepspeed.git_version_info as gvi
-        out["installed"] = bool(gvi.installed_ops.get("async_io", False))
+        out["installed"] = async_io_installed()
     except Exception as e:  # DeepSpeed missing or broken: already reported by check_versions
         out["installed_error"] = f"{type(e).__name__}: {e}"
     try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        out["jit_compatible"] = bool(AsyncIOBuilder().is_compatible(verbose=False))
+        out["jit_compatible"] = async_io_buildable()
     except Exception as e:
         out["jit_error"] = f"{type(e).__name__}: {e}"
     return out

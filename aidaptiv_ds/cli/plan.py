@@ -6,9 +6,21 @@ Examples::
     aidaptiv-ds plan --params 70e9 --gpus 4 --vram 48GB --dram 512GB --cache /mnt/c0:2TB --cache /mnt/c1:2TB --json
     aidaptiv-ds plan --model ./my-model --gpus 1 --vram 24GB --dram 128GB --cache /mnt/c0:2TB:read=7:write=6:dwpd=30
     aidaptiv-ds plan --params 7e9 --cache /tmp --cpu-ranks            # training on this machine's CPU, one rank
+    aidaptiv-ds plan --model llama-3.1-405b --gpus 2 --vram 96GB --dram 512GB --cache 8TB:read=7:write=6 --ga 16
 
-``--cache`` takes ``[PATH:]SIZE[:read=GBPS][:write=GBPS][:dwpd=N][:years=N]`` or a bare existing
+``--ga N`` (``--grad-accum``) plans ``N`` micro-batches per optimizer step; ``--schedule`` shows the drive,
+link and compute cost of one step micro-batch-major (what the runtime does), layer-major (GreedySnake's
+vertical schedule), or both side by side (default), with a step-time estimate from ``--read-gbps`` /
+``--write-gbps`` (or each drive's ``read=`` / ``write=``), ``--pcie-gbps`` and ``--gpu-tflops`` x ``--mfu``.
+
+``--cache`` takes ``[PATH:]SIZE[:read=GBPS][:write=GBPS][:dwpd=N|tbw=SIZE][:years=N]`` or a bare existing
 ``PATH`` (capacity = its filesystem size). Formulas: :mod:`aidaptiv_ds.planner.plan`.
+
+The verdict says FITS, but also when the pace wears the drives out before their rating allows
+("FITS, but wears the drives out in N days", :mod:`aidaptiv_ds.planner.wear`), with what brings the
+pace within the rating; ``--strict`` makes that a refusal (exit code 1). The drives' rating comes
+from ``--dwpd``/``--tbw``, the ``dwpd=``/``tbw=`` of a ``--cache``, or the ``"aidaptiv"`` section's
+``endurance`` of ``--deepspeed CONFIG``; without any, 1 DWPD is assumed and the plan asks for it.
 """
 from __future__ import annotations
 
@@ -19,8 +31,8 @@ import os
 from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL
 from ..planner.model_size import load_model_shape, nearest_preset
 from ..planner.plan import (
-    DEFAULT_READ_GBPS,
     DEEPSPEED_MAX_LIVE_PARAMETERS,
+    DEFAULT_READ_GBPS,
     DEFAULT_SUB_GROUP_SIZE,
     DEFAULT_WRITE_GBPS,
     MOMENT_BYTES,
@@ -30,6 +42,17 @@ from ..planner.plan import (
     PlanInput,
     make_plan,
 )
+from ..planner.schedule import (
+    DEFAULT_GPU,
+    DEFAULT_MFU,
+    DEFAULT_PCIE,
+    GPU_PEAK_TFLOPS,
+    LAYER_MAJOR,
+    PCIE_PRESETS_GBPS,
+    SCHEDULE_CHOICES,
+    parse_rate,
+)
+from ..planner.wear import describe as describe_wear
 from ..store.ledger import EnduranceRating, filesystem_capacity
 from ..store.slab import free_bytes
 from ..telemetry.nvml import nvml_status
@@ -42,7 +65,8 @@ def _dec(n: float) -> str:
     return format_bytes(n, decimal=True)
 
 
-_DRIVE_KEYS = {"read": "read_gbps", "write": "write_gbps", "dwpd": "rated_dwpd", "years": "warranty_years"}
+_DRIVE_KEYS = {"read": "read_gbps", "write": "write_gbps", "dwpd": "rated_dwpd", "years": "warranty_years",
+               "tbw": "rated_tbw"}
 
 
 def parse_cache_spec(spec: str, defaults: dict) -> CacheDrive:
@@ -50,7 +74,8 @@ def parse_cache_spec(spec: str, defaults: dict) -> CacheDrive:
 
     A bare ``PATH`` takes the capacity of its filesystem (for DWPD) and its free space now (for the fit).
 
-    ``defaults`` holds ``read_gbps``, ``write_gbps``, ``rated_dwpd``, ``warranty_years``.
+    ``defaults`` holds ``read_gbps``, ``write_gbps``, ``rated_dwpd``, ``warranty_years`` and optionally
+    ``rated_tbw`` (bytes: the rated DWPD is then ``tbw / (capacity x 365 x warranty_years)``).
 
     Raises:
         ValueError: naming ``--cache``, the spec and the accepted forms.
@@ -65,9 +90,12 @@ def parse_cache_spec(spec: str, defaults: dict) -> CacheDrive:
             raise ValueError(f"--cache {spec!r}: unknown key {k!r}; use {', '.join(_DRIVE_KEYS)} "
                              f"(e.g. /mnt/c0:2TB:read=7:write=6:dwpd=30)")
         try:
-            fields[_DRIVE_KEYS[k]] = float(v)
+            fields[_DRIVE_KEYS[k]] = parse_size(v, f"--cache {spec!r}: tbw") if k == "tbw" else float(v)
         except ValueError:
-            raise ValueError(f"--cache {spec!r}: {k}={v!r} is not a number") from None
+            raise ValueError(f"--cache {spec!r}: {k}={v!r} is not a number"
+                             + (" or size (e.g. tbw=14PB)" if k == "tbw" else "")) from None
+        if k == "dwpd":
+            fields.pop("rated_tbw", None)  # this drive's own DWPD wins over a default --tbw
     path, size = None, None
     if len(rest) == 1:
         try:
@@ -85,6 +113,9 @@ def parse_cache_spec(spec: str, defaults: dict) -> CacheDrive:
             raise ValueError(f"--cache {spec!r}: {path!r} is not a size and not an existing directory; give "
                              f"PATH:SIZE (e.g. {path}:2TB) or a size such as 2TB")
         size, free = filesystem_capacity(path), free_bytes(path)
+    tbw = fields.pop("rated_tbw", None)
+    if tbw is not None:
+        fields["rated_dwpd"] = tbw / (size * 365.0 * fields["warranty_years"])
     return CacheDrive(capacity=size, path=path, free=free, **fields)
 
 
@@ -104,11 +135,28 @@ def register(subparsers) -> None:
                    help="a cache drive (repeat per drive): 8TB, /mnt/c0:2TB, /mnt/c0:2TB:read=7:write=6:dwpd=30")
     p.add_argument("--read-gbps", type=float, help=f"default drive read GB/s (default {DEFAULT_READ_GBPS})")
     p.add_argument("--write-gbps", type=float, help=f"default drive write GB/s (default {DEFAULT_WRITE_GBPS})")
-    p.add_argument("--dwpd", type=float, help=f"default rated DWPD (default {EnduranceRating.rated_dwpd})")
+    p.add_argument("--dwpd", type=float, help="the drives' rated DWPD, from the data sheet (cache SSDs: 30-100; "
+                   f"without it or --tbw: the config's endurance.rated_dwpd, else {EnduranceRating.rated_dwpd}, assumed)")
+    p.add_argument("--tbw", help="the drives' rated TBW per drive instead of --dwpd, e.g. 14PB (over --warranty-years)")
+    p.add_argument("--deepspeed", metavar="CONFIG", help="a DeepSpeed config whose \"aidaptiv\" section gives the "
+                   "drives' endurance (rated_dwpd, warranty_years)")
+    p.add_argument("--strict", action="store_true", help="refuse (exit code 1) a plan that fits but writes the drives "
+                   "faster than their rated DWPD")
     p.add_argument("--warranty-years", type=float, help=f"default warranty (default {EnduranceRating.warranty_years})")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (default 1)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
+    p.add_argument("--grad-accum", "--ga", dest="grad_accum", type=int, default=1,
+                   help="gradient accumulation: micro-batches per optimizer step (default 1)")
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="both",
+                   help="gradient-accumulation schedule to cost: micro-batch-major (what the runtime does), "
+                        "layer-major (every micro-batch through a block before the next, GreedySnake), or both "
+                        "side by side (default)")
+    p.add_argument("--pcie-gbps", default=None, metavar="GBPS|PRESET",
+                   help=f"host-device GB/s per direction per GPU for the step-time estimate, or a preset "
+                        f"({', '.join(f'{k} = {v:g}' for k, v in PCIE_PRESETS_GBPS.items())}; default {DEFAULT_PCIE})")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                   help=f"fraction of --gpu-tflops training sustains, for the step-time estimate (default "
+                        f"{DEFAULT_MFU})")
     p.add_argument("--dtype", default="bf16", choices=sorted(PARAM_BYTES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(MOMENT_BYTES))
     p.add_argument("--no-activation-checkpointing", action="store_true", help="keep all activations")
@@ -119,7 +167,10 @@ def register(subparsers) -> None:
                         "fewer when the loss is taken at response tokens only, as launch/finetune.py does)")
     p.add_argument("--sub-group-size", type=float, default=DEFAULT_SUB_GROUP_SIZE,
                    help="optimizer sub-group in elements (DeepSpeed sub_group_size, default 1e9)")
-    p.add_argument("--gpu-tflops", type=float, help="peak dense TFLOP/s per GPU for the compute bound")
+    p.add_argument("--gpu-tflops", default=None, metavar="TFLOPS|PRESET",
+                   help=f"peak dense TFLOP/s per GPU for the compute bound, or a preset "
+                        f"({', '.join(f'{k} = {v:g}' for k, v in GPU_PEAK_TFLOPS.items())}); the step-time "
+                        f"estimate of the schedules uses {DEFAULT_GPU} when it is left out")
     p.add_argument("--dataset-tokens", type=float, help="tokens in one epoch (for writes per epoch and run)")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the run (default 1)")
     p.add_argument("--step-time", type=float, help="measured seconds per step (endurance pace; default: lower bound)")
@@ -194,31 +245,70 @@ def plan_input_from_args(args) -> PlanInput:
         assumed.append("dram (MemTotal of this host)")
     if not args.cache:
         raise ValueError("--cache: no cache drive given; fix: add --cache SIZE or --cache PATH:SIZE per drive")
+    if args.dwpd is not None and args.tbw is not None:
+        raise ValueError("--dwpd and --tbw both given; give the drive's rating one way (the data sheet states both: "
+                         "TBW = DWPD x capacity x 365 x warranty years)")
+    endurance = _config_endurance(args.deepspeed) if args.deepspeed else {}
     defaults = {"read_gbps": args.read_gbps or DEFAULT_READ_GBPS, "write_gbps": args.write_gbps or DEFAULT_WRITE_GBPS,
-                "rated_dwpd": args.dwpd or EnduranceRating.rated_dwpd,
-                "warranty_years": args.warranty_years or EnduranceRating.warranty_years}
+                "rated_dwpd": args.dwpd or endurance.get("rated_dwpd") or EnduranceRating.rated_dwpd,
+                "warranty_years": args.warranty_years or endurance.get("warranty_years")
+                or EnduranceRating.warranty_years}
+    if args.tbw is not None:
+        defaults["rated_tbw"] = parse_size(args.tbw, "--tbw")
     drives = [parse_cache_spec(s, defaults) for s in args.cache]
     specs = ":".join(args.cache)
     if args.read_gbps is None and "read=" not in specs:
         assumed.append(f"drive read GB/s ({DEFAULT_READ_GBPS}, a PCIe 4.0 NVMe figure; measure with bench-io)")
     if args.write_gbps is None and "write=" not in specs:
         assumed.append(f"drive write GB/s ({DEFAULT_WRITE_GBPS}; measure with bench-io)")
-    if args.dwpd is None and "dwpd=" not in specs:
-        assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd}; give the data sheet's figure)")
+    if args.dwpd is None and args.tbw is None and "rated_dwpd" not in endurance and not all(
+            "dwpd=" in c or "tbw=" in c for c in args.cache):
+        assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd:g}; give the data sheet's figure: --dwpd N or --tbw SIZE)")
     budget = None if str(args.dram_budget).lower() == "auto" else parse_size(args.dram_budget, "--dram-budget")
+    tflops = parse_rate(args.gpu_tflops, GPU_PEAK_TFLOPS, "--gpu-tflops") if args.gpu_tflops is not None else None
+    link = parse_rate(args.pcie_gbps, PCIE_PRESETS_GBPS, "--pcie-gbps") if args.pcie_gbps is not None else None
+    if not cpu_ranks:
+        if link is None:
+            assumed.append(f"host-device link {PCIE_PRESETS_GBPS[DEFAULT_PCIE]:g} GB/s per GPU (preset {DEFAULT_PCIE}; "
+                           f"give --pcie-gbps)")
+        if tflops is None:
+            assumed.append(f"GPU peak {GPU_PEAK_TFLOPS[DEFAULT_GPU]:g} TFLOP/s (preset {DEFAULT_GPU}; give "
+                           f"--gpu-tflops) for the schedules' estimate")
+    if args.mfu == DEFAULT_MFU and (tflops is not None or not cpu_ranks):
+        assumed.append(f"training sustains {DEFAULT_MFU:g} of the peak FLOP/s (give --mfu)")
     return PlanInput(
         shape=shape, n_params=n_params, shape_source=source, gpus=gpus, nodes=args.nodes, vram=vram, dram=dram,
         drives=drives, dram_budget=budget, micro_batch=args.micro_batch, seq_len=args.seq_len,
         grad_accum=args.grad_accum, dtype=args.dtype, optimizer=args.optimizer,
         activation_checkpointing=not args.no_activation_checkpointing, flash_attention=not args.no_flash_attention,
         dropout=args.dropout, sub_group_size=int(args.sub_group_size),
-        gpu_flops=args.gpu_tflops * 1e12 if args.gpu_tflops else None,
+        gpu_flops=tflops * 1e12 if tflops else None, schedule=args.schedule, link_gbps=link, gpu_mfu=args.mfu,
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
         step_time_s=args.step_time, cpu_ranks=cpu_ranks,
         max_live_parameters=int(args.max_live_parameters),
         reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else CPU_REDUCE_BUCKET_NUMEL, gradient_clipping=args.gradient_clipping,
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward],
         logits_tokens=args.logits_tokens, assumed=assumed)
+
+
+def _config_endurance(path: str) -> dict:
+    """``aidaptiv.endurance`` of the DeepSpeed config at ``path`` (validated as the runtime does):
+    ``rated_dwpd`` and ``warranty_years`` where the section sets them.
+
+    Raises:
+        ValueError / AidaptivConfigError: the file cannot be read or its section is invalid (named).
+    """
+    from ..integration.config import load_ds_dict, parse_section, section_enabled
+
+    try:
+        raw = load_ds_dict(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--deepspeed {path!r}: {e}") from None
+    if not section_enabled(raw):
+        return {}
+    sec = raw["aidaptiv"].get("endurance") or {}
+    cfg = parse_section(raw["aidaptiv"]).endurance  # the section's own checks (keys, values), not the whole config's
+    return {k: getattr(cfg, k) for k in ("rated_dwpd", "warranty_years") if k in sec}
 
 
 def _days(x: float | None) -> str:
@@ -233,8 +323,90 @@ def _secs(x: float | None) -> str:
     return f"{x:,.2f} s" if x < 600 else f"{x / 60:,.1f} min"
 
 
-def format_plan(p: CapacityPlan) -> str:
-    """The plan as text for people (the JSON carries the same numbers)."""
+def _dur(x: float | None) -> str:
+    """Seconds for people: ``s`` below 10 minutes, ``min`` below 2 hours, then ``h``."""
+    if x is None:
+        return "n/a"
+    return f"{x:,.0f} s" if x < 600 else f"{x / 60:,.1f} min" if x < 7200 else f"{x / 3600:,.2f} h"
+
+
+_PARTS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
+          ("activations", "boundary activations"))
+
+
+def schedule_summary(p: CapacityPlan, name: str) -> str:
+    """One line on schedule ``name`` of ``p.schedules``: drive bytes per optimizer step per node, where the
+    boundary activations live (layer-major), the three times and the estimate (the README's planner table
+    quotes these lines as printed)."""
+    sc = p.schedules or {}
+    c = sc[name]
+    t = c["step_time"]
+    line = (f"GA {c['grad_accum']}, {name}: reads {_dec(c['read_bytes_best'])} and writes {_dec(c['write_bytes'])} "
+            f"per optimizer step ({c['read_bytes_best_per_param']:.1f} / {c['write_bytes_per_param']:.1f} B/param)")
+    if name == LAYER_MAJOR:
+        a = c["boundary_activations"]
+        line += (f", boundary activations {_dec(a['bytes'])} ({_dec(a['dram'])} in DRAM, {_dec(a['drive'])} "
+                 f"written and read on the drives)")
+    elif c["reads"]["gradients"] or c["writes"]["gradients"]:
+        line += f", gradients {_dec(c['writes']['gradients'])} written and {_dec(c['reads']['gradients'])} read"
+    parts = [f"drives {_dur(t['drive_s'])}"] + ([f"link {_dur(t['link_s'])}"] if t["link_s"] is not None else []) \
+        + [f"compute {_dur(t['compute_s'])}" if t["compute_s"] is not None else "compute not estimated"]
+    line += (f"; {', '.join(parts)}: "
+             f"about {_dur(t['estimate_s'])} per step (bound by the {t['bound_by']}; {_dur(t['serial_s'])} with no "
+             f"overlap)")
+    if name == LAYER_MAJOR and sc.get("layer_major_speedup"):
+        line += f", {sc['layer_major_speedup']:.2f}x the speed of micro-batch-major"
+    return line
+
+
+def format_schedules(p: CapacityPlan) -> list[str]:
+    """The schedules of ``p`` side by side (text lines; formulas: :mod:`aidaptiv_ds.planner.schedule`)."""
+    sc = p.schedules
+    if not sc:
+        return []
+    names = sc["shown"]
+    r = sc["rates"]
+    w = 30
+
+    def row(label: str, cells: list[str]) -> str:
+        return f"  {label:<24}" + "".join(f"{x:>{w}}" for x in cells)
+
+    out = [f"schedules  GA {sc['grad_accum']}: drive bytes per optimizer step per node, an estimate "
+           f"(aidaptiv_ds/planner/schedule.py)", row("", names)]
+    for key, title in (("read_bytes_best", "drive reads"), ("write_bytes", "drive writes")):
+        part = "reads" if key.startswith("read") else "writes"
+        per = "read_bytes_best_per_param" if part == "reads" else "write_bytes_per_param"
+        out.append(row(title, [f"{_dec(sc[n][key])} ({sc[n][per]:.1f} B/param)" for n in names]))
+        for k, label in _PARTS:
+            out.append(row("  " + label, [_dec(sc[n][part][k]) if sc[n][part][k] else "-" for n in names]))
+    out.append(row("boundary activations", [
+        f"{_dec(sc[n]['boundary_activations']['bytes'])}: {_dec(sc[n]['boundary_activations']['dram'])} in DRAM"
+        if n == LAYER_MAJOR else "on the GPU" if r["link_gbps"] else "in the rank's memory" for n in names]))
+    if r["link_gbps"]:
+        out.append(row("host->GPU / GPU->host", [f"{_dec(sc[n]['link_per_rank']['host_to_device'])} / "
+                                                f"{_dec(sc[n]['link_per_rank']['device_to_host'])}" for n in names]))
+    out.append(row("drives / link / compute", [" / ".join(_dur(sc[n]["step_time"][k]) for k in
+                                                          ("drive_s", "link_s", "compute_s")) for n in names]))
+    out.append(row("step time estimate", [f"{_dur(sc[n]['step_time']['estimate_s'])} ({sc[n]['step_time']['bound_by']})"
+                                          for n in names]))
+    out.append(row("  with no overlap", [_dur(sc[n]["step_time"]["serial_s"]) for n in names]))
+    if not all(sc[n]["cache_fits"] for n in names):
+        out.append(row("cache drives", [("hold it" if sc[n]["cache_fits"] else
+                                         f"short: need {_dec(sc[n]['cache_bytes_needed'])}") for n in names]))
+    drives = ", ".join(f"{d['read_gbps']:g}/{d['write_gbps']:g}" for d in r["drives"])
+    link = f"link {r['link_gbps']:g} GB/s ({r['link_source']}), " if r["link_gbps"] else ""
+    comp = (f"compute {r['peak_flops'] / 1e12:g} TFLOP/s x {r['mfu']:g} ({r['peak_source']})" if r["peak_flops"]
+            else "compute not estimated (give --gpu-tflops)")
+    out.append(f"  rates: drives {drives} GB/s read/write, {link}{comp}")
+    out.append(f"  {sc['formula']}")
+    out.append(f"  {sc['assumptions']}")
+    out += [f"  {schedule_summary(p, n)}" for n in names]
+    return out
+
+
+def format_plan(p: CapacityPlan, strict: bool = False) -> str:
+    """The plan as text for people (the JSON carries the same numbers); ``strict``: as ``--strict`` words
+    the verdict."""
     m, i = p.model, p.inputs
     cpu = bool(i.get("cpu_ranks"))
     out = [f"model      {m['name']} ({m['model_type']}): {p.n_params:,} parameters"
@@ -305,9 +477,19 @@ def format_plan(p: CapacityPlan) -> str:
         if dr.run_tbw_fraction is not None:
             line += f"; the run uses {dr.run_tbw_fraction:.2%} of it"
         out.append(line)
+    sched = format_schedules(p)
+    if sched:
+        out += [""] + sched
     out.append("")
-    if p.fits:
-        out.append("verdict    FITS")
+    wear = p.wear
+    if p.fits and wear and wear["exceeds"]:
+        out.append(f"verdict    {'DOES NOT FIT (--strict): it fits' if strict else 'FITS'}, but wears the drives out in "
+                   f"{_days(wear['days_to_rated_tbw'])}: {wear['dwpd']:.2f} DWPD at {wear['pace_source']} pace vs "
+                   f"{wear['rated_dwpd']:g} rated" + (" (assumed)" if wear["rating_assumed"] else ""))
+        out += describe_wear(wear)
+    elif p.fits:
+        out.append("verdict    FITS" + (f" (the drives' pace within their rated {wear['rated_dwpd']:g} DWPD"
+                                        + (", assumed)" if wear["rating_assumed"] else ")") if wear else ""))
     else:
         out.append("verdict    DOES NOT FIT")
         for prob, ch in zip(p.verdict.problems, p.verdict.changes):
@@ -317,13 +499,22 @@ def format_plan(p: CapacityPlan) -> str:
         if after is not None:
             out.append("  re-planned with " + ("that change" if len(p.verdict.changes) == 1 else "these changes")
                        + (": FITS" if after else ": still does not fit"))
+    if wear and wear["rating_assumed"]:
+        out.append("rating     the drives' rated DWPD was not given: 1 assumed, which suits no cache drive; give the "
+                   "data sheet's --dwpd N or --tbw SIZE (or aidaptiv.endurance.rated_dwpd with --deepspeed)")
     if i["assumed"]:
         out.append("assumed    " + "; ".join(i["assumed"]))
     return "\n".join(out)
 
 
+def accepted(p: CapacityPlan, strict: bool = False) -> bool:
+    """The plan fits, and with ``strict`` also keeps the drives within their rated DWPD."""
+    return p.fits and not (strict and p.wear is not None and p.wear["exceeds"])
+
+
 def run(args) -> int:
-    """Print the plan (text or ``--json``); exit code 0 when it fits, 1 when it does not."""
+    """Print the plan (text or ``--json``); exit code 0 when it fits (with ``--strict``: and keeps the drives
+    within their rating), 1 otherwise."""
     p = make_plan(plan_input_from_args(args))
-    print(json.dumps(p.as_dict(), indent=1) if args.json else format_plan(p))
-    return 0 if p.fits else 1
+    print(json.dumps(p.as_dict(), indent=1) if args.json else format_plan(p, strict=args.strict))
+    return 0 if accepted(p, args.strict) else 1

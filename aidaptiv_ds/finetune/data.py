@@ -1,8 +1,15 @@
-"""Dolly-format instruction data: read and validate a JSONL file, filter by category, split train/eval.
+"""Dolly-format instruction data: read and validate it, filter by category, split train/eval.
 
 A Dolly record is one JSON object per line with the string fields ``instruction`` (non-empty),
 ``context`` (may be empty) and ``response`` (non-empty), and optionally ``category`` (a string).
 Other keys are ignored. Blank lines are skipped.
+
+``--data_path`` (:func:`load_records`) is a JSONL file, or a Hugging Face Hub dataset id such as
+``databricks/databricks-dolly-15k`` (or a local directory laid out as such a dataset repository),
+loaded with the ``datasets`` library (``pip install datasets``): its ``train`` split, or the one named
+after a colon (``databricks/databricks-dolly-15k:train``); ``datasets`` caches the download under
+``HF_HOME``, so a later run needs no network. The repository ships 151 Dolly records with their licence
+notice (``data/dolly/``, CC BY-SA 3.0, from databricks-dolly-15k).
 """
 from __future__ import annotations
 
@@ -104,6 +111,69 @@ def read_dolly(path: str | os.PathLike) -> list[DollyRecord]:
     if not records:
         raise DollyFormatError(f"{path}: the file holds no records")
     return records
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """``org/name`` (optionally ``:split``): two parts of the Hub's allowed characters, not a local path."""
+    name = path.split(":", 1)[0]
+    parts = name.split("/")
+    ok = lambda p: bool(p) and all(c.isalnum() or c in "-_." for c in p) and not p.startswith(".")  # noqa: E731
+    return len(parts) == 2 and all(ok(p) for p in parts) and not path.endswith((".jsonl", ".json"))
+
+
+def read_hf_dataset(spec: str, load_dataset=None) -> list[DollyRecord]:
+    """Records of a Hugging Face dataset (a Hub id, or a local directory laid out as a dataset repository),
+    through ``datasets.load_dataset(name, split=split)``; ``spec`` is ``name`` or ``name:split`` (default
+    split ``train``). Every row is checked as a Dolly record (its row number named in errors).
+
+    ``load_dataset``: the loader to call (default ``datasets.load_dataset``; tests pass their own).
+
+    Raises:
+        ImportError: ``datasets`` is not installed (names the install command).
+        FileNotFoundError: the dataset cannot be loaded: not on the Hub, or no network and not in the
+            cache (the message says how to get it, or to give a JSONL file).
+        DollyFormatError: a row is not a Dolly record, or the split is empty.
+    """
+    name, _, split = spec.partition(":")
+    split = split or "train"
+    if load_dataset is None:
+        try:
+            from datasets import load_dataset
+        except ImportError as e:
+            raise ImportError(f"--data_path {spec!r} is a Hugging Face dataset; loading it needs the datasets "
+                              f"library: pip install datasets (or give a Dolly-format JSONL file)") from e
+    try:
+        ds = load_dataset(name, split=split)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds (connection, not found, bad split)
+        raise FileNotFoundError(
+            f"--data_path {spec!r}: datasets.load_dataset({name!r}, split={split!r}) failed: {type(e).__name__}: "
+            f"{str(e)[:300]}. It needs the network the first time (then the cache under HF_HOME, also with "
+            f"HF_DATASETS_OFFLINE=1); or give a local copy: the dataset's directory, or a Dolly-format JSONL file "
+            f"(data/dolly/dolly_sample_151.jsonl ships with the repository)") from e
+    where = f"{name}[{split}]"
+    records = [parse_record(dict(row), where, i) for i, row in enumerate(ds, start=1)]
+    if not records:
+        raise DollyFormatError(f"{where}: the split holds no records")
+    return records
+
+
+def load_records(data_path: str | os.PathLike) -> list[DollyRecord]:
+    """The records of ``--data_path``: a JSONL file (:func:`read_dolly`), or a Hub dataset id or the local
+    directory of a dataset (:func:`read_hf_dataset`).
+
+    Raises:
+        FileNotFoundError: neither an existing file or directory nor a Hub id (names the accepted forms).
+        ImportError, DollyFormatError: see :func:`read_hf_dataset` and :func:`read_dolly`.
+    """
+    path = os.fspath(data_path)
+    if os.path.isfile(path):
+        return read_dolly(path)
+    if os.path.isdir(path) or _looks_like_hub_id(path):
+        return read_hf_dataset(path)
+    raise FileNotFoundError(f"--data_path {path!r}: no such file or directory, and not a Hugging Face dataset id "
+                            f"(org/name[:split], e.g. databricks/databricks-dolly-15k); give a Dolly-format JSONL "
+                            f"file (one JSON object per line with instruction, context, response), a dataset id, or "
+                            f"the directory of a downloaded dataset")
 
 
 def write_dolly(records: list[DollyRecord], path: str | os.PathLike) -> None:

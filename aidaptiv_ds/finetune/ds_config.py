@@ -206,17 +206,19 @@ def _existing_parent(path: str) -> str:
     return path
 
 
-def describe_created_dir(d: str, output_dir: str | None = None) -> tuple[str, str | None]:
-    """``(where, warning)`` for a cache directory that was just created: where it landed (absolute
-    path, mount point, filesystem type, block device) and, when it shares a filesystem with ``/`` or
-    with ``output_dir``, a warning that the cache tier is then not on a cache drive of its own
-    (a mistyped ``--cache_path`` lands on the root filesystem)."""
+def describe_created_dir(d: str, output_dir: str | None = None, created: bool = True) -> tuple[str, str | None]:
+    """``(where, warning)`` for a cache directory (``created``: this run just created it): where it is
+    (absolute path, mount point, filesystem type, block device) and, when it shares a filesystem with
+    ``/`` or with ``output_dir``, a warning that the cache tier is then not on a cache drive of its own
+    (a mistyped ``--cache_path`` lands on the root filesystem). The job warns for every cache directory,
+    created or not."""
     from ..telemetry.sysinfo import block_device, mount_of
 
     real = os.path.abspath(d)
     m = mount_of(real)
     dev = block_device(real)
-    where = (f"created the missing cache directory {real} on the filesystem mounted at {m['mount_point']} "
+    where = (f"{'created the missing' if created else 'the'} cache directory {real} "
+             f"{'on' if created else 'is on'} the filesystem mounted at {m['mount_point']} "
              f"({m['fstype']}{', device ' + dev if dev else ''})")
     same = []
     st = os.stat(real).st_dev

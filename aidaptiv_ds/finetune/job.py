@@ -26,16 +26,18 @@ from typing import Literal
 import torch
 
 from . import distributed
-from .data import filter_category, read_dolly, split_train_eval, write_dolly
+from .data import filter_category, load_records, split_train_eval, write_dolly
 from . import checkpoints
 from .cost import run_cost
-from .ds_config import describe_created_dir, is_zero3, load_ds_config, model_dtype, resolve, uses_nvme
+from .ds_config import cache_dirs, describe_created_dir, is_zero3, load_ds_config, model_dtype, resolve, uses_nvme
 from .evaluate import EVAL_SPLIT_FILE, RUN_ARGS_FILE
 from .loop import LoopSettings, ResumeState, plan_steps, train
 from ..process_group import destroy_gloo_group_at_exit
 from ..telemetry import sysinfo
 from ..telemetry.metrics import MetricsWriter
 from ..units import format_bytes
+from .memory import describe as describe_memory
+from .memory import memory_parts, planned_parts
 from .model_io import count_parameters, load_model, load_tokenizer, resolve_source, save_hf_model
 from .template import encode_records, pad_token_id
 
@@ -68,7 +70,9 @@ class FinetuneArgs:
     model_name_or_path: str | None = dataclasses.field(default=None, **_flag(
         "local HF model directory, a .gguf file, or a hub id (default: the embedded demo model)"))
     data_path: str | None = dataclasses.field(default=None, **_flag(
-        "Dolly-format JSONL (instruction, context, response[, category]) (default: the embedded demo data)"))
+        "Dolly-format data (instruction, context, response[, category]): a JSONL file, a Hugging Face dataset id "
+        "such as databricks/databricks-dolly-15k[:split] (pip install datasets), or a downloaded dataset's directory "
+        "(default: the embedded demo data)"))
     category: str | None = dataclasses.field(default=None, **_flag(
         "train and evaluate only on records of this Dolly category"))
     num_train_epochs: float = dataclasses.field(default=3.0, **_flag("epochs (HF's default 3)"))
@@ -164,13 +168,36 @@ def _setup_aio(cfg: dict, choice: str) -> None:
         raise ValueError(f"--aio_handle {choice!r}: use deepspeed or aidaptiv")
     if isinstance(cfg.get("aidaptiv"), dict) and cfg["aidaptiv"].get("enabled"):
         return  # the aidaptiv_ds swappers do their own I/O
-    from deepspeed.git_version_info import installed_ops
-    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from ..integration.aio_ops import async_io_buildable, async_io_installed
 
-    if not installed_ops.get("async_io") and not AsyncIOBuilder().is_compatible(verbose=False):
+    if not async_io_installed() and not async_io_buildable():
         raise RuntimeError("the DeepSpeed config offloads to nvme, but DeepSpeed's async_io op is not installed and "
                            "cannot be built here (it needs libaio-dev); pass --aio_handle aidaptiv to use aidaptiv_ds's "
                            "pure-Python aio handle instead")
+
+
+def _check_aidaptiv_early(cfg: dict, src) -> None:
+    """With an enabled ``"aidaptiv"`` section: its checks, and the whole job's need on the cache paths for
+    the model's parameter count (from its ``config.json``, where it has one), before the model is loaded
+    (:mod:`aidaptiv_ds.integration.startup`), so a bad config or a drive too small is refused in seconds,
+    with the job's numbers. ``deepspeed.initialize`` checks the same again."""
+    from ..integration.config import section_enabled, validate
+
+    if not section_enabled(cfg):
+        return
+    from ..integration.startup import preflight_params, quiet_errors
+
+    quiet_errors()
+    acfg = validate(cfg)
+    if src.kind != "local":
+        return  # a GGUF file or a hub id: deepspeed.initialize checks with the loaded model
+    from ..planner.model_size import load_model_shape
+
+    try:
+        n = load_model_shape(src.path).n_params
+    except (ValueError, KeyError, OSError):
+        return  # a config the planner does not know: deepspeed.initialize checks with the loaded model
+    preflight_params(acfg, cfg, n)
 
 
 def _check_save_flags(args: FinetuneArgs) -> None:
@@ -181,16 +208,20 @@ def _check_save_flags(args: FinetuneArgs) -> None:
         raise ValueError(f"--save_total_limit {args.save_total_limit}: must be >= 1 (or leave it out to keep all)")
 
 
-def _report_created(created: list, output_dir: str) -> None:
-    """Say where created cache directories landed (rank 0, once per directory of any rank)."""
+def _report_cache_dirs(cfg: dict, created: list, output_dir: str) -> None:
+    """Say where created cache directories landed, and warn for every cache directory (created or not)
+    that is not on a cache drive of its own (rank 0, once per directory of any rank)."""
     seen = set()
-    for per_rank in distributed.gather_objects(created):
-        for key, d in per_rank:
-            if distributed.rank() != 0 or os.path.abspath(d) in seen:
+    made = {os.path.abspath(d) for _, d in created}
+    for per_rank in distributed.gather_objects([(k, os.path.abspath(d), os.path.abspath(d) in made)
+                                                for k, d in cache_dirs(cfg)]):
+        for key, d, new in per_rank:
+            if distributed.rank() != 0 or d in seen:
                 continue
-            seen.add(os.path.abspath(d))
-            where, warning = describe_created_dir(d, output_dir)
-            _say(f"--cache_path ({key}): {where}")
+            seen.add(d)
+            where, warning = describe_created_dir(d, output_dir, created=new)
+            if new:
+                _say(f"--cache_path ({key}): {where}")
             if warning:
                 _say(f"WARNING: {warning}")
 
@@ -286,13 +317,14 @@ def run(args: FinetuneArgs) -> dict:
                       cache_paths=args.cache_path, dram_budget=args.dram_budget)
     created: list = []
     cfg = resolve(raw_cfg, **resolve_kw, created=created)
-    _report_created(created, args.output_dir)
+    _report_cache_dirs(cfg, created, args.output_dir)
     dtype = model_dtype(cfg)
     _setup_aio(cfg, args.aio_handle)
 
     src = resolve_source(model_path)
+    _check_aidaptiv_early(cfg, src)
     tokenizer = load_tokenizer(src)
-    records = filter_category(read_dolly(data_path), args.category)
+    records = filter_category(load_records(data_path), args.category)
     train_recs, eval_recs = split_train_eval(records, args.eval_fraction, args.seed)
     train_split = encode_records(tokenizer, train_recs, args.max_seq_length)
     eval_split = encode_records(tokenizer, eval_recs, args.max_seq_length)
@@ -377,6 +409,9 @@ def run(args: FinetuneArgs) -> dict:
                    "deepspeed_config": args.deepspeed, "resumed_from": resume_path,
                    "save_time_s": round(save_s, 3), "save_rss_before_bytes": rss_before, "save_peak_rss_bytes": save_rss,
                    "wall_time_s": round(time.perf_counter() - t0, 3)}
+        summary["memory"] = memory_parts(summary, planned_parts(
+            engine.module.config.to_dict() if hasattr(engine.module, "config") else None, cfg, n_params,
+            args.max_seq_length, settings.micro_batch, world, dtype.itemsize, _cpu_ranks()), world)
         if log is not None:
             log.write(summary)
     finally:
@@ -387,10 +422,18 @@ def run(args: FinetuneArgs) -> dict:
     return summary
 
 
+def _cpu_ranks() -> bool:
+    """The ranks train on DeepSpeed's CPU accelerator (activations and gathered parameters are host memory)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
 def format_summary(s: dict) -> str:
     """The run's last line: eval loss before -> after, steps, tokens/s, bytes per parameter per step
-    (cache tier; ``/proc`` beside it), total written per drive and the DWPD it implies, peak RSS,
-    peak DRAM tier, and where the metrics and the model are."""
+    (cache tier; ``/proc`` beside it), total written per drive and the DWPD it implies, peak RSS and its
+    parts (:mod:`.memory`: model loading, ours with the DRAM tier against its budget, DeepSpeed's working
+    set, activations and logits, the rest), and where the metrics and the model are."""
     def b(n):
         return "n/a" if n is None else format_bytes(n)
 
@@ -410,9 +453,7 @@ def format_summary(s: dict) -> str:
         parts.append(f"{path}: {b(d['bytes_written'])} written{dw}{rated}")
     if s.get("ledger_bytes_written") is not None:
         parts.append(f"ledger {b(s['ledger_bytes_written'])}")
-    parts.append(f"peak RSS {b(s.get('peak_rss_bytes'))}")
-    if s.get("cache_bytes_written_total") is not None:
-        parts.append(f"peak DRAM tier {b(s.get('dram_peak_bytes'))}")
+    parts.append(describe_memory(s.get("memory")) if s.get("memory") else f"peak RSS {b(s.get('peak_rss_bytes'))}")
     parts.append(f"metrics {s['metrics_file']}")
     parts.append(f"model {s['saved_model']}")
     return "; ".join(parts)

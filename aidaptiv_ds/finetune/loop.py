@@ -95,10 +95,15 @@ def plan_steps(n_train: int, world: int, s: LoopSettings) -> StepPlan:
     return StepPlan(micro, per_epoch, total)
 
 
+#: gauges summed over ranks (the DRAM tier and the buffer pool of every rank)
+_SUMMED_GAUGES = ("dram_bytes", "dram_peak_bytes", "dram_budgeted_bytes", "dram_budgeted_peak_bytes", "dram_budget_bytes",
+                  "buffer_pool_bytes")
+
+
 def _combine(deltas: list[dict]) -> dict:
     """Sum per-rank counter deltas (``io_wait_s``: the slowest rank; RSS: the largest rank)."""
     out = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, "proc_read_bytes": 0, "proc_write_bytes": 0,
-           "dram_bytes": 0, "dram_peak_bytes": 0, "io_wait_s": 0.0, "rss_bytes": 0, "peak_rss_bytes": 0}
+           "io_wait_s": 0.0, "rss_bytes": 0, "peak_rss_bytes": 0, **{k: 0 for k in _SUMMED_GAUGES}}
     for d in deltas:
         for key in ("bytes_read", "bytes_written"):
             for tier, v in d[key].items():
@@ -107,8 +112,8 @@ def _combine(deltas: list[dict]) -> dict:
             cur = out["per_path"].setdefault(path, {"bytes_read": 0, "bytes_written": 0})
             for k in cur:
                 cur[k] += v.get(k, 0)
-        for key in ("proc_read_bytes", "proc_write_bytes", "dram_bytes", "dram_peak_bytes"):
-            out[key] += d[key]
+        for key in ("proc_read_bytes", "proc_write_bytes", *_SUMMED_GAUGES):
+            out[key] += d.get(key, 0)
         out["io_wait_s"] = max(out["io_wait_s"], d["io_wait_s"])
         out["settle_s"] = max(out.get("settle_s", 0.0), d.get("settle_s", 0.0))
         for key in ("rss_bytes", "peak_rss_bytes"):
@@ -125,15 +130,20 @@ class _Windows:
 
     def setup(self) -> dict:
         """The counters before the first window (cumulative since the store opened: model loading,
-        ``deepspeed.initialize`` and the training state's first write), summed over ranks."""
+        ``deepspeed.initialize`` and the training state's first write), summed over ranks; its peak RSS is
+        the process's since it started (model loading included)."""
         d = {**self.prev, **sysinfo.process_rss()}
+        self.exact_peaks = sysinfo.reset_peak_rss()
         return _combine(distributed.gather_objects(d))
 
     def close(self) -> dict:
+        """The window's counters; its ``peak_rss_bytes`` is the window's own peak (``VmHWM`` is reset as each
+        window starts; where the kernel does not allow that, the process's peak so far)."""
         t0 = time.perf_counter()
         now = counters.snapshot(settle_first=True)
         d = counters.delta(now, self.prev)
         d.update(sysinfo.process_rss())
+        sysinfo.reset_peak_rss()
         d["settle_s"] = time.perf_counter() - t0
         self.prev = now
         return _combine(distributed.gather_objects(d))
@@ -159,6 +169,8 @@ class _Totals:
         self.windows: dict[str, dict] = {}      # kind -> {"bytes_written", "bytes_read"} on the cache tier
         self.peak_rss = 0
         self.dram_peak = 0
+        self.memory = {"dram_budgeted_peak_bytes": 0, "dram_budget_bytes": 0, "buffer_pool_bytes": 0,
+                       "setup_peak_rss_bytes": 0, "steps_peak_rss_bytes": 0}
 
     def window(self, kind: str, c: dict) -> None:
         for tier, v in c["bytes_written"].items():
@@ -174,6 +186,13 @@ class _Totals:
         w["bytes_read"] += c["bytes_read"].get("cache", 0)
         self.peak_rss = max(self.peak_rss, c.get("peak_rss_bytes") or 0)
         self.dram_peak = max(self.dram_peak, c.get("dram_peak_bytes") or 0)
+        self.memory["dram_budgeted_peak_bytes"] = max(self.memory["dram_budgeted_peak_bytes"],
+                                                      c.get("dram_budgeted_peak_bytes") or 0)
+        self.memory["dram_budget_bytes"] = c.get("dram_budget_bytes") or self.memory["dram_budget_bytes"]
+        self.memory["buffer_pool_bytes"] = max(self.memory["buffer_pool_bytes"], c.get("buffer_pool_bytes") or 0)
+        key = "setup_peak_rss_bytes" if kind == "setup" else "steps_peak_rss_bytes" if kind == "steps" else None
+        if key:
+            self.memory[key] = max(self.memory[key], c.get("peak_rss_bytes") or 0)
 
     def add(self, tokens: int, dt: float, c: dict) -> None:
         self.steps += 1
@@ -210,6 +229,7 @@ class _Totals:
             "bytes_per_path_total": {p: dict(v) for p, v in self.all_path.items()},
             "cache_bytes_by_window": {k: dict(v) for k, v in self.windows.items()},
             "peak_rss_bytes": self.peak_rss or None,
+            **self.memory,
         }
 
 
@@ -296,7 +316,11 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
 
     totals = _Totals()
     windows = _Windows()
-    totals.window("setup", windows.setup())
+    cs = windows.setup()
+    totals.window("setup", cs)
+    # the setup window's bytes and peak (model loading), so a report of a resumed run counts every process's
+    write({"setup": True, "step": resume.step if resume is not None else 0, "peak_rss_bytes": cs["peak_rss_bytes"],
+           **_io_fields(cs)})
     if resume is None:
         ev = run_eval(engine, eval_examples, s)
         step, eval_before, history = 0, ev["eval_loss"], []

@@ -80,8 +80,10 @@ def load_model(src: ModelSource, dtype: torch.dtype, ds_config: dict | None, zer
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    """Number of distinct parameters (elements), also for ZeRO-3 partitioned ones (``ds_numel``)."""
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    """Number of distinct parameters (elements), also for ZeRO-3 partitioned ones."""
+    from ..integration.zero_params import full_numel
+
+    return sum(full_numel(p) for p in model.parameters())
 
 
 def _tensors_to_save(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
@@ -95,7 +97,9 @@ def _tensors_to_save(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bo
 
 
 def _shape(t: torch.Tensor) -> list[int]:
-    return list(getattr(t, "ds_shape", None) or t.shape)
+    from ..integration.zero_params import full_shape
+
+    return list(full_shape(t))
 
 
 def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str, dtype: torch.dtype, rank: int,
@@ -118,26 +122,18 @@ def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str, dtype: tor
 
     import deepspeed
 
-    from ..checkpoint.format import atomic_write, safetensors_header
+    from ..checkpoint.format import atomic_write, safetensors_header, split_into_shards
+    from ..integration.zero_params import full_numel
 
     items = _tensors_to_save(model)
     elsize = dtype.itemsize
     dname = str(dtype).replace("torch.", "")
 
     def nbytes(t: torch.Tensor, is_param: bool) -> int:
-        n = int(getattr(t, "ds_numel", t.numel()))
+        n = full_numel(t)
         return n * (elsize if is_param or t.is_floating_point() else t.element_size())
 
-    shards, cur, size = [], [], 0
-    for it in items:
-        n = nbytes(it[1], it[2])
-        if cur and size + n > shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(it)
-        size += n
-    if cur:
-        shards.append(cur)
+    shards = split_into_shards(items, lambda it: nbytes(it[1], it[2]), shard_bytes)
     if rank == 0:
         os.makedirs(output_dir, exist_ok=True)
     weight_map, total = {}, 0

@@ -108,12 +108,14 @@ def model_digest(model: torch.nn.Module, model_id: str | None = None, read_param
     """
     import contextlib
 
+    from ..integration.zero_params import full_shape
+
     h = hashlib.blake2b(digest_size=16)
     h.update(_config_json(getattr(model, "config", None)).encode())
     if model_id:
         h.update(b"|id|" + str(model_id).encode())
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        shape = tuple(getattr(p, "ds_shape", p.shape))
+        shape = tuple(full_shape(p))
         h.update(f"|{name}|{shape}|{p.dtype}|".encode())
         ctx = read_parameter(p) if read_parameter is not None else contextlib.nullcontext()
         with ctx:

@@ -13,12 +13,11 @@ Contract (``docs/deepspeed-seams.md`` §3.2-3.4, DeepSpeed 0.19.8):
   handles, as in ``deepspeed_pin_tensor.cpp``) and for torch-pinned tensors.
 
 :func:`register_with_deepspeed` puts this module where ``AsyncIOBuilder().load()`` looks first
-(``OpBuilder._loaded_ops['async_io']``), so DeepSpeed never JIT-compiles ``async_io``.
+(:mod:`aidaptiv_ds.integration.aio_ops`), so DeepSpeed never JIT-compiles ``async_io``.
 """
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import types
 
@@ -173,16 +172,12 @@ def make_op_module() -> types.ModuleType:
 
 
 def register_with_deepspeed() -> types.ModuleType:
-    """Make ``AsyncIOBuilder().load()`` return our module (process-wide, incl. the FAST checkpoint writer).
-
-    Sets ``OpBuilder._loaded_ops['async_io']`` (checked first by ``OpBuilder.load``,
-    ``ops/op_builder/builder.py:549-566``) and, if unset, ``sys._deepspeed_pin_memory_op_module``
-    (checked by ``load_pin_memory_module`` before it would JIT-build ``pin_memory``).
-    """
-    from deepspeed.ops.op_builder.builder import OpBuilder
+    """Make ``AsyncIOBuilder().load()`` return our module (process-wide, incl. the FAST checkpoint writer),
+    and DeepSpeed's pin-memory loader too where nothing is loaded yet (:mod:`.aio_ops`)."""
+    from .aio_ops import pin_memory_module, set_loaded_async_io, set_pin_memory_module
 
     m = make_op_module()
-    OpBuilder._loaded_ops["async_io"] = m
-    if getattr(sys, "_deepspeed_pin_memory_op_module", None) is None:
-        sys._deepspeed_pin_memory_op_module = m
+    set_loaded_async_io(m)
+    if pin_memory_module() is None:
+        set_pin_memory_module(m)
     return m

@@ -75,7 +75,8 @@ class StepState(enum.Enum):
     PENDING = "pending"        # stepped by DeepSpeed's own loop after backward (if at all)
     STEPPING = "stepping"      # its speculative step is running (DeepSpeed's per-sub-group methods act)
     SPECULATED = "speculated"  # stepped in backward, new state in its shadow extent, old state kept
-    COMMITTED = "committed"    # the speculation was accepted: DeepSpeed's loop skips it this step
+    COMMITTED = "committed"    # the speculation was accepted (or the deferred update ran): skipped this step
+    DEFERRED = "deferred"      # its update rides the next forward (step_pipeline.py)
 
 
 @dataclasses.dataclass
@@ -96,6 +97,7 @@ class StepCounters:
     redone: int = 0  # re-run after backward (clipping, changed hyperparameters)
     rolled_back: int = 0  # thrown away (invalid norm / overflow: the step was skipped)
     reopened: int = 0  # thrown away because DeepSpeed's state API looked at the sub-group before step()
+    riding_forward: int = 0  # updated when the next forward needed them, not in step() (step_pipeline.py)
     after_backward: int = 0  # sub-groups DeepSpeed's own loop stepped (never speculated, or redone)
     window_waits: int = 0  # in-backward reads that first waited for write-backs ([Note: the in-backward window])
 
@@ -139,6 +141,7 @@ class BackwardStepper:
         self.enabled = enabled
         self.keep_gradients = keep_gradients
         self.state_api_used = False  # DeepSpeed's state API was called: gradients are kept ([Note: the state API])
+        self.pipeline = None  # the engine's StepPipeline (step_pipeline.py), set once it is built
         self.boundaries = 0  # accumulation boundaries settled so far
         self.subgroups = [SubGroupStep(i) for i in range(len(opt.fp16_groups))]
         self.counters = StepCounters()
@@ -157,8 +160,8 @@ class BackwardStepper:
         return self.subgroups[index].state
 
     def skips(self, index: int) -> bool:
-        """DeepSpeed's per-sub-group step methods do nothing for ``index`` (stepped in backward)."""
-        return self.subgroups[index].state in (StepState.SPECULATED, StepState.COMMITTED)
+        """DeepSpeed's per-sub-group step methods do nothing for ``index`` (stepped in backward, or deferred)."""
+        return self.subgroups[index].state in (StepState.SPECULATED, StepState.COMMITTED, StepState.DEFERRED)
 
     def wanted(self, index: int) -> bool:
         """Sub-group ``index`` will still be stepped this window (worth reading ahead)."""
@@ -208,9 +211,17 @@ class BackwardStepper:
         was not read ahead. fp32 master weights come from the parameters backward reads
         (:class:`~aidaptiv_ds.integration.optimizer_swapper.AidaptivOptimizerSwapper`, [Note: master
         weights from the parameter reads])."""
-        if self.may_speculate(index) and self.subgroups[index].state is StepState.PENDING:
+        if self.subgroups[index].state is not StepState.PENDING:
+            return
+        if self.may_speculate(index):
             sw, g = self._swapper_group(index)
             if g.slice is None and self._fits(g, keep_free=self._ahead_without_slice(index) * sw.slice_bytes(g)):
+                sw.prefetch(g, master_from_params=True)
+        elif self.pipeline is not None and self.pipeline.needed_first(index):
+            # it will ride the next forward, which needs it first: read it now, from the parameters backward
+            # reads ([Note: reading ahead for the forward] in step_pipeline.py)
+            sw, g = self._swapper_group(index)
+            if g.slice is None and self._fits(g):
                 sw.prefetch(g, master_from_params=True)
 
     def _waiting(self, j: int) -> bool:
@@ -392,6 +403,7 @@ class BackwardStepMixin:
             st.prefetch(i)
 
     def backward_prologue(self):
+        self._aidaptiv_drain()  # updates of sub-groups the forward did not gather
         super().backward_prologue()
         self._aidaptiv_backward_open = True
 
@@ -424,10 +436,18 @@ class BackwardStepMixin:
         return self._aidaptiv_stepper is not None and self._aidaptiv_stepper.skips(index)
 
     def _prepare_sub_group(self, sub_group_id, timer_names):
+        pl = self._aidaptiv_pipeline
+        if pl is not None and timer_names is not None and pl.should_defer(sub_group_id):  # DeepSpeed's step loop
+            pl.defer(sub_group_id)
+            return
         if not self._aidaptiv_skips(sub_group_id):
             super()._prepare_sub_group(sub_group_id, timer_names)
 
     def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        pl = self._aidaptiv_pipeline
+        if pl is not None and self._aidaptiv_stepper is not None and \
+                self._aidaptiv_stepper.subgroups[sub_group_id].state is StepState.DEFERRED:
+            pl.record_norm(total_norm)
         if not self._aidaptiv_skips(sub_group_id):
             super().unscale_and_clip_grads(sub_group_id, total_norm)
 
@@ -485,6 +505,21 @@ class BackwardStepMixin:
     def _post_step(self, timer_names):
         st = self._aidaptiv_stepper
         after = len(self.fp16_groups) - (sum(st.skips(i) for i in range(len(self.fp16_groups))) if st else 0)
+        pl = self._aidaptiv_pipeline
+        if pl is not None and pl.pending and not pl.started:  # the rest of the step rides the next forward
+            pl.start(after)
+            return
         super()._post_step(timer_names)
         if st is not None:
             st.end_step(after)
+
+    _aidaptiv_pipeline = None
+
+    def _aidaptiv_drain(self) -> None:
+        """Run the optimizer updates still riding the forward (step_pipeline.py, [Note: exactness])."""
+        if self._aidaptiv_pipeline is not None:
+            self._aidaptiv_pipeline.drain()
+
+    def _pre_step(self):
+        self._aidaptiv_drain()  # a step() with nothing between it and the last one
+        super()._pre_step()

@@ -349,6 +349,7 @@ def save_checkpoint(engine, orig, save_dir, tag=None, client_state={}, save_late
     """
     if not is_ours(engine):
         return orig(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    engine.optimizer._aidaptiv_drain()  # updates riding the forward are part of the state saved
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
@@ -576,6 +577,7 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
     if not is_ours(engine):
         return orig(engine, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                     load_module_only, custom_load_fn)
+    engine.optimizer._aidaptiv_drain()  # nothing of the old state may be written after the load
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
     host = engine.optimizer._aidaptiv_rt.namespace.host

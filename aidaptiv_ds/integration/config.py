@@ -9,6 +9,7 @@ DeepSpeed settings that cannot work with aidaptiv_ds come with the exact lines t
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import enum
 import json
@@ -143,6 +144,10 @@ class AidaptivConfig(_Model):
             gradient is final, speculatively (``integration/backward_step.py``): ``"auto"`` (default:
             where exact and the drives have room for a second copy of the optimizer state), ``true``
             (refuse to start without that room) or ``false`` (every sub-group steps after backward).
+        step_rides_forward: optimizer sub-groups whose state is on the cache drives and that were not stepped
+            inside backward are updated when the next forward needs their parameters, so their I/O overlaps
+            the forward (``integration/step_pipeline.py``): ``"auto"`` (default: on, except fp16 and hpZ
+            engines) or ``false`` (every sub-group steps inside ``step()``); bit-identical either way.
         min_swap_bytes: partitions smaller than this stay in CPU memory like DeepSpeed's 1 MiB
             threshold (default 0: every partition goes through the store).
         checksum: CRC32 of every written block, verified on read (default false).
@@ -167,6 +172,7 @@ class AidaptivConfig(_Model):
     prefetch_bytes: Union[int, str] = "auto"
     writeback_bytes: Union[int, str] = "auto"
     step_in_backward: Union[bool, Literal["auto"]] = "auto"
+    step_rides_forward: Union[Literal[False], Literal["auto"]] = "auto"
     min_swap_bytes: Union[int, str] = 0
     checksum: bool = False
     keep_files: bool = False
@@ -255,7 +261,7 @@ _EXAMPLES = {
     "path_weights": "one positive number per cache path, e.g. [7.0, 3.5]",
     "primary_path": '"local_rank" or an index of cache_paths such as 0', "stripe_unit": 'a size such as "1MiB"',
     "prefetch_bytes": '"auto" or a size such as "1GiB"', "writeback_bytes": '"auto" or a size such as "512MiB"',
-    "min_swap_bytes": '0 or a size such as "1MiB"', "checksum": "true or false", "keep_files": "true or false",
+    "min_swap_bytes": '0 or a size such as "1MiB"', "step_rides_forward": '"auto" or false', "checksum": "true or false", "keep_files": "true or false",
     "checkpoint_dir": 'a directory such as "/data/ckpt"',
     "endurance": 'an object such as {"rated_dwpd": 100, "capacity": "8TB"}',
     "endurance.capacity": 'a size such as "8TB"', "endurance.rated_dwpd": "a number > 0 such as 100",
@@ -515,6 +521,51 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig, training: bool | None = N
     return problems
 
 
+def _zero_model_keys(loc: tuple) -> list[str]:
+    """The keys DeepSpeed's ZeRO config model accepts at ``loc`` (field names and their aliases)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+
+    model = {"offload_param": DeepSpeedZeroOffloadParamConfig,
+             "offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig}.get(str(loc[0]) if len(loc) > 1 else "",
+                                                                           DeepSpeedZeroConfig)
+    return sorted({n for k, f in model.model_fields.items() for n in (k, f.alias) if n})
+
+
+def _deepspeed_model_problems(zero: Any) -> list[str]:
+    """What DeepSpeed's own ZeRO config model (``DeepSpeedZeroConfig``, pydantic, ``extra="forbid"``)
+    refuses in ``zero_optimization``, found before any data is touched and worded as our messages are
+    (key, value, fix). Everything aidaptiv_ds accepts, DeepSpeed's model accepts too, so a config never
+    passes our check only to fail later inside ``deepspeed.initialize``."""
+    if not isinstance(zero, dict):
+        return []
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError:  # the planner and doctor run without DeepSpeed installed
+        return []
+    try:
+        DeepSpeedZeroConfig(**copy.deepcopy(zero))
+    except ValidationError as err:
+        out = []
+        for e in err.errors():
+            loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+            key = "zero_optimization" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+            if e["type"] == "extra_forbidden":
+                names = _zero_model_keys(loc)
+                close = difflib.get_close_matches(str(loc[-1]) if loc else "", names, n=1, cutoff=0.5)
+                hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(names)}"
+                out.append(f"{key}: unknown key, DeepSpeed's ZeRO config refuses it; {hint}")
+            else:
+                out.append(f"{key} is {_short(e.get('input'))}: {e['msg']} (DeepSpeed's ZeRO config refuses it). "
+                           f"Fix: correct or remove it, as DeepSpeed's config reference describes")
+        return out
+    except Exception as e:  # noqa: BLE001 - a validator of DeepSpeed's raised something else
+        return [f"zero_optimization: DeepSpeed's ZeRO config refuses it ({type(e).__name__}: {e}). Fix: correct the "
+                f"key it names, as DeepSpeed's config reference describes"]
+    return []
+
+
 def validate(ds: dict, check_paths: bool = True, training: bool | None = None) -> AidaptivConfig:
     """Validate the section and its combination with the rest of the DeepSpeed config.
 
@@ -536,6 +587,8 @@ def validate(ds: dict, check_paths: bool = True, training: bool | None = None) -
     section = ds.get(SECTION, {})
     cfg = parse_section(section)
     problems = _deepspeed_problems(ds, cfg, training)
+    if not problems:
+        problems = _deepspeed_model_problems(ds.get("zero_optimization"))
     if problems:
         raise AidaptivConfigError("DeepSpeed config cannot run with \"aidaptiv\" enabled:\n  - " +
                                   "\n  - ".join(problems))

@@ -26,3 +26,9 @@ class GradientConsumedError(AidaptivError, RuntimeError):
     consumed its gradient (gradient clipping off, the first use of the state API in the process): the step
     cannot be redone after the call. Raised before anything is changed; gradients are kept from the next
     step on (``integration/state_api.py``, [Note: the state API])."""
+
+
+class PipelineError(AidaptivError, RuntimeError):
+    """An optimizer update riding the next forward failed (``integration/step_pipeline.py``, [Note: a failure
+    in the pipeline]): raised where it ran and by every later wait (a gather, the state API, a checkpoint
+    save, the next step), naming the sub-group; the run can neither go on nor save a checkpoint."""

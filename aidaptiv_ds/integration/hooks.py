@@ -10,6 +10,9 @@ DeepSpeed file is edited; ``docs/deepspeed-seams.md`` §8):
   configs (see :mod:`aidaptiv_ds.integration.stage3`);
 * the coordinator's NVMe prefetch -> :mod:`aidaptiv_ds.integration.prefetch` (it falls back to
   DeepSpeed's for parameters of DeepSpeed's own swapper);
+* ``Init._ensure_availability_of_partitioned_params`` (every all-gather of a parameter passes it) -> a
+  wrapper that first runs the optimizer updates riding the forward of those parameters
+  (:mod:`aidaptiv_ds.integration.step_pipeline`);
 * ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint`` -> :mod:`aidaptiv_ds.integration.checkpointing`
   for engines on our optimizer (DeepSpeed's own methods for the others);
 * ``DeepSpeedEngine._configure_zero_optimizer`` -> a wrapper that, for engines without an optimizer
@@ -29,7 +32,7 @@ import functools
 import logging
 import threading
 
-from .config import AidaptivConfigError, load_ds_dict, section_enabled, validate
+from .config import AidaptivConfigError, load_ds_dict, section_enabled, trains, validate
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -66,15 +69,37 @@ def param_swapper_factory(ds_config, model_dtype):
 
 
 def _validate_if_enabled(config, training: bool | None = None):
-    """The validated section of an enabled config (None for a config without one)."""
+    """The validated section of an enabled config (None for a config without one). From then on our
+    errors print without a traceback if nothing catches them (:func:`.startup.quiet_errors`)."""
     ds = load_ds_dict(config)
     if section_enabled(ds):
+        from .startup import quiet_errors
+        quiet_errors()
         _check_version()
         cfg = validate(ds, training=training)
         from .build_locks import check_build_locks
         check_build_locks()  # before DeepSpeed's JIT builds wait on a left-over lock forever
         return cfg
     return None
+
+
+def _init_distributed_as_deepspeed(orig, args, kwargs) -> None:
+    """The process group, set up by the call ``deepspeed.initialize`` makes first (``__init__.py:509``,
+    ``dist.init_distributed`` with the accelerator's backend, ``distributed_port`` and
+    ``dist_init_required``), made before our preflight creates the runtime: the runtime's run name is
+    broadcast from rank 0 when a process group exists, so every node's ranks share one run. DeepSpeed's
+    own call then finds the group made (it is idempotent)."""
+    import inspect
+
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    try:
+        bound = inspect.signature(orig).bind_partial(*args, **kwargs).arguments
+    except TypeError:  # DeepSpeed raises its own error for these arguments
+        return
+    extra = {k: bound[k] for k in ("distributed_port", "dist_init_required") if k in bound}
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **extra)
 
 
 def _wrap_initialize(orig):
@@ -87,8 +112,16 @@ def _wrap_initialize(orig):
         # deepspeed.initialize(args, model, optimizer, ...): a client optimizer means training
         client_optimizer = kwargs.get("optimizer", args[2] if len(args) > 2 else None)
         cfg = _validate_if_enabled(config, training=True if client_optimizer is not None else None)
+        if cfg is None:
+            return orig(*args, **kwargs)
+        from . import startup
+        ds = load_ds_dict(config)
+        if trains(ds, True if client_optimizer is not None else None):  # the whole job's need on the cache paths
+            _init_distributed_as_deepspeed(orig, args, kwargs)  # the runtime's run name is rank 0's
+            startup.preflight_job(cfg, ds, kwargs.get("model", args[1] if len(args) > 1 else None))
         out = orig(*args, **kwargs)
-        if cfg is not None and cfg.profile.steps is not None:
+        startup.announce(out[0])
+        if cfg.profile.steps is not None:
             from ..telemetry.timeline import enable
             enable(out[0], steps=cfg.profile.steps, run_dir=cfg.profile.dir, modules=cfg.profile.modules)
         return out
@@ -127,7 +160,7 @@ def install() -> bool:
             import deepspeed.runtime.zero.stage3 as s3
             from deepspeed.runtime.engine import DeepSpeedEngine
 
-            from . import checkpointing, inference, prefetch
+            from . import checkpointing, inference, prefetch, step_pipeline
             from .stage3 import make_stage3_class
 
             _STATE["orig_param_swapper"] = pp.AsyncPartitionedParameterSwapper
@@ -135,6 +168,7 @@ def install() -> bool:
             _STATE["orig_stage3"] = s3.DeepSpeedZeroOptimizer_Stage3
             s3.DeepSpeedZeroOptimizer_Stage3 = make_stage3_class(s3.DeepSpeedZeroOptimizer_Stage3)
             prefetch.install(po.PartitionedParameterCoordinator)
+            step_pipeline.install(pp.Init)
             checkpointing.install(DeepSpeedEngine)
             inference.install(DeepSpeedEngine)
         else:
@@ -159,10 +193,11 @@ def uninstall() -> None:
             import deepspeed.runtime.zero.stage3 as s3
             from deepspeed.runtime.engine import DeepSpeedEngine
 
-            from . import checkpointing, inference, prefetch
+            from . import checkpointing, inference, prefetch, step_pipeline
             pp.AsyncPartitionedParameterSwapper = _STATE.pop("orig_param_swapper")
             s3.DeepSpeedZeroOptimizer_Stage3 = _STATE.pop("orig_stage3")
             prefetch.uninstall(po.PartitionedParameterCoordinator)
+            step_pipeline.uninstall(pp.Init)
             checkpointing.uninstall(DeepSpeedEngine)
             inference.uninstall(DeepSpeedEngine)
         _STATE.clear()

@@ -83,6 +83,7 @@ class AidaptivOptimizerSwapper:
     def __init__(self, runtime: Runtime, optimizer, dtype: torch.dtype, engine_id: int) -> None:
         self.rt = runtime
         self.optimizer = optimizer
+        self._owner = None  # weakref to the Stage-3 optimizer that built this swapper (set by it)
         self.dtype = dtype
         self.elsize = dtype.itemsize
         self.engine_id = engine_id
@@ -108,6 +109,11 @@ class AidaptivOptimizerSwapper:
         self._held_storage: dict[int, list[int]] = {}  # storage address -> [bytes, holds]
         self.swap_folder = os.path.join(runtime.namespace.rank_dir(0), f"optimizer{engine_id}")
         os.makedirs(self.swap_folder, exist_ok=True)
+
+    @property
+    def owner(self):
+        """The Stage-3 optimizer this swapper serves (None once it is gone)."""
+        return self._owner() if self._owner is not None else None
 
     # ------------------------------------------------------------------ helpers
     def _group(self, parameter) -> _Group:

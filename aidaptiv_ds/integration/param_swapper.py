@@ -159,6 +159,11 @@ class AidaptivParamSwapper:
         self.init_phase = False  # set by the Stage-3 subclass while DeepSpeed rewrites unchanged partitions
         self.from_unpacked = bool(runtime.cfg.from_unpacked)
         self.aliased_skipped_bytes = 0  # parameter writes saved by reading fp32 partitions from their masters
+        #: the optimizer update riding the forward (step_pipeline.py) is running: keep a copy of the new bytes of
+        #: fp32 partitions read from their master slot, so the forward that needs them next does not read them
+        #: back from the slot just written ([Note: the updated parameters stay for the forward])
+        self.keep_master_copies = False
+        self.master_copies_bytes = 0  # bytes of those copies (each saved one read of the same bytes)
         self.skipped_init_bytes = 0
         self.swap_folder = runtime.namespace.rank_dir(0)
         #: ``fn(ds_id, uint8 bytes)`` called for each fp32 partition read from a master slot whose host
@@ -553,7 +558,7 @@ class AidaptivParamSwapper:
         partition read from its master slot moves to a place of its own ([Note: edits of aliased
         partitions]); without it the bytes are the master's cast (the optimizer step).
         """
-        src = {}
+        src, copies = {}, {}
         for p, t in items:
             rec = self._parts[p.ds_id]
             loc = rec.loc
@@ -569,6 +574,8 @@ class AidaptivParamSwapper:
             if loc.aliased:  # the same bytes reach the drive with the master's write-back: drop old copies
                 rec.detach_host()
                 self.aliased_skipped_bytes += loc.nbytes
+                if keep and self.keep_master_copies:
+                    copies[p.ds_id] = t
                 continue
             if loc.readonly:  # keep the unpacked copy: the new bytes get a place of their own
                 region = self._region(loc.dtype)
@@ -602,6 +609,18 @@ class AidaptivParamSwapper:
                 self.rt.tier.add_writing(s, fut)
             else:
                 self.rt.tier.track_write(fut, end - start)
+        for run in self._runs(copies, 0):  # the next forward reads them at once: serve it from DRAM
+            region, start, end = self._span(run)
+            buf = alloc_aligned(end - start)
+            for i in run:
+                loc = self._parts[i].loc
+                buf[loc.start - start:loc.end - start].view(loc.dtype).copy_(copies[i].reshape(-1))
+            s = Slice(("p", region.name, start, next(self._seq)), buf, members=run, kind="param", prefetched=True,
+                      on_drop=self._on_drop)  # clean: its bytes are the master's, which its write-back carries
+            for i in run:
+                self._parts[i].host = s
+            self.rt.tier.add(s)
+            self.master_copies_bytes += end - start
         return futs
 
     def make_resident(self) -> None:

@@ -38,6 +38,7 @@ from ..store.layout import Namespace
 from ..store.ledger import EnduranceRating
 from ..store.store import PathSpec, SlabStore
 from ..telemetry import counters
+from ..telemetry.counters import dram_gauges
 from ..tiers.eviction import AccessOrder
 from ..tiers.host_tier import HostTier
 from ..torch_env import huge_pages_advice, kernel_huge_page_mode
@@ -304,8 +305,10 @@ class Runtime:
             "bytes_read": {"cache": sum(v["bytes_read"] for v in io.values())},
             "bytes_written": {"cache": sum(v["bytes_written"] for v in io.values())},
             "per_path": io,
+            "bytes_read_by_kind": self.store.read_bytes_by_kind(),
             "dram_bytes": self.tier.held_bytes,
             "dram_peak_bytes": self.tier.peak_bytes,
+            **dram_gauges(self.tier, self.budget),
             "io_wait_s": self.io_wait.seconds,
             "optimizer_steps": _sum_counters(st.counters.as_dict() for st in self.steppers),
             "grad_spilled_bytes": sum(sw.gradients.spilled_bytes for sw in self.optimizer_swappers
@@ -355,6 +358,13 @@ class Runtime:
         """Flush, then delete the store's files (or keep them with ``keep_files``) and free the namespace."""
         if self.closed:
             return
+        for sw in self.optimizer_swappers:  # optimizer updates still riding the forward (step_pipeline.py)
+            opt = getattr(sw, "owner", None)
+            if opt is not None and getattr(opt, "_aidaptiv_pipeline", None) is not None:
+                try:
+                    opt._aidaptiv_pipeline.drain()
+                except Exception as e:  # noqa: BLE001 - a failed update was raised where it ran; close anyway
+                    log.warning("aidaptiv_ds: closing with an optimizer update not applied: %s", e)
         self.closed = True
         try:
             self.flush()

@@ -35,6 +35,8 @@ from .backward_step import BackwardStepMixin, BackwardStepper
 from .grad_path import GradientPathMixin
 from .host_step import TILE_NUMEL, HostStepMixin
 from .state_api import StateAPIMixin
+from .step_pipeline import StepPipeline
+from .step_pipeline import forget as forget_pipeline
 from .gradients import GradientStore
 from .optimizer_swapper import AidaptivOptimizerSwapper
 from .runtime import auto_dram_budget, get_runtime
@@ -145,8 +147,11 @@ def make_stage3_class(base: type) -> type:
             """DeepSpeed's ``destroy`` (hooks removed), then this engine's optimizer state leaves the tiers and the
             store; a runtime left with nothing closes ([Note: several engines in a process] in ``runtime.py``)."""
             try:
+                self._aidaptiv_drain()
                 super().destroy()
             finally:
+                if self._aidaptiv_pipeline is not None:
+                    forget_pipeline(self._aidaptiv_pipeline)
                 self._aidaptiv_rt.detach_engine(self._aidaptiv_engine_id)
 
         def _configure_offloading(self, offload_optimizer_config, offload_param_config):
@@ -162,6 +167,7 @@ def make_stage3_class(base: type) -> type:
             self.optimizer_swapper = sw = AidaptivOptimizerSwapper(rt, self.optimizer,
                                                                    self.master_weights_and_grads_dtype,
                                                                    self._aidaptiv_engine_id)
+            sw._owner = weakref.ref(self)
             self._aidaptiv_plan()
 
         def _create_fp32_partitions(self):
@@ -296,6 +302,8 @@ def make_stage3_class(base: type) -> type:
             master_hold = master_hold_bytes(max(numels, default=0) * sw.elsize) if alias else 0
             may_speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 \
                 and sw.expected_states > 0
+            rides = (rt.cfg.step_rides_forward is not False and self.dtype != torch.float16
+                     and int(getattr(self, "zero_hpz_partition_size", 1) or 1) <= 1 and sw.expected_states > 0)
             pool_bytes = 0  # the host buffer pool, where one is used (CPU ranks)
             if get_accelerator().device_name() == "cpu":  # what a GPU holds is host memory here, by phase
                 ds_bytes = self._aidaptiv_deepspeed_cpu_bytes(module_params)
@@ -309,9 +317,11 @@ def make_stage3_class(base: type) -> type:
                     norm_scratch=norm_scratch_bytes(max((p.partition_numel() for group in self.fp16_groups
                                                          for p in group), default=0)),
                     master_hold=master_hold if may_speculate else 0,
-                    step_scratch=optimizer_scratch_bytes(TILE_NUMEL, sw.elsize))
+                    step_scratch=optimizer_scratch_bytes(TILE_NUMEL, sw.elsize),
+                    ride_slice_bytes=largest_opt_slice if rides else 0,
+                    ride_param_bytes=max(sizes.subgroup_param_bytes, default=0) if alias else 0)
                 ws, overhead = parts["total"], parts["baseline"]
-                in_backward_window = parts["in_backward"]
+                in_backward_window = max(parts["in_backward"], parts["riding"])
                 pool_bytes = buffer_pool_bytes(parts, ds_bytes)
             else:
                 ws = host_working_set(
@@ -367,6 +377,8 @@ def make_stage3_class(base: type) -> type:
                 resident_subgroups=plan.resident_grad_subgroups)
             self._aidaptiv_stepper = BackwardStepper(self, enabled=speculate, keep_gradients=clip,
                                                      inflight_limit=in_backward_window)
+            self._aidaptiv_pipeline = StepPipeline(self, self._aidaptiv_stepper, enabled=rides)
+            self._aidaptiv_stepper.pipeline = self._aidaptiv_pipeline
             sw.wanted = self._aidaptiv_stepper.wanted
             sw.holds_master = self._aidaptiv_holds_master
             sw.master_hold_limit = master_hold if speculate else 0

@@ -39,6 +39,7 @@ class StateAPIMixin:
         """Around one state-API call on ``params`` (one parameter or a list): undo speculative steps of their
         sub-groups ([Note: the state API]) and mark the optimizer swapper's swap-outs as state writes."""
         params = params if isinstance(params, (list, tuple)) else [params]
+        self._aidaptiv_drain()  # updates riding the forward first (step_pipeline.py)
         st = getattr(self, "_aidaptiv_stepper", None)
         if st is not None:
             groups = sorted({self.grad_position[self.get_param_id(p)][0] for p in params

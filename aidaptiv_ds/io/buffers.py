@@ -138,13 +138,7 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
         asked = pool is not None and nbytes >= POOL_MIN_BYTES and pool.granule % alignment == 0
         carved = pool.take(nbytes) if asked and pool is not None else None
         if carved is not None:  # granule-aligned already
-            buf = carved[:nbytes]
-            if zero:
-                buf.zero_()
-            out = buf.view(dtype)
-            if register:
-                REGISTRY.add(out)
-            return out
+            return _hand_out(carved[:nbytes], dtype, zero, register)
         if asked and pool is not None:  # a miss: fresh memory the pool counts while it lives
             raw = pool.fresh(nbytes + alignment)  # (io/pool.py, [Note: lean while a miss is alive])
         else:
@@ -152,7 +146,11 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
         if nbytes >= HUGE_PAGE_BYTES:
             advise_huge_pages(raw)
     skip = (-raw.data_ptr()) % alignment
-    buf = raw[skip:skip + nbytes]
+    return _hand_out(raw[skip:skip + nbytes], dtype, zero, register)
+
+
+def _hand_out(buf: torch.Tensor, dtype: torch.dtype, zero: bool, register: bool) -> torch.Tensor:
+    """``buf`` (aligned uint8 bytes) as ``dtype``, zeroed and registered as asked (:func:`alloc_aligned`)."""
     if zero:
         buf.zero_()
     out = buf.view(dtype)
@@ -201,11 +199,3 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def memview(t: torch.Tensor) -> memoryview:
-    """A writable ``memoryview`` over the bytes of a contiguous CPU tensor (no copy)."""
-    return byte_view(t).numpy().data
-
-
-def address_aligned(t: torch.Tensor, alignment: int) -> bool:
-    """True when the first byte of ``t`` sits at a multiple of ``alignment``."""
-    return t.data_ptr() % alignment == 0

@@ -11,6 +11,16 @@ class StorageError(AidaptivError, RuntimeError):
     """Base class of every error aidaptiv_ds raises about cache drives (a :class:`~aidaptiv_ds.AidaptivError`)."""
 
 
+def _as_os_error(e: StorageIOError | FileWriteError, msg: str, err: int | None, what: str, path: str) -> None:
+    """Initialise ``e``, a :class:`StorageError` that is also an ``OSError``: ``msg`` is its one argument
+    (its ``__str__`` returns it), and ``errno`` / ``strerror`` / ``filename`` are set for callers that
+    catch ``OSError``."""
+    StorageError.__init__(e, msg)
+    e.errno = err
+    e.strerror = what
+    e.filename = path
+
+
 class StorageIOError(StorageError, OSError):
     """A read or write failed after the bounded retries.
 
@@ -32,12 +42,9 @@ class StorageIOError(StorageError, OSError):
             _errno.EROFS: "the filesystem is read-only; remount it read-write or choose another cache path",
             _errno.EACCES: "make the cache path writable by this user",
         }.get(err or 0, "check the drive and the path, then resume from the last checkpoint")
-        msg = (f"aidaptiv_ds: {op} of {nbytes} bytes at offset {offset} in {path} failed "
-               f"after {attempts} attempt(s): {what}{(' (' + detail + ')') if detail else ''}. Fix: {fix}.")
-        StorageError.__init__(self, msg)
-        self.errno = err
-        self.strerror = what
-        self.filename = path
+        _as_os_error(self, f"aidaptiv_ds: {op} of {nbytes} bytes at offset {offset} in {path} failed after "
+                           f"{attempts} attempt(s): {what}{(' (' + detail + ')') if detail else ''}. Fix: {fix}.",
+                     err, what, path)
 
     def __str__(self) -> str:  # OSError.__str__ would print "[Errno n] ..." instead of our message
         return self.args[0]
@@ -96,12 +103,8 @@ class FileWriteError(StorageError, OSError):
         of = f" of {expected}" if expected is not None else ""
         fix = self._FIX.get(err or 0, "check the filesystem (free space, quota, `dmesg`)"
                             if err is None else "check the filesystem and the path")
-        msg = (f"aidaptiv_ds: {step} of {path} failed after {written}{of} bytes: {what}. The file was not put in "
-               f"place (any previous version of it is unchanged). Fix: {fix}.")
-        StorageError.__init__(self, msg)
-        self.errno = err
-        self.strerror = what
-        self.filename = path
+        _as_os_error(self, f"aidaptiv_ds: {step} of {path} failed after {written}{of} bytes: {what}. The file was "
+                           f"not put in place (any previous version of it is unchanged). Fix: {fix}.", err, what, path)
 
     def __str__(self) -> str:  # OSError.__str__ would print "[Errno n] ..." instead of our message
         return self.args[0]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from types import TracebackType
 
@@ -17,8 +16,8 @@ class IOFuture:
     A request never reports success unless all of its bytes were transferred.
     """
 
-    __slots__ = ("nbytes", "_pending", "_lock", "_event", "_error", "_error_tb", "_callbacks", "submitted_at",
-                 "finished_at", "_keepalive", "_expedite")
+    __slots__ = ("nbytes", "_pending", "_lock", "_event", "_error", "_error_tb", "_callbacks", "_keepalive",
+                 "_expedite")
 
     def __init__(self, nbytes: int, chunks: int, keepalive=None) -> None:
         self.nbytes = nbytes
@@ -29,8 +28,6 @@ class IOFuture:
         # the error's traceback where it happened (re-raising would grow it)
         self._error_tb: TracebackType | None = None
         self._callbacks: list = []
-        self.submitted_at = time.perf_counter()
-        self.finished_at: float | None = None
         self._keepalive = keepalive  # the buffer: must outlive the I/O
         #: how to serve it sooner (:meth:`expedite`): a callable taking a priority, or the futures it combines
         self._expedite: Callable[[int], None] | list[IOFuture] | None = None
@@ -41,7 +38,6 @@ class IOFuture:
         # Set the event and take the callbacks under the lock that add_done_callback holds while it
         # checks the event, so a callback is either queued here or run by add_done_callback itself.
         with self._lock:
-            self.finished_at = time.perf_counter()
             self._keepalive = None
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []

@@ -1,1 +1,1 @@
-"""Capacity planning: model sizes, the capacity plan, residency and the runtime defaults derived from them."""
+"""Capacity planning: model sizes, the capacity plan, residency, and the budgets and prefetch derived from them."""

@@ -74,7 +74,7 @@ import dataclasses
 
 from ..errors import AidaptivConfigError
 from ..units import GiB, parse_size
-from .residency import ResidencyPlan, StateSizes, plan_residency
+from .residency import ResidencyPlan
 
 MIN_FREE_BYTES = 4 * GiB
 FREE_FRACTION = 0.10
@@ -365,7 +365,8 @@ def deepspeed_sub_group_numels(partition_numels: list[int], sub_group_size: int)
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
                          activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
                          baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0,
-                         norm_scratch: int = 0, master_hold: int = 0, step_scratch: int = 0) -> dict:
+                         norm_scratch: int = 0, master_hold: int = 0, step_scratch: int = 0,
+                         ride_slice_bytes: int = 0, ride_param_bytes: int = 0) -> dict:
     """Host memory (bytes) one CPU rank needs besides the DRAM budget, by phase (module docstring).
 
     Args:
@@ -382,10 +383,18 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
         master_hold: parameter bytes kept for a master slot in the backward phase (:func:`master_hold_bytes`).
         step_scratch: the optimizer step's temporaries (:func:`optimizer_scratch_bytes`), in the optimizer
             phase and, with steps inside backward, in the backward phase.
+        ride_slice_bytes: the largest sub-group's host slice when updates may ride the next forward
+            (``integration/step_pipeline.py``; 0 when they cannot): the forward phase then holds the same
+            two-slice window (:func:`in_backward_window_bytes`) and the step's temporaries beside the
+            read-ahead, DeepSpeed's working set and the activations.
+        ride_param_bytes: with ``ride_slice_bytes``, the largest sub-group's fp32 parameter bytes kept in DRAM
+            for the forward after its update (``step_pipeline.py``, [Note: the updated parameters stay for the
+            forward]; 0 where parameters are not read from their master slots).
 
     Returns:
-        ``{"baseline", "backward", "optimizer", "in_backward", "step_scratch", "total"}``, bytes; ``backward``
-        includes the ``in_backward`` window; ``total = baseline + max(backward, optimizer)``.
+        ``{"baseline", "forward", "backward", "optimizer", "in_backward", "riding", "step_scratch", "total"}``,
+        bytes; ``backward`` includes the ``in_backward`` window, ``forward`` the ``riding`` one;
+        ``total = baseline + max(forward, backward, optimizer)``.
     """
     backward = (int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
                 + int(norm_scratch) + int(master_hold))
@@ -395,8 +404,12 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
     scratch = int(step_scratch)
     optimizer += scratch
     backward += window + (scratch if window else 0)
-    return {"baseline": int(baseline_bytes), "backward": backward, "optimizer": optimizer, "in_backward": window,
-            "step_scratch": scratch, "total": int(baseline_bytes) + max(backward, optimizer)}
+    riding = in_backward_window_bytes(ride_slice_bytes) + (int(ride_param_bytes) if ride_slice_bytes else 0)
+    forward = (int(readahead_bytes) + int(deepspeed_bytes) + int(activation_bytes) + riding
+               + (scratch if riding else 0))
+    return {"baseline": int(baseline_bytes), "forward": forward, "backward": backward, "optimizer": optimizer,
+            "in_backward": window, "riding": riding, "step_scratch": scratch,
+            "total": int(baseline_bytes) + max(forward, backward, optimizer)}
 
 
 def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int = 0) -> int:
@@ -491,27 +504,3 @@ def prefetch_bytes_from_budget(residency: ResidencyPlan, slice_bytes: int, n_sli
     return PrefetchPlan(depth, depth * int(slice_bytes), int(slice_bytes))
 
 
-@dataclasses.dataclass
-class RuntimeDefaults:
-    """What the runtime does with one rank's budget: residency and prefetch."""
-    budget_bytes: int
-    residency: ResidencyPlan
-    prefetch: PrefetchPlan
-
-    def as_dict(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "residency": self.residency.as_dict(),
-                "prefetch": dataclasses.asdict(self.prefetch)}
-
-
-def runtime_defaults(sizes: StateSizes, budget_bytes: int, slice_bytes: int, n_slices: int,
-                     max_depth: int | None = None) -> RuntimeDefaults:
-    """Residency (:func:`plan_residency`) and prefetch for one rank's state ``sizes`` and ``budget_bytes``.
-
-    Args:
-        sizes: the rank's state (bytes of parameter and gradient partitions, optimizer sub-groups).
-        budget_bytes: the rank's DRAM budget (``DramBudget.per_rank_bytes``).
-        slice_bytes: bytes of the rank's partition of the largest parameter slice.
-        n_slices: slices per forward pass (embedding + blocks + head).
-    """
-    res = plan_residency(sizes, budget_bytes)
-    return RuntimeDefaults(int(budget_bytes), res, prefetch_bytes_from_budget(res, slice_bytes, n_slices, max_depth))

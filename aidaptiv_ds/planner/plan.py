@@ -37,11 +37,14 @@ Formulas and their sources, in the order :func:`make_plan` applies them:
 4. **Host**: margin, working set and the DRAM budget from :mod:`aidaptiv_ds.planner.auto`; what
    stays in DRAM from :func:`aidaptiv_ds.planner.residency.plan_residency` on one rank's state and
    budget (``budget // local ranks``); everything else is on the cache tier.
-5. **Bytes per optimizer step** (per node = per rank x local ranks): written =
-   ``ResidencyPlan.write_bytes_per_step``; read = ``ResidencyPlan.read_bytes_per_step`` plus
-   ``2 x`` non-resident parameters for each extra micro-batch of gradient accumulation
-   (forward and backward read them again). The best case also subtracts one backward re-read
-   per micro-batch for the parameter bytes the budget's leftover keeps cached (design.md step 2).
+5. **Bytes per optimizer step** (per node = per rank x local ranks): the micro-batch-major schedule of
+   :mod:`aidaptiv_ds.planner.schedule` (what the runtime does today) on the residency plan's bytes:
+   written = ``ResidencyPlan.write_bytes_per_step`` plus the gradient slices the budget does not hold,
+   written back after each micro-batch but the last (``(k-1) x``, measured); read = the parameters not in
+   DRAM ``2 x`` per micro-batch (forward and backward), those gradient slices read back ``(k-1) x``,
+   the optimizer state, the final gradients when the optimizer reads them after backward. The best
+   case also subtracts one backward re-read per micro-batch for the parameter bytes the budget's
+   leftover and the read-ahead window keep (design.md step 2). Layer-major beside it: item 10.
 6. **Per drive**: bytes follow the store's weighted striping (``StripeLayout.share``) with
    weight = the drive's mean of read and write GB/s; the usable capacity is the striped logical
    capacity (``StripeLayout.logical_capacity``) of each drive's capacity less the store's reserve
@@ -57,6 +60,12 @@ Formulas and their sources, in the order :func:`make_plan` applies them:
    rated DWPD x 365 x warranty years; days to rated TBW = rated TBW / bytes per day.
 9. **Rule of thumb** (Phison aiDAPTIV+): about 20 B/param for full fine-tuning incl. activations and
    overheads (405B ~ 8 TB); reported next to our exact total for comparison.
+10. **Gradient-accumulation schedules** (:func:`schedule_report`, formulas in
+   :mod:`aidaptiv_ds.planner.schedule`): bytes read and written by the drives per optimizer step for
+   micro-batch-major and layer-major (GreedySnake, arXiv 2512.17570) at ``grad_accum`` micro-batches, the
+   layer-major boundary activations and where they live (DRAM within the budget the residency plan leaves
+   free, the drives beyond it), host-device bytes, FLOPs, and a step-time estimate for each
+   (``max`` and ``sum`` of drive, link and compute time). The verdict is unchanged by them.
 
 Verdict: fits when (a) every GPU holds its working set, (b) the DRAM holds margin + working set
 (and an explicit budget, when given), (c) the cache drives hold the non-resident state. For each
@@ -94,6 +103,20 @@ from .auto import (
 )
 from .model_size import ModelShape
 from .residency import ResidencyPlan, StateSizes, plan_residency
+from .schedule import (
+    DEFAULT_GPU,
+    DEFAULT_MFU,
+    DEFAULT_PCIE,
+    GPU_PEAK_TFLOPS,
+    LAYER_MAJOR,
+    MICRO_BATCH_MAJOR,
+    PCIE_PRESETS_GBPS,
+    SCHEDULE_CHOICES,
+    SCHEDULES,
+    RankTraffic,
+    Rates,
+    schedule_cost,
+)
 
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MOMENT_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4}
@@ -182,6 +205,12 @@ class PlanInput:
             ``"auto"`` or True (and not fp16) the optimizer steps inside backward, which needs a second
             copy of the non-resident optimizer state on the drives; ``"auto"`` falls back to stepping
             after backward when the drives lack that room, as the runtime's preflight does.
+        schedule: which gradient-accumulation schedules :attr:`CapacityPlan.schedules` shows: one of
+            :data:`~aidaptiv_ds.planner.schedule.SCHEDULE_CHOICES` (``"both"``: side by side).
+        link_gbps: host-device GB/s per direction per GPU for the schedules' estimate (None: the
+            :data:`~aidaptiv_ds.planner.schedule.DEFAULT_PCIE` preset).
+        gpu_mfu: the fraction of ``gpu_flops`` (or of the default GPU's peak) training sustains, for the
+            schedules' compute estimate.
         assumed: names of inputs that were defaulted rather than given (reported).
     """
     shape: ModelShape
@@ -215,6 +244,9 @@ class PlanInput:
     gradient_clipping: float = 0.0
     step_in_backward: bool | str = "auto"
     logits_tokens: int | None = None
+    schedule: str = "both"
+    link_gbps: float | None = None
+    gpu_mfu: float = DEFAULT_MFU
     assumed: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -240,7 +272,12 @@ class PlanInput:
                   ("--optimizer", self.optimizer, self.optimizer in MOMENT_BYTES,
                    f"use one of {', '.join(MOMENT_BYTES)}"),
                   ("--sub-group-size", self.sub_group_size, self.sub_group_size >= 1, "give 1 or more elements"),
-                  ("--params", self.params, self.params >= 1, "give a positive parameter count such as 405e9")]
+                  ("--params", self.params, self.params >= 1, "give a positive parameter count such as 405e9"),
+                  ("--schedule", self.schedule, self.schedule in SCHEDULE_CHOICES,
+                   f"use one of {', '.join(SCHEDULE_CHOICES)}"),
+                  ("--pcie-gbps", self.link_gbps, self.link_gbps is None or self.link_gbps > 0,
+                   f"give positive GB/s or a preset ({', '.join(PCIE_PRESETS_GBPS)})"),
+                  ("--mfu", self.gpu_mfu, 0 < self.gpu_mfu <= 1, "give a fraction in (0, 1], e.g. 0.5")]
         groups = -(-self.params // max(self.dp, 1)) // max(self.sub_group_size, 1)
         checks.append(("--sub-group-size", self.sub_group_size, groups <= 1_000_000,
                        "give at most a million sub-groups per rank, e.g. 1e9 elements (DeepSpeed's default)"))
@@ -407,9 +444,13 @@ class CapacityPlan:
         rank_host: one rank's host memory besides the DRAM budget in each phase of the process
             (:func:`~aidaptiv_ds.planner.auto.process_phases`: ``construction``, ``initialization``, ``steps``)
             and ``peak``, their maximum: what the DRAM check counts per rank.
+        schedules: the gradient-accumulation schedules of :func:`schedule_report` (``inputs.schedule`` says
+            which are shown).
         drives: one :class:`DrivePlan` per drive of a node.
         epoch: steps per epoch, epochs, run days (None without ``dataset_tokens``).
         verdict: :class:`Verdict`.
+        wear: :func:`~aidaptiv_ds.planner.wear.assess_wear`: the drives' pace against their rated DWPD and
+            what brings it within the rating (None for a plan made with ``wear=False``).
     """
     inputs: dict
     model: dict
@@ -432,6 +473,8 @@ class CapacityPlan:
     verdict: Verdict
     cpu_rank_host: dict | None = None
     rank_host: dict | None = None
+    wear: dict | None = None
+    schedules: dict | None = None
 
     @property
     def fits(self) -> bool:
@@ -584,7 +627,10 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
                                  # fp32 parameters are read from their master slots (the runtime's ``alias``)
                                  master_hold=master_hold_bytes(largest_sg * MASTER_BYTES_PER_PARAM)
                                  if speculate and inp.dtype == "fp32" else 0,
-                                 step_scratch=optimizer_scratch_bytes())
+                                 step_scratch=optimizer_scratch_bytes(),
+                                 # sub-groups not stepped inside backward ride the next forward
+                                 ride_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer]),
+                                 ride_param_bytes=largest_sg * MASTER_BYTES_PER_PARAM if inp.dtype == "fp32" else 0)
     phases = process_phases(steps_bytes=parts["total"], baseline_bytes=inp.cpu_rank_baseline,
                             largest_tensor_bytes=largest_param * pb,
                             largest_partition_bytes=-(-largest_param // dp) * pb, largest_subgroup_numel=largest_sg,
@@ -723,8 +769,105 @@ def _fixes(inp: PlanInput, checks: dict) -> tuple[list[str | None], bool | None]
     return changes, all(_checks(cur, _core(cur)).values())
 
 
-def make_plan(inp: PlanInput) -> CapacityPlan:
-    """The capacity plan of ``inp`` (every formula in the module docstring).
+def rank_traffic(inp: PlanInput, c: dict) -> RankTraffic:
+    """One rank's :class:`~aidaptiv_ds.planner.schedule.RankTraffic` (the schedules' inputs, bytes and FLOPs)
+    from the plan's core numbers (``_core``: the state sizes and the residency plan the runtime makes).
+
+    Where each term comes from: ``P`` = the rank's parameter partitions unless the residency plan keeps them
+    in DRAM (``ResidencyPlan.params_resident``); ``G`` = the gradient slices (``StateSizes.grad_slices``) not
+    in ``resident_grad_subgroups``; ``Gf`` = ``G`` unless the gradients are consumed inside backward
+    (``grads_transient``); ``Gr`` = ``Gf`` unless the optimizer steps inside backward (which uses the DRAM
+    copy: the stories260K ledger reads 14.0 B/param/step in bf16 with clipping on as with it off);
+    ``O`` = the sub-groups not in ``resident_subgroups``; ``Pw`` and ``Or`` = the residency plan's bytes
+    written and read per step less the gradient and optimizer terms (so ``Or`` keeps its fp32
+    master-weight credit); ``F`` = ``ResidencyPlan.cache_bytes``; ``W`` = the runtime's read-ahead window
+    (``auto_prefetch_bytes`` of the largest slice partition); ``a`` = ``micro_batch x seq_len x hidden x``
+    the parameter dtype's bytes ``x`` blocks (the activation dtype is the parameters'); ``Pp`` / ``Gp`` =
+    ``StateSizes.param_bytes`` / ``grad_bytes``; FLOPs per micro-batch = :func:`training_flops_per_token` x
+    ``micro_batch x seq_len`` (layer-major with checkpointing always: it recomputes each block's forward).
+    """
+    sizes: StateSizes = c["sizes"]
+    res: ResidencyPlan = c["res"]
+    shape = inp.shape
+    params = 0 if res.params_resident else sizes.param_bytes
+    grads = sum(b for i, b in enumerate(sizes.grad_slices()) if i not in res.resident_grad_subgroups)
+    grad_final = 0 if sizes.grads_transient else grads
+    opt = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in res.resident_subgroups)
+    tokens = inp.micro_batch * inp.seq_len
+    return RankTraffic(
+        grad_accum=inp.grad_accum, param_read=params,
+        param_write=res.write_bytes_per_step - grad_final - opt,
+        grad_slices=grads, grad_final_write=grad_final, grad_final_read=0 if sizes.steps_in_backward else grad_final,
+        optimizer_read=res.read_bytes_per_step - 2 * params - grad_final, optimizer_read_full=opt,
+        optimizer_write=opt, dram_free=res.cache_bytes, window=auto_prefetch_bytes(c["slice_part"]),
+        boundary_per_micro_batch=tokens * shape.hidden_size * PARAM_BYTES[inp.dtype] * shape.num_layers,
+        param_partition=sizes.param_bytes, grad_partition=sizes.grad_bytes,
+        flops_micro_batch_major=training_flops_per_token(shape, inp.params, inp.seq_len,
+                                                         inp.activation_checkpointing) * tokens,
+        flops_layer_major=training_flops_per_token(shape, inp.params, inp.seq_len, True) * tokens)
+
+
+def _schedule_rates(inp: PlanInput) -> tuple[Rates, dict]:
+    """The :class:`~aidaptiv_ds.planner.schedule.Rates` of a node of ``inp`` and how each was chosen (JSON)."""
+    lay = _layout(inp.drives)
+    drives = tuple((lay.share(i), d.read_gbps, d.write_gbps) for i, d in enumerate(inp.drives))
+    link = None if inp.cpu_ranks else (inp.link_gbps or PCIE_PRESETS_GBPS[DEFAULT_PCIE])
+    peak = inp.gpu_flops or (None if inp.cpu_ranks else GPU_PEAK_TFLOPS[DEFAULT_GPU] * 1e12)
+    rates = Rates(drives=drives, ranks=inp.gpus, link_gbps=link,
+                  device_flops=peak * inp.gpu_mfu if peak else None)
+    info = {"drives": [{"share": s, "read_gbps": r, "write_gbps": w} for s, r, w in drives],
+            "link_gbps": link,
+            "link_source": "none (CPU ranks)" if inp.cpu_ranks else
+            "given (--pcie-gbps)" if inp.link_gbps else f"preset {DEFAULT_PCIE}",
+            "peak_flops": peak,
+            "peak_source": "given (--gpu-tflops)" if inp.gpu_flops else
+            "not estimated (CPU ranks: give --gpu-tflops)" if inp.cpu_ranks else f"preset {DEFAULT_GPU}",
+            "mfu": inp.gpu_mfu, "device_flops": rates.device_flops}
+    return rates, info
+
+
+def schedule_costs(inp: PlanInput, c: dict) -> dict:
+    """Both schedules' :func:`~aidaptiv_ds.planner.schedule.schedule_cost` (name -> dict) for ``inp`` and its
+    core numbers ``c``; layer-major also gets ``cache_bytes_needed`` (the state the drives hold, with its
+    boundary activations beyond the DRAM budget) and ``cache_fits`` (within the usable capacity)."""
+    t = rank_traffic(inp, c)
+    rates, _ = _schedule_rates(inp)
+    out = {name: schedule_cost(name, t, rates, inp.nodes, inp.params) for name in SCHEDULES}
+    for cost in out.values():
+        need = c["cache_need"] + cost["boundary_activations"]["drive"]
+        cost.update(cache_bytes_needed=need, cache_fits=need <= c["cache_usable"])
+    return out
+
+
+def schedule_report(inp: PlanInput, c: dict, costs: dict | None = None) -> dict:
+    """The ``schedules`` of the plan (module docstring, item 10): ``grad_accum``, ``shown`` (the schedules
+    ``inp.schedule`` selects), the ``rates`` used and their sources, the formula and assumptions as text,
+    one :func:`schedule_costs` entry per shown schedule, and with both ``layer_major_speedup`` (micro-batch-
+    major's ``estimate_s`` over layer-major's)."""
+    costs = costs or schedule_costs(inp, c)
+    _, info = _schedule_rates(inp)
+    shown = list(SCHEDULES) if inp.schedule == "both" else [inp.schedule]
+    out: dict = {
+        "grad_accum": inp.grad_accum, "shown": shown, "rates": info,
+        "formula": "estimate = max(drives, link, compute), serial = drives + link + compute; drives = max over "
+                   "drives of reads/read GB/s + writes/write GB/s (a drive serves them in turn; the 'step time >=' "
+                   "line overlaps them); link = max(host->device, device->host) / link GB/s; compute = FLOPs / "
+                   "(peak x mfu)",
+        "assumptions": "an estimate: sequential drive rates, no latency, no GPU-to-GPU traffic"
+                       + ("; layer-major as GreedySnake (arXiv 2512.17570) schedules it (issue 38), not yet a "
+                          "runtime schedule" if LAYER_MAJOR in shown else ""),
+    }
+    for name in shown:
+        out[name] = costs[name]
+    if len(shown) == 2:
+        lm = costs[SCHEDULES[1]]["step_time"]["estimate_s"]
+        out["layer_major_speedup"] = costs[SCHEDULES[0]]["step_time"]["estimate_s"] / lm if lm else None
+    return out
+
+
+def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
+    """The capacity plan of ``inp`` (every formula in the module docstring); with ``wear``, its
+    :attr:`CapacityPlan.wear` (changes re-planned without one).
 
     Raises:
         AidaptivConfigError: from :meth:`PlanInput.validate`, naming the flag, the value and the fix.
@@ -761,22 +904,20 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     total = state_total + c["act"]["total"] * dp
     prefetch = prefetch_bytes_from_budget(res, c["slice_part"], len(shape.slice_params()))
 
-    # bytes per optimizer step, per node (item 5)
-    p_nonres = 0 if res.params_resident else sizes.param_bytes
-    write_step = res.write_bytes_per_step * ranks
+    # bytes per optimizer step, per node (item 5): the micro-batch-major schedule (what the runtime does)
+    costs = schedule_costs(inp, c)
+    mbm = costs[MICRO_BATCH_MAJOR]
+    write_step = mbm["write_bytes"]
     # a step inside backward that the clipping norm invalidates is redone after backward from the old state:
     # its sub-groups and parameters are written a second time (the gradients were kept, not rewritten)
     grads_written = 0 if sizes.grads_transient else \
         sum(b for i, b in enumerate(sizes.grad_slices()) if i not in res.resident_grad_subgroups)
     write_redone = write_step + (res.write_bytes_per_step - grads_written) * ranks \
         if c["step_in_backward"] and inp.gradient_clipping > 0 else write_step
-    read_step = (res.read_bytes_per_step + (inp.grad_accum - 1) * 2 * p_nonres) * ranks
     # the backward of each micro-step finds the end of its forward still read ahead: the runtime's default
     # read-ahead window (integration/runtime.py prefetch_bytes: max(2 x the largest slice, 256 MiB)),
-    # besides what the budget caches
-    window = auto_prefetch_bytes(c["slice_part"])
-    hits = min(res.cache_bytes + window, p_nonres) * inp.grad_accum * ranks
-    read_best = max(read_step - hits, 0)
+    # besides what the budget caches (schedule.micro_batch_major's read_hits)
+    read_step, read_best = mbm["read_bytes"], mbm["read_bytes_best"]
     tokens_step = inp.micro_batch * inp.seq_len * inp.grad_accum * dp
 
     # step time (item 7)
@@ -841,7 +982,7 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
     inputs["n_params"] = N
     model = shape.as_dict()
     model.update(n_params=N, shape_source=inp.shape_source)
-    return CapacityPlan(
+    plan = CapacityPlan(
         inputs=inputs, model=model, n_params=N, dp=dp, local_ranks=ranks,
         bytes_per_param=total / N, state_bytes_per_param=2 * pb + per_elem_opt,  # gradients in the model dtype
         total_state_bytes=total, rule_of_thumb_bytes=RULE_OF_THUMB_BYTES_PER_PARAM * N,
@@ -858,12 +999,18 @@ def make_plan(inp: PlanInput) -> CapacityPlan:
         epoch={"steps_per_epoch": steps_epoch, "epochs": inp.epochs, "run_steps": run_steps,
                "run_days": run_steps * pace / SECONDS_PER_DAY if run_steps else None,
                "write_bytes_per_epoch": write_step * steps_epoch if steps_epoch else None},
-        verdict=verdict, cpu_rank_host=c["cpu_rank"],
+        verdict=verdict, cpu_rank_host=c["cpu_rank"], schedules=schedule_report(inp, c, costs),
         rank_host={k: c["rank_host_phases"][k] for k in ("construction", "initialization", "steps")}
         | {"peak": c["rank_host_phases"]["total" if inp.cpu_ranks else "peak"]})
+    if wear:
+        from .wear import assess_wear
+
+        plan.wear = assess_wear(inp, plan, lambda changed: make_plan(changed, wear=False))
+    return plan
 
 
 __all__ = ["CacheDrive", "PlanInput", "CapacityPlan", "DrivePlan", "Verdict", "make_plan", "state_sizes_for_rank",
+           "rank_traffic", "schedule_costs", "schedule_report",
            "activation_bytes", "layer_activation_bytes", "training_flops_per_token", "usable_cache_bytes",
            "store_reserve", "PARAM_BYTES", "MOMENT_BYTES", "RULE_OF_THUMB_BYTES_PER_PARAM",
            "MIN_FREE_BYTES", "FREE_FRACTION"]

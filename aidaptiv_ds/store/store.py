@@ -47,6 +47,13 @@ from .ledger import EnduranceLedger, EnduranceRating, LedgerError, LedgerWarning
 from .slab import Slab, free_bytes
 from .striping import StripeLayout
 
+
+def extent_kind(key: str) -> str:
+    """The kind of an extent key: its first ``/``-separated part without a trailing engine number
+    (``"opt0/3"`` -> ``"opt"``, ``"grad1/0"`` -> ``"grad"``, ``"params/bfloat16/c2"`` -> ``"params"``)."""
+    return key.split("/", 1)[0].rstrip("0123456789") or key
+
+
 log = logging.getLogger("aidaptiv_ds")
 
 INDEX_VERSION = 2  # 2: stripe patterns from striping.choose_slots (v1 used 32 slots; its layout differs)
@@ -149,6 +156,7 @@ class SlabStore:
         self._crc_valid = np.zeros(0, dtype=np.bool_)  # whether the block's CRC is known
         self.bytes_written = [0] * len(paths)
         self.bytes_read = [0] * len(paths)
+        self.bytes_read_by_kind: dict[str, int] = {}  # extent_kind(key) -> bytes read (io_counters_by_kind)
         self._ledgered = [0] * len(paths)
         self._writes_inflight: list[tuple[int, int, IOFuture, _Request]] = []  # (logical start, end, future, request)
         self._reads_inflight: list[tuple[int, int, IOFuture, _Request]] = []
@@ -414,6 +422,8 @@ class SlabStore:
                 out = self._submit(write, logical, n, raw, req, finalizer, buf)
             self._inflight.add(out)
             (self._writes_inflight if write else self._reads_inflight).append((logical, logical + n, out, req))
+        if not write:
+            out.add_done_callback(self._kind_counter(extent_kind(key), n))
         out._expedite = lambda p, req=req: self._expedite(req, p)
         out.add_done_callback(self._retire)
         out.add_done_callback(lambda _f: req.chunks.clear())  # the chunks' views pin the buffer: let it go
@@ -478,6 +488,13 @@ class SlabStore:
             if f.exception() is None:
                 with self._lock:
                     (self.bytes_written if write else self.bytes_read)[path] += nbytes
+        return count
+
+    def _kind_counter(self, kind: str, nbytes: int):
+        def count(f: IOFuture) -> None:
+            if f.exception() is None:
+                with self._lock:
+                    self.bytes_read_by_kind[kind] = self.bytes_read_by_kind.get(kind, 0) + nbytes
         return count
 
     def put(self, key: str, tensor: torch.Tensor, priority: int = WRITE_BACK) -> IOFuture:
@@ -558,6 +575,13 @@ class SlabStore:
         with self._lock:
             return {p: {"bytes_read": r, "bytes_written": w}
                     for p, r, w in zip(self.ns.cache_paths, self.bytes_read, self.bytes_written, strict=True)}
+
+    def read_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes read since the store opened per kind of extent (:func:`extent_kind` of the key:
+        ``"opt"`` for optimizer sub-groups, ``"grad"`` for gradient slices, ``"params"`` for parameter
+        partitions), counted when a read completes. The per-path counters hold the same bytes."""
+        with self._lock:
+            return dict(self.bytes_read_by_kind)
 
     def count_metadata_write(self, nbytes: int, path: int = 0) -> None:
         """Book ``nbytes`` written to a file of this store's namespace outside the slab (an index or

@@ -22,7 +22,13 @@ Snapshot keys (all ints unless noted):
     ``bytes_read`` / ``bytes_written``: dict tier -> bytes moved by aidaptiv_ds (tier ``"cache"``:
         the SSD slabs); empty when no provider is registered.
     ``per_path``: dict cache path -> {"bytes_read", "bytes_written"}.
-    ``dram_bytes``: bytes the DRAM tier holds now; ``dram_peak_bytes``: the most it held.
+    ``bytes_read_by_kind``: dict extent kind (``"opt"``, ``"grad"``, ``"params"``) -> bytes of the cache
+        tier's reads for that kind of state (:func:`aidaptiv_ds.store.store.extent_kind`).
+    ``dram_bytes``: bytes the DRAM tier holds now; ``dram_peak_bytes``: the most it held (both with its
+        working memory: read-ahead not used yet, slices in use, write-back in flight, which the budget does
+        not bound, so they are not 0 at a budget of 0).
+    ``dram_budgeted_bytes`` / ``dram_budgeted_peak_bytes``: of those, what the DRAM budget books (resident
+        and cached slices), now and at most; ``dram_budget_bytes``: the budget (:func:`dram_gauges`).
     ``io_wait_s`` (float): seconds the training thread waited on I/O.
     ``proc_read_bytes`` / ``proc_write_bytes``: ``/proc/self/io`` read_bytes / write_bytes.
     ``optimizer_steps``: dict path -> optimizer sub-group steps taken that way (``in_backward``,
@@ -48,7 +54,14 @@ from typing import Callable
 _SUMMED = ("grad_spilled_bytes", "master_from_params_bytes", "master_demand_bytes", "master_held_bytes",
            "buffer_pool_miss_bytes")
 #: Gauges summed over providers and taken from the later snapshot in :func:`delta`.
-_GAUGES = ("dram_bytes", "dram_peak_bytes", "buffer_pool_bytes", "buffer_pool_peak_bytes")
+_GAUGES = ("dram_bytes", "dram_peak_bytes", "dram_budgeted_bytes", "dram_budgeted_peak_bytes", "dram_budget_bytes",
+           "buffer_pool_bytes", "buffer_pool_peak_bytes")
+
+
+def dram_gauges(tier, budget: int) -> dict:
+    """The budget's gauges of a DRAM tier (:class:`aidaptiv_ds.tiers.host_tier.HostTier`) for a provider."""
+    return {"dram_budgeted_bytes": tier.budgeted_bytes(), "dram_budgeted_peak_bytes": tier.budgeted_peak_bytes,
+            "dram_budget_bytes": int(budget)}
 
 _providers: dict[str, Callable[[], dict]] = {}
 _settlers: dict[str, Callable[[], None]] = {}
@@ -106,7 +119,7 @@ def snapshot(settle_first: bool = False) -> dict:
     """
     if settle_first:
         settle()
-    snap: dict = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, **{k: 0 for k in _GAUGES},
+    snap: dict = {"bytes_read": {}, "bytes_written": {}, "per_path": {}, "bytes_read_by_kind": {}, **{k: 0 for k in _GAUGES},
                   "io_wait_s": 0.0, "optimizer_steps": {}, **{k: 0 for k in _SUMMED}}
     with _lock:
         providers = list(_providers.values())
@@ -121,6 +134,8 @@ def snapshot(settle_first: bool = False) -> dict:
                 cur[k] += v.get(k, 0)
         for k in _GAUGES + ("io_wait_s",) + _SUMMED:
             snap[k] += d.get(k, 0)
+        for kind, v in d.get("bytes_read_by_kind", {}).items():
+            snap["bytes_read_by_kind"][kind] = snap["bytes_read_by_kind"].get(kind, 0) + v
         for k, v in d.get("optimizer_steps", {}).items():
             snap["optimizer_steps"][k] = snap["optimizer_steps"].get(k, 0) + v
     p = proc_io()
@@ -136,6 +151,8 @@ def delta(after: dict, before: dict) -> dict:
     out["per_path"] = {p: {kk: v[kk] - before["per_path"].get(p, {}).get(kk, 0) for kk in v}
                        for p, v in after["per_path"].items()}
     out["io_wait_s"] = after["io_wait_s"] - before["io_wait_s"]
+    out["bytes_read_by_kind"] = {k: v - before.get("bytes_read_by_kind", {}).get(k, 0)
+                                 for k, v in after.get("bytes_read_by_kind", {}).items()}
     out["optimizer_steps"] = {k: v - before.get("optimizer_steps", {}).get(k, 0)
                               for k, v in after.get("optimizer_steps", {}).items()}
     for k in _SUMMED:

@@ -18,7 +18,9 @@ Record fields (bytes, seconds; GB/s = 10^9 bytes per second of step wall time, n
 ``bytes_read`` / ``bytes_written`` (tier -> bytes this step), ``cache_read_bytes``,
 ``cache_write_bytes``, ``cache_read_gbps``, ``cache_write_gbps``; ``per_path`` (cache path ->
 ``read_bytes``, ``write_bytes``, ``read_gbps``, ``write_gbps``); ``io_wait_s`` and
-``io_wait_fraction`` (of the step time); ``dram_bytes``, ``dram_peak_bytes`` (the DRAM tier);
+``io_wait_fraction`` (of the step time); ``dram_bytes``, ``dram_peak_bytes`` (the DRAM tier with its
+working memory), ``dram_budgeted_bytes``, ``dram_budgeted_peak_bytes``, ``dram_budget_bytes`` (what the
+budget books, and the budget), ``buffer_pool_bytes`` (the swap buffers' pool, :mod:`aidaptiv_ds.io.pool`);
 ``proc_read_bytes``, ``proc_write_bytes`` (``/proc/self/io`` this step); ``rss_bytes``,
 ``peak_rss_bytes``, ``host_available_bytes``; ``vram_used_bytes`` (list per GPU, or None with
 ``vram_status`` saying why); plus any ``extra`` given. Non-finite floats (a NaN loss) are written as ``null``.
@@ -68,6 +70,8 @@ def build_record(step: int, d: dict, *, step_time_s: float | None = None, loss: 
            "io_wait_s": d.get("io_wait_s", 0.0),
            "io_wait_fraction": d.get("io_wait_s", 0.0) / step_time_s if step_time_s else None,
            "dram_bytes": d.get("dram_bytes", 0), "dram_peak_bytes": d.get("dram_peak_bytes", 0),
+           **{k: d[k] for k in ("dram_budgeted_bytes", "dram_budgeted_peak_bytes", "dram_budget_bytes",
+                                "buffer_pool_bytes") if k in d},
            "proc_read_bytes": d.get("proc_read_bytes", 0), "proc_write_bytes": d.get("proc_write_bytes", 0)}
     rss = rss or {}
     rec["rss_bytes"], rec["peak_rss_bytes"] = rss.get("rss_bytes"), rss.get("peak_rss_bytes")
@@ -100,7 +104,10 @@ def format_step_summary(record: dict) -> str:
         parts.append(f"cache R {r or 0:.2f} W {w or 0:.2f} GB/s")
     if record.get("io_wait_fraction") is not None:
         parts.append(f"io-wait {record['io_wait_fraction']:.0%}")
-    if record.get("dram_bytes"):
+    if record.get("dram_bytes") and "dram_budgeted_bytes" in record:  # the budget's part, then the working memory
+        parts.append(f"DRAM tier {record['dram_budgeted_bytes'] / GiB:.1f} + working "
+                     f"{(record['dram_bytes'] - record['dram_budgeted_bytes']) / GiB:.1f} GiB")
+    elif record.get("dram_bytes"):
         parts.append(f"DRAM {record['dram_bytes'] / GiB:.1f} GiB")
     if record.get("vram_used_bytes"):
         parts.append(f"VRAM {max(record['vram_used_bytes']) / GiB:.1f} GiB")

@@ -1,8 +1,9 @@
 """The one place that talks to NVML (through nvidia-ml-py's ``pynvml``): GPU count, names, VRAM.
 
 Nothing here raises because NVML is missing: without the library, the driver or a GPU,
-:func:`nvml_status` says ``"NVML not available: <reason>"`` and lists no GPUs. Tests and other
-callers swap the backend with :func:`set_backend` (e.g. a :class:`FakeNvml` with two GPUs).
+:func:`nvml_status` says ``"NVML not available: <reason>"`` and lists no GPUs. Tests swap the
+backend by setting ``_backend`` (e.g. a :class:`FakeNvml` with two GPUs; None: the real
+:class:`PynvmlBackend`).
 Memory figures are bytes from ``nvmlDeviceGetMemoryInfo`` (total, used, free of the whole device,
 all processes included).
 """
@@ -100,12 +101,6 @@ class FakeNvml:
 _backend = None
 _backend_lock = threading.Lock()
 
-
-def set_backend(backend) -> None:
-    """Use ``backend`` (``None``: the real :class:`PynvmlBackend`) for every later call."""
-    global _backend
-    with _backend_lock:
-        _backend = backend
 
 
 def get_backend():

@@ -6,8 +6,15 @@ per optimizer step, checkpoint lines, the summary) and writes, into the output d
 * ``loss.png``: training loss per step and eval loss at the steps it was measured;
 * ``io.png``: bytes read and written per step on each cache path (drive), in MB (10^6 bytes);
 * ``io_wait.png``: the share of each step's wall time the training thread waited on I/O;
-* ``memory.png``: host RSS (largest rank) and the DRAM tier's bytes (all ranks) per step, in GiB;
-* ``report.md``: the summary's figures as a table and the four plots, one page.
+* ``memory.png``: per step, host RSS at the step's end and its peak within the step (largest rank), what
+  the DRAM budget books (resident and cached slices) against the budget, and aidaptiv_ds's working
+  buffers (read-ahead not used yet, slices in use, write-back in flight, the swap buffers' pool), which
+  the budget does not bound (all ranks), in GiB;
+* ``report.md``: the summary's figures as a table, the parts of the peak RSS (model loading, ours,
+  DeepSpeed's working set, activations and logits, the rest: :mod:`aidaptiv_ds.finetune.memory`) and the
+  four plots, one page. A run resumed from a checkpoint (in one or more later processes) is reported
+  whole: the figures of every step from 1 on, every process's setup, evals and saves, and the largest
+  peak of them, beside the last process's summary.
 
 Plots whose data the run does not have (no cache tier, a single step) are drawn with a note
 instead of being left out, so the page always has the same layout.
@@ -25,7 +32,7 @@ PLOTS = ("loss.png", "io.png", "io_wait.png", "memory.png")
 
 
 def read_metrics(run_dir: str) -> dict:
-    """``{"evals", "steps", "checkpoints", "summary", "resumes"}`` from ``run_dir/metrics.jsonl``.
+    """``{"evals", "steps", "checkpoints", "summary", "resumes", "setups"}`` from ``run_dir/metrics.jsonl``.
 
     A line cut by a killed run is skipped. A step that appears twice (a run resumed from an earlier
     checkpoint without rewriting the file) keeps its last line.
@@ -37,7 +44,7 @@ def read_metrics(run_dir: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl; give the --output_dir of a launch/finetune.py run "
                                 f"(or a metrics.jsonl written by aidaptiv_ds.telemetry.metrics.MetricsWriter)")
-    evals, steps, ckpts, resumes, summary = {}, {}, [], [], None
+    evals, steps, ckpts, resumes, setups, summary = {}, {}, [], [], [], None
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
@@ -52,10 +59,12 @@ def read_metrics(run_dir: str) -> dict:
                 ckpts.append(rec)
             elif "resumed_from" in rec:
                 resumes.append(rec)
+            elif rec.get("setup"):
+                setups.append(rec)
             elif "loss" in rec and "step" in rec:
                 steps[rec["step"]] = rec
     return {"evals": [evals[k] for k in sorted(evals)], "steps": [steps[k] for k in sorted(steps)],
-            "checkpoints": ckpts, "resumes": resumes, "summary": summary}
+            "checkpoints": ckpts, "resumes": resumes, "setups": setups, "summary": summary}
 
 
 def _axes(title: str, ylabel: str):
@@ -118,14 +127,62 @@ def plot_io_wait(m: dict, path: str) -> str:
 
 def plot_memory(m: dict, path: str) -> str:
     plt, fig, ax = _axes("host memory", "GiB")
-    xs = [s["step"] for s in m["steps"]]
-    rss = [(s.get("rss_bytes") or 0) / GiB for s in m["steps"]]
-    ax.plot(xs, rss, label="RSS (largest rank)", lw=1.2)
-    if any(s.get("peak_rss_bytes") for s in m["steps"]):
-        ax.plot(xs, [(s.get("peak_rss_bytes") or 0) / GiB for s in m["steps"]], label="peak RSS", lw=1, ls=":")
-    ax.plot(xs, [(s.get("dram_bytes") or 0) / GiB for s in m["steps"]], label="DRAM tier (all ranks)", lw=1.2,
-            ls="--")
+    st = m["steps"]
+    xs = [s["step"] for s in st]
+    g = lambda s, k: (s.get(k) or 0) / GiB  # noqa: E731
+    ax.plot(xs, [g(s, "rss_bytes") for s in st], label="RSS at the step's end (largest rank)", lw=1.2)
+    if any(s.get("peak_rss_bytes") for s in st):
+        ax.plot(xs, [g(s, "peak_rss_bytes") for s in st], label="peak RSS in the step (largest rank)", lw=1, ls=":")
+    if any("dram_budgeted_bytes" in s for s in st):
+        ax.plot(xs, [g(s, "dram_budgeted_bytes") for s in st], label="DRAM tier: what the budget books (all ranks)",
+                lw=1.2, ls="--")
+        ax.plot(xs, [g(s, "dram_bytes") - g(s, "dram_budgeted_bytes") + g(s, "buffer_pool_bytes") for s in st],
+                label="aidaptiv_ds working buffers (all ranks)", lw=1.2, ls="-.")
+        budget = max((s.get("dram_budget_bytes") or 0) for s in st) / GiB if st else 0
+        ax.axhline(budget, color="gray", lw=0.8, ls=(0, (1, 3)), label=f"DRAM budget {budget:.2f} GiB (all ranks)")
+    elif xs:  # a metrics file from before the budget's gauges: the tier with its working memory
+        ax.plot(xs, [g(s, "dram_bytes") for s in st], label="DRAM tier with its working memory (all ranks)", lw=1.2,
+                ls="--")
     return _save(plt, fig, ax, path, None if xs else "no steps recorded")
+
+
+def whole_run(m: dict) -> dict | None:
+    """Figures of a resumed run as a whole, from its lines (None when it never resumed): ``steps``,
+    ``processes``, ``written``/``read`` (cache tier, every window of every process), ``per_path`` (the steps'
+    bytes per drive), ``step_written``/``step_read`` (the steps'), ``peak_rss_bytes`` (largest of every line)."""
+    if not m["resumes"]:
+        return None
+    windows = m["steps"] + m["evals"] + m["checkpoints"] + m["setups"]
+    per_path: dict = {}
+    for s in m["steps"]:
+        for p, v in (s.get("per_path") or {}).items():
+            cur = per_path.setdefault(p, {"bytes_written": 0, "bytes_read": 0})
+            cur["bytes_written"] += v.get("write_bytes", 0)
+            cur["bytes_read"] += v.get("read_bytes", 0)
+    peaks = [r.get("peak_rss_bytes") or 0 for r in windows] + [(m["summary"] or {}).get("peak_rss_bytes") or 0]
+    return {"steps": len(m["steps"]), "processes": len(m["resumes"]) + 1,
+            "written": sum(r.get("cache_write_bytes") or 0 for r in windows),
+            "read": sum(r.get("cache_read_bytes") or 0 for r in windows),
+            "step_written": sum(s.get("cache_write_bytes") or 0 for s in m["steps"]),
+            "step_read": sum(s.get("cache_read_bytes") or 0 for s in m["steps"]),
+            "per_path": per_path, "peak_rss_bytes": max(peaks) or None}
+
+
+def _memory_rows(mem: dict | None) -> list[tuple[str, str]]:
+    if not mem:
+        return []
+    b = lambda k: format_bytes(mem[k]) if mem.get(k) is not None else "n/a"  # noqa: E731
+    rows = [("peak RSS: model loading (before step 1)", b("model_loading_bytes")),
+            ("peak RSS: the steps", b("steps_peak_rss_bytes")),
+            ("  ours: aidaptiv_ds's buffers", f"{b('ours_bytes')} (DRAM tier {b('dram_tier_bytes')} of the "
+                                              f"{b('dram_budget_bytes')} budget, its working buffers "
+                                              f"{b('dram_working_bytes')}, buffer pool {b('buffer_pool_bytes')})")]
+    if mem.get("deepspeed_bytes"):
+        rows.append(("  DeepSpeed's working set (planned: gathered parameters, reduce buckets)", b("deepspeed_bytes")))
+    if mem.get("activations_logits_bytes"):
+        rows.append(("  activations and logits (planned, one micro-batch)", b("activations_logits_bytes")))
+    rows.append(("  the rest (interpreter, libraries, model objects, heap)", b("rest_bytes")))
+    return rows
 
 
 def _rows(s: dict | None, m: dict) -> list[tuple[str, str]]:
@@ -136,22 +193,37 @@ def _rows(s: dict | None, m: dict) -> list[tuple[str, str]]:
     def f(v, fmt="{:.4f}"):
         return "n/a" if v is None else fmt.format(v)
 
+    w, n = whole_run(m), s.get("total_params") or 0
     rows = [("eval loss before → after", f"{f(s.get('eval_loss_before'))} → {f(s.get('final_eval_loss'))}"),
-            ("steps", str(s.get("steps")) + (f" (resumed at {s['resumed_from_step']})" if s.get("resumed_from") else "")),
-            ("tokens/s (after the first step)", f(s.get("mean_tokens_per_s"), "{:,.0f}")),
-            ("written per parameter per step (cache tier)", f(s.get("bytes_written_per_param_per_step"), "{:.2f} B")),
-            ("read per parameter per step (cache tier)", f(s.get("bytes_read_per_param_per_step"), "{:.2f} B")),
-            ("written per parameter per step (/proc)", f(s.get("proc_bytes_written_per_param_per_step"), "{:.2f} B"))]
+            ("steps", str(s.get("steps")) + (f" (resumed at {s['resumed_from_step']})" if s.get("resumed_from") else ""))]
+    if w is not None and n:
+        rows += [(f"whole run: written / read per parameter per step (cache tier, {w['steps']} steps, "
+                  f"{w['processes']} processes)", f"{w['step_written'] / n / max(w['steps'], 1):.2f} B / "
+                                                  f"{w['step_read'] / n / max(w['steps'], 1):.2f} B"),
+                 ("whole run: written / read in all (cache tier: setup, steps, evals, saves of every process)",
+                  f"{format_bytes(w['written'])} / {format_bytes(w['read'])}")]
+        rows += [(f"whole run: drive {p}", f"{format_bytes(d['bytes_written'])} written, {format_bytes(d['bytes_read'])} "
+                                          f"read by the steps") for p, d in w["per_path"].items()]
+    last = " (this process)" if w is not None else ""
+    rows += [(f"tokens/s (after the first step){last}", f(s.get("mean_tokens_per_s"), "{:,.0f}")),
+             (f"written per parameter per step (cache tier){last}", f(s.get("bytes_written_per_param_per_step"), "{:.2f} B")),
+             (f"read per parameter per step (cache tier){last}", f(s.get("bytes_read_per_param_per_step"), "{:.2f} B")),
+             (f"written per parameter per step (/proc){last}",
+              f(s.get("proc_bytes_written_per_param_per_step"), "{:.2f} B"))]
     for p, d in (s.get("drives") or {}).items():
         dwpd = f(d.get("dwpd"), "{:.2f}")
         rated = f" (rated {d['rated_dwpd']:g})" if d.get("rated_dwpd") is not None else ""
-        rows.append((f"drive {p}", f"{format_bytes(d['bytes_written'])} written, {format_bytes(d['bytes_read'])} read; "
-                                  f"{dwpd} DWPD at this pace{rated}"))
+        rows.append((f"drive {p}{last}", f"{format_bytes(d['bytes_written'])} written, {format_bytes(d['bytes_read'])} "
+                                         f"read; {dwpd} DWPD at this pace{rated}"))
     if s.get("ledger_bytes_written") is not None:
-        rows.append(("endurance ledger (this run)", format_bytes(s["ledger_bytes_written"])))
-    rows += [("peak RSS (largest rank)", format_bytes(s["peak_rss_bytes"]) if s.get("peak_rss_bytes") else "n/a"),
-             ("peak DRAM tier", format_bytes(s.get("dram_peak_bytes") or 0)),
-             ("parameters, dtype, ranks", f"{s.get('total_params'):,}, {s.get('dtype')}, {s.get('world_size')}"),
+        rows.append((f"endurance ledger{last or ' (this run)'}", format_bytes(s["ledger_bytes_written"])))
+    peak = max(w["peak_rss_bytes"] or 0, s.get("peak_rss_bytes") or 0) if w is not None else s.get("peak_rss_bytes")
+    rows.append(("peak RSS (largest rank" + (", every process)" if w is not None else ")"),
+                 format_bytes(peak) if peak else "n/a"))
+    rows += _memory_rows(s.get("memory"))
+    if not s.get("memory"):  # a summary from before the parts were recorded
+        rows.append(("peak DRAM tier (with its working memory)", format_bytes(s.get("dram_peak_bytes") or 0)))
+    rows += [("parameters, dtype, ranks", f"{s.get('total_params'):,}, {s.get('dtype')}, {s.get('world_size')}"),
              ("metrics", str(s.get("metrics_file"))), ("model", str(s.get("saved_model")))]
     if s.get("checkpoints"):
         rows.append(("checkpoints", ", ".join(os.path.basename(c) for c in s["checkpoints"])))

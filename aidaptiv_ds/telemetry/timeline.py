@@ -214,10 +214,6 @@ class Timeline:
         atexit.register(self.close)
 
     # ------------------------------------------------------------------ window
-    @property
-    def recording(self) -> bool:
-        return self.rec is not None
-
     def _begin_step(self) -> None:
         now = time.perf_counter()
         if self._steps and self._steps[-1]["until"] is None:

@@ -96,6 +96,7 @@ class HostTier:
         self._lock = threading.RLock()
         self.held_bytes = 0
         self.peak_bytes = 0
+        self.budgeted_peak_bytes = 0  # the most resident + cached bytes held after a budget check
         self.evictions = 0
         self.dirty_evictions = 0
         self.hits = 0
@@ -131,10 +132,6 @@ class HostTier:
 
     def cached_bytes(self) -> int:
         return sum(s.nbytes for s in self._slices.values() if self._cached(s))
-
-    def prefetched_bytes(self) -> int:
-        with self._lock:
-            return sum(s.nbytes for s in self._slices.values() if s.prefetched)
 
     @staticmethod
     def _cached(s: Slice) -> bool:
@@ -277,10 +274,16 @@ class HostTier:
             while over > 0:
                 candidates = [s for s in self._slices.values() if self._cached(s)]
                 if not candidates:
-                    return
+                    break
                 victim = self.policy.victim(candidates)
                 over -= victim.nbytes
                 self.evict(victim)
+            self.budgeted_peak_bytes = max(self.budgeted_peak_bytes, over + self.budget)
+
+    def budgeted_bytes(self) -> int:
+        """Bytes the budget books now: resident and cached slices (``held_bytes`` less working memory)."""
+        with self._lock:
+            return sum(s.nbytes for s in self._slices.values() if s.resident or self._cached(s))
 
     def evict(self, s: Slice) -> None:
         """Remove an unreferenced slice. A dirty one is written back first, without waiting: it stays

@@ -42,8 +42,8 @@ import torch  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from aidaptiv_ds.bench.fuzz_worker import _flat_state  # noqa: E402
 from aidaptiv_ds.integration.blas_threads import pin_blas_threads  # noqa: E402
+from aidaptiv_ds.integration.state_readout import flat_optimizer_state  # noqa: E402
 
 pin_blas_threads()
 MIN_SWAPPABLE_BYTES = 1 << 20  # deepspeed.runtime.swap_tensor.MIN_SWAPPABLE_BYTES
@@ -68,7 +68,8 @@ class MyModel(torch.nn.Module):
         super().__init__()
         self.act = torch.nn.ReLU()
         self.cel = torch.nn.CrossEntropyLoss()
-        self.linears = torch.nn.ModuleList([torch.nn.Linear(hidden, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, hidden)])
+        self.linears = torch.nn.ModuleList([torch.nn.Linear(hidden, 1), torch.nn.Linear(1, 1),
+                                            torch.nn.Linear(1, hidden)])
         if frozen:
             for p in self.linears[0].parameters():
                 p.requires_grad = False
@@ -161,10 +162,20 @@ def _random_full(eng, shape_of, keys, dtype, group):
 def scenario_fragment_set(a, rank):
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                                 safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
-                                 safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
-                                 safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state)
+    from deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_grad,
+        safe_get_full_optimizer_state,
+        safe_get_local_fp32_param,
+        safe_get_local_grad,
+        safe_get_local_optimizer_state,
+        safe_set_full_fp32_param,
+        safe_set_full_grad,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_grad,
+        safe_set_local_optimizer_state,
+    )
     hidden = int(math.sqrt(MIN_SWAPPABLE_BYTES))
     cfg = config(a, a.cache, offload_param=False, extra_zero={"param_persistence_threshold": hidden})
     with deepspeed.zero.Init(config_dict_or_path=cfg):
@@ -320,6 +331,49 @@ def scenario_grad_after_consumed(a, rank):
     return run
 
 
+def scenario_ride_failure(a, rank):
+    """Gradient clipping that always clips, so updates ride the next forward; then every read of the cache
+    drive fails: the forward that runs a deferred update raises PipelineError naming the sub-group, and so does
+    every later wait (a checkpoint save, the next step). Ours only (the CPU offload has nothing to fail)."""
+    model, cfg, keep, deepspeed = _llama(a, a.cache)
+    # several sub-groups: the first two are read at the end of backward, the later ones by the forward
+    cfg["zero_optimization"]["sub_group_size"] = 20000
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    run = Run(eng)
+    for s in range(2):
+        _lm_step(run, s, rank)
+    if a.backend != "aidaptiv":
+        return run
+    from aidaptiv_ds.integration.runtime import current_runtime
+    from aidaptiv_ds.integration.step_pipeline import PipelineError
+    from aidaptiv_ds.io.syscalls import FaultyIO, rules_from_env
+    pl = eng.optimizer._aidaptiv_pipeline
+    run.checks["updates_deferred"] = pl.pending
+    # every read of the optimizer state fails (only it: a parameter read failing first would be a plain
+    # StorageIOError, and which read comes first depends on the I/O threads)
+    store = current_runtime().store
+    rules = []
+    for key in (k for k in store.keys() if k.startswith("opt")):
+        for _fd, phys, n, _rel in store.physical_runs(key, 0, store.extent(key).nbytes):
+            rules += rules_from_env(f"op=read,err=EIO,path_contains=slab,offset_min={phys},"
+                                    f"offset_max={phys + n},count=-1")
+    run.checks["several_sub_groups"] = sum(k.startswith("opt") and not k.endswith("~") for k in store.keys()) > 2
+    current_runtime().engine.sysio = FaultyIO(rules)
+    for what, call in (("forward", lambda: _lm_step(run, 2, rank)),
+                       ("save_checkpoint", lambda: eng.save_checkpoint(os.path.join(a.out, "ck"), tag="t")),
+                       ("step", lambda: eng.step())):
+        try:
+            call()
+            run.checks[f"{what}_raises"] = False
+        except PipelineError as e:
+            run.checks[f"{what}_raises"] = "sub-group" in str(e) and "riding the forward" in str(e)
+    run.checks["nothing_saved"] = not os.path.exists(os.path.join(a.out, "ck", "t"))
+    current_runtime().engine.sysio = FaultyIO([])
+    run.losses = run.losses[:2]
+    run.eng = None
+    return run
+
+
 def scenario_save16(a, rank):
     model, cfg, keep, deepspeed = _llama(a, a.cache)
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
@@ -402,7 +456,12 @@ def main():
     run = globals()[f"scenario_{a.scenario}"](a, rank)
     eng = run.eng
     import deepspeed
-    out = {"rank": rank, "checks": run.checks, "losses": run.losses, "norms": run.norms, **_flat_state(eng.optimizer)}
+    if eng is None:  # a scenario whose engine cannot go on (a failure it provoked): its checks only
+        torch.save({"rank": rank, "checks": run.checks, "losses": run.losses}, os.path.join(a.out, f"rank{rank}.pt"))
+        print(json.dumps({"rank": rank, "failed_checks": [k for k, v in run.checks.items() if not v]}))
+        os._exit(0)  # the store holds a failed state: no clean close
+    out = {"rank": rank, "checks": run.checks, "losses": run.losses, "norms": run.norms,
+           **flat_optimizer_state(eng.optimizer)}
     params = {}
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
@@ -412,7 +471,8 @@ def main():
         out["params"] = params
         out["reads"] = run.reads
     torch.save(out, os.path.join(a.out, f"rank{rank}.pt"))
-    print(json.dumps({"rank": rank, "losses": run.losses, "failed_checks": [k for k, v in run.checks.items() if not v]}))
+    failed = [k for k, v in run.checks.items() if not v]
+    print(json.dumps({"rank": rank, "losses": run.losses, "failed_checks": failed}))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ os.environ.setdefault("LOCAL_RANK", "0")
 os.environ.setdefault("WORLD_SIZE", "1")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29612")
+# bit-comparable GEMMs in every backend whatever the machine's load: alignment-independent (MKL_CBWR) and on a
+# fixed thread count (MKL picks fewer threads when the cores are busy; the aidaptiv_ds runtime pins it too);
+# read when MKL starts, so before torch is imported
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402

@@ -19,7 +19,7 @@ import deepspeed.ops  # noqa: E402
 import torch  # noqa: E402
 
 # one rank needs no shared-memory collectives: skip DeepSpeed's JIT build of that op (minutes, and a
-# lock that a killed build leaves behind; aidaptiv_ds.bench.worker.skip_shm_comm_build does the same)
+# lock that a killed build leaves behind; aidaptiv_ds.integration.bench_patches.skip_shm_comm_build does the same)
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 cache = sys.argv[1]

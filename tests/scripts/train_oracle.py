@@ -38,9 +38,12 @@ if "LOCAL_SIZE" not in os.environ:  # the deepspeed launcher sets LOCAL_SIZE (no
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29611")
 
-# MKL's GEMMs independent of memory alignment in every backend (aidaptiv_ds/bench/runner.py REPRODUCIBLE_MKL);
-# read when MKL starts, so before torch is imported
+# MKL's GEMMs independent of memory alignment in every backend (aidaptiv_ds/bench/runner.py REPRODUCIBLE_MKL),
+# and on a fixed thread count in every backend (MKL picks fewer threads when the cores are busy: the reference
+# run's bits would depend on the machine's load; the aidaptiv_ds runtime pins it in its own runs); read when MKL
+# starts, so before torch is imported
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 import torch  # noqa: E402
 
@@ -244,6 +247,7 @@ def _between_steps(a, step: int) -> None:
         with open(tmp, "w") as f:
             json.dump(info, f)
         os.replace(tmp, os.path.join(a.pause_dir, f"paused_{step}.json"))
+        open(os.path.join(a.pause_dir, f"paused_{step}.rank{os.environ.get('RANK', '0')}"), "w").close()
         deadline = time.monotonic() + 300
         while not os.path.exists(os.path.join(a.pause_dir, f"resume_{step}")):
             if time.monotonic() > deadline:
@@ -431,6 +435,7 @@ def main():
             params[name] = p.detach().float().cpu().clone()
     masters = []
     opt = eng.optimizer
+    getattr(opt, "_aidaptiv_drain", lambda: None)()  # updates still riding the forward (step_pipeline.py)
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
         if opt._swappable_optimizer_subgroup(i):
             opt._optimizer_states_and_gradient_swap_in(i)

@@ -24,6 +24,8 @@ tested on CPU tensors too (``batched=True``).
 """
 from __future__ import annotations
 
+from ...errors import AidaptivError
+
 import torch
 
 SPLIT = "split"
@@ -36,7 +38,7 @@ _PERM_BATCH = {SPLIT: (2, 1, 0, 3, 4), INTERLEAVED: (3, 1, 0, 2, 4)}
 _UNPERM_BATCH = {SPLIT: (2, 1, 0, 3, 4), INTERLEAVED: (2, 1, 3, 0, 4)}
 
 
-class UnsupportedKVCacheError(ValueError):
+class UnsupportedKVCacheError(AidaptivError, ValueError):
     """The KV cache tensors are of a kind this connector does not store (another backend, MLA, a
     quantized cache, mixed layers)."""
 

@@ -1,0 +1,34 @@
+"""What ZeRO-3 attaches to a model's parameters and to its optimizer, for code outside the adapter.
+
+``deepspeed.zero.Init`` replaces each parameter's data by its partition (or an empty placeholder) and
+records the whole tensor's size and shape on the parameter (``param.ds_numel``, ``param.ds_shape``)
+and, with NVMe offload, the swapper that holds its partition (``param.nvme_swapper``); DeepSpeed's
+Stage-3 optimizer keeps its optimizer swapper as ``optimizer.optimizer_swapper``. Those are DeepSpeed
+attributes (``docs/deepspeed-surface.md``), so the exporter, the fingerprint and the benchmarks read
+them through these functions. Each works on a plain (unpartitioned) parameter too.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter: ``ds_numel`` under ZeRO-3, else ``numel()``."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """Shape of the whole parameter: ``ds_shape`` under ZeRO-3, else its own shape."""
+    shape = getattr(param, "ds_shape", None)
+    return param.shape if shape is None else shape
+
+
+def swapper_of(param: torch.Tensor):
+    """The parameter swapper holding ``param``'s partition (DeepSpeed's or aidaptiv_ds's), or None
+    (no NVMe offload of parameters, or no ZeRO-3)."""
+    return getattr(param, "nvme_swapper", None)
+
+
+def optimizer_swapper_of(optimizer):
+    """The optimizer swapper of a ZeRO-3 optimizer (DeepSpeed's or aidaptiv_ds's), or None."""
+    return getattr(optimizer, "optimizer_swapper", None)

@@ -1,0 +1,65 @@
+"""The optimizer step riding the next forward (issue 35, ``integration/step_pipeline.py``).
+
+With a gradient norm that clips every step (``gradient_clipping`` 1e-3), no sub-group is stepped inside
+backward after the first step, so every update of a sub-group on the cache tier rides the next forward:
+bit-identical with DeepSpeed's CPU offload (losses, gradient norms, parameters, masters, moments) at GA 1 and
+4, fp32 and bf16, one and two ranks, with a learning rate that changes every step (the update uses the one
+of the ``step()`` that deferred it); a checkpoint saved right after ``step()`` resumes exactly; a failure
+inside the pipeline is raised by every later wait.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_zero3_api import run_scenario
+
+from aidaptiv_ds.bench.fuzz import reproducer, run_backend, run_case
+
+pytestmark = pytest.mark.multirank
+
+CLIPS = {"clip": 1e-3}  # the norm of these models is far above it: every step clips
+
+
+def _case(**kw) -> dict:
+    base = {"model": "llama", "hidden": 64, "layers": 2, "dtype": "fp32", "world": 1, "ga": 1, "micro": 2,
+            "steps": 4, "budget": "0", "zero": {"sub_group_size": 20000}, **CLIPS}
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"ga": 4, "dtype": "bf16", "scheduler": "WarmupLR"},
+    {"world": 2, "ga": 2, "scheduler": "WarmupLR"},
+    {"model": "gpt2", "world": 2, "dtype": "bf16", "zero": {}},  # DeepSpeed's defaults: persistent parameters
+], ids=["fp32", "bf16-ga4-lr", "ws2-ga2-lr", "gpt2-ws2-defaults"])
+def test_updates_riding_the_forward_are_deepspeeds(tmp_path, kw):
+    case = _case(**kw)
+    o = run_case(case, str(tmp_path))
+    assert o.ok, "\n".join(o.diffs or [o.error or ""]) + f"\nreproduce: {reproducer(case)}"
+    ours, _, _ = run_backend(case, "aidaptiv", str(tmp_path / "again"))
+    steps = ours[0]["optimizer_steps"]
+    assert steps["riding_forward"] >= case["steps"] - 1, steps  # every step after the first rides
+    assert steps["after_backward"] == 0, steps
+
+
+def test_a_checkpoint_right_after_step_holds_the_ridden_updates(tmp_path):
+    """``save_checkpoint`` between ``step()`` and the next forward runs the deferred updates first: the
+    reload (whole, into a new engine) trains on exactly as DeepSpeed's."""
+    from test_zero3_api import assert_same_as_deepspeed
+    assert_same_as_deepspeed(tmp_path, "reload", 1, "--load", "full", "--clip", "1e-3")
+
+
+def test_a_failed_update_is_raised_by_every_later_wait(tmp_path):
+    res = run_scenario(tmp_path, "aidaptiv", "ride_failure", 1, "--clip", "1e-3", "--dtype", "bf16")
+    failed = [k for k, v in res[0]["checks"].items() if not v]
+    assert not failed and len(res[0]["checks"]) >= 5, res[0]["checks"]
+
+
+def test_without_riding_every_update_runs_in_step(tmp_path):
+    """``"step_rides_forward": false``: DeepSpeed's loop steps every sub-group inside ``step()`` (same bits)."""
+    case = _case(aidaptiv={"step_rides_forward": False})
+    o = run_case(case, str(tmp_path))
+    assert o.ok, "\n".join(o.diffs or [o.error or ""])
+    ours, _, _ = run_backend(case, "aidaptiv", str(tmp_path / "again"))
+    assert ours[0]["optimizer_steps"]["riding_forward"] == 0
+    assert torch.is_tensor(ours[0]["masters"])
