@@ -63,3 +63,33 @@ def test_eval_loss_matches_the_full_logits():
     kept = evaluate(hf_forward(m, response_logits_only=True), _examples(), 2, 0)
     assert full["eval_tokens"] == kept["eval_tokens"]
     assert kept["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-6)
+
+
+def test_logits_positions_counts_what_the_lm_head_computes():
+    from aidaptiv_ds.finetune.loop import logits_positions
+
+    batch = collate(_examples(), pad_id=0)
+    kept = logits_positions(batch, True)
+    fwd = hf_forward(_model(), response_logits_only=True)
+    logits, _ = fwd(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    assert kept == logits.shape[0]
+    assert logits_positions(batch, False) == batch["input_ids"].numel() == 3 * 20
+
+
+def test_planned_activations_follow_the_runs_checkpointing_and_logits():
+    """The summary's planned activations and logits (finetune/memory.py) count the run's settings: SmolLM2's
+    shape, fp32, seq 512, batch 4: checkpointing and 318 logits positions (the Dolly sample's mean) plan less than
+    every layer's activations and 2048 positions, and the logits part is tokens x vocab x (4 + 12) bytes."""
+    from aidaptiv_ds.finetune.memory import planned_parts
+
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                                   tie_word_embeddings=True).to_dict()
+    full = planned_parts(cfg, {}, 134_515_008, 512, 4, 1, 4, True)["activations_logits_bytes"]
+    lean = planned_parts(cfg, {}, 134_515_008, 512, 4, 1, 4, True, checkpointing=True,
+                         logits_tokens=318)["activations_logits_bytes"]
+    fewer = planned_parts(cfg, {}, 134_515_008, 512, 4, 1, 4, True,
+                          logits_tokens=2048 - 1000)["activations_logits_bytes"]
+    assert full - fewer == 1000 * 49152 * (4 + 12)
+    assert lean < fewer < full
+    assert planned_parts(cfg, {}, 134_515_008, 512, 4, 1, 4, False)["activations_logits_bytes"] == 0

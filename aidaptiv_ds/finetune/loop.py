@@ -169,6 +169,7 @@ class _Totals:
         self.windows: dict[str, dict] = {}      # kind -> {"bytes_written", "bytes_read"} on the cache tier
         self.peak_rss = 0
         self.dram_peak = 0
+        self.logits_tokens = 0  # the most positions of one micro-batch the LM head computed logits for
         self.memory = {"dram_budgeted_peak_bytes": 0, "dram_budget_bytes": 0, "buffer_pool_bytes": 0,
                        "setup_peak_rss_bytes": 0, "steps_peak_rss_bytes": 0}
 
@@ -229,6 +230,7 @@ class _Totals:
             "bytes_per_path_total": {p: dict(v) for p, v in self.all_path.items()},
             "cache_bytes_by_window": {k: dict(v) for k, v in self.windows.items()},
             "peak_rss_bytes": self.peak_rss or None,
+            "max_logits_tokens": self.logits_tokens or None,
             **self.memory,
         }
 
@@ -260,6 +262,14 @@ def training_loss(engine, batch: dict, response_logits_only: bool):
     out = engine(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, logits_to_keep=keep,
                  shift_labels=target[keep])
     return out.loss
+
+
+def logits_positions(batch: dict, response_logits_only: bool) -> int:
+    """How many positions of ``batch`` :func:`training_loss` computes logits for: every one (``B x T``), or
+    with ``response_logits_only`` those that predict a labelled token."""
+    if not response_logits_only:
+        return int(batch["input_ids"].numel())
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
 def run_eval(engine, examples: list[Example], s: LoopSettings) -> dict:
@@ -367,6 +377,7 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
             engine.set_gradient_accumulation_boundary(boundary)
             loss = training_loss(engine, batch, s.response_logits_only)
             width = max(width, int(batch["input_ids"].shape[1]))
+            totals.logits_tokens = max(totals.logits_tokens, logits_positions(batch, s.response_logits_only))
             engine.backward(loss * (s.grad_accum / win_len) if win_len != s.grad_accum else loss)
             losses.append(float(loss.detach()))
             tokens += int(batch["attention_mask"].sum())
