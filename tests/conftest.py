@@ -342,6 +342,16 @@ SLOW_VARIANTS = {
     "tests/test_unpack.py::test_world_size_mismatch_is_named": "test_unpack_streams_one_tensor_at_a_time",
     "tests/test_deepspeed_cases.py::test_duplicate_parameters_in_one_swap_in":
         "test_param_swapper_unit.py (duplicates in a request)",
+    "tests/test_step_pipeline.py::test_updates_riding_the_forward_are_deepspeeds[bf16-ga4-lr]":
+        "[ws2-ga2-lr] (accumulation, a scheduler's learning rate)",
+    "tests/test_step_pipeline.py::test_updates_riding_the_forward_are_deepspeeds[gpt2-ws2-defaults]":
+        "[ws2-ga2-lr] and test_drop_in.py::test_fuzz_sample[gpt2_ckpt-ws2] (DeepSpeed's defaults, GPT-2)",
+    "tests/test_zero3_api.py::test_destroy_then_new_engine_loads_checkpoint[module_only]": "[full]",
+    "tests/test_zero3_api.py::test_destroy_then_new_engine_loads_checkpoint[no_optimizer]": "[full]",
+    "tests/test_zero3_api.py::test_gathered_parameters_edit_is_kept[1]": "[2]",
+    "tests/test_zero3_api.py::test_tensor_fragment_set_two_ranks[local]": "[full]",
+    "tests/test_drop_in.py::test_fuzz_sample[mlp-ws2]": "[mlp_bias-ws1] and the other 2-rank draws",
+    "tests/test_drop_in.py::test_fuzz_sample[mlp_bias-ws2]": "[mlp_bias-ws1] and the other 2-rank draws",
 }
 
 

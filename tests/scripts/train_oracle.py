@@ -130,7 +130,11 @@ def ds_config(a) -> dict:
             "stage3_param_persistence_threshold": 0,
             "stage3_gather_16bit_weights_on_model_save": True,
             **({"reduce_bucket_size": int(a.reduce_bucket_size)} if a.reduce_bucket_size else {}),
-            "offload_param": {"device": dev, "nvme_path": cache, "max_in_cpu": 0, "pin_memory": False,
+            # max_in_cpu: DeepSpeed's default (1e9) for ours, where it caps the parameters the DRAM budget keeps
+            # ([Note: max_in_cpu]); 0 for DeepSpeed's own NVMe offload, which would otherwise keep the first 1e9
+            # parameter elements in CPU buffers of its own and offload nothing of a model this size
+            "offload_param": {"device": dev, "nvme_path": cache, "pin_memory": False,
+                              **({"max_in_cpu": 0} if a.backend == "native" else {}),
                               "buffer_count": 16, "buffer_size": 2e7},
             "offload_optimizer": {"device": dev, "nvme_path": cache, "pin_memory": False},
         },
