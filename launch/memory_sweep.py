@@ -46,9 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="HF gradient checkpointing of every layer (non-reentrant): activations stop growing with "
                         "the layer count, so the fit measures the training state's share")
+    p.add_argument("--aidaptiv-extra", default=None, metavar="JSON",
+                   help='keys merged into the "aidaptiv" section of the aidaptiv_ds backends, for ablations, e.g. '
+                        '\'{"writeback_bytes": "256MiB"}\'')
     p.add_argument("--backends", default="aidaptiv0,native,cpu")
     p.add_argument("--aio", choices=("python", "compiled"), default="python")
-    p.add_argument("--zero-init-build", action="store_true", help="build each model inside zero.Init")
+    p.add_argument("--zero-init-build", action="store_true",
+                   help="build each model inside zero.Init (--build zero_init)")
+    p.add_argument("--build", choices=("whole", "zero_init", "from_pretrained", "unpacked"), default=None,
+                   help="how each model is built: whole then partitioned (default), inside zero.Init, "
+                        "from_pretrained of a saved copy under ZeRO-3, or from the store `aidaptiv-ds unpack` filled")
+    p.add_argument("--trace-detail", action="store_true",
+                   help="each RSS trace sample in the JSON also says where the bytes are (C heap, DRAM tier, pool)")
     p.add_argument("--cache", default="/tmp/aidaptiv_memory")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -58,12 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     knob = int(a.ds_knobs) or None
     settings = TrainSettings(dtype=a.dtype, seq=a.seq, sub_group_size=int(a.sub_group_size), clip=a.gradient_clipping,
                              activation_checkpointing=a.activation_checkpointing, reduce_bucket_size=knob,
-                             prefetch_bucket_size=knob, max_live_parameters=knob)
+                             prefetch_bucket_size=knob, max_live_parameters=knob,
+                             aidaptiv_extra=json.loads(a.aidaptiv_extra) if a.aidaptiv_extra else None)
     shapes = [resolve_shape(None, a.hidden, int(n), vocab=a.vocab, seq=a.seq) for n in a.layers.split(",")]
     command = " ".join(shlex.quote(x) for x in ["python", "launch/memory_sweep.py"] +
                        (sys.argv[1:] if argv is None else list(argv)))
     res = sweep(shapes, settings, backends=[b.strip() for b in a.backends.split(",") if b.strip()], steps=a.steps,
                 work_dir=a.cache, aio=a.aio, build_under_zero_init=a.zero_init_build, command=command,
+                trace_detail=a.trace_detail, build=a.build,
                 say=lambda m: print(m, file=sys.stderr, flush=True))
     if a.json:
         with open(a.json, "w") as f:

@@ -209,8 +209,7 @@ ADAPTER = "aidaptiv_ds/integration/"
 #: names our code uses that DeepSpeed's internals define too, but that are not DeepSpeed's objects where we use them
 COINCIDENCES = {
     # our own private attributes
-    "_pool": "io/pool.py: a buffer's pool", "_sizes": "integration/config.py: a validator",
-    "_t0": "integration/runtime.py: a clock",
+    "_sizes": "integration/config.py: a validator",
     # other libraries' attributes
     "SCHEDULER": "vLLM's KVConnectorRole", "request_id": "vLLM's requests", "num_tokens": "vLLM's requests",
     "create": "the OpenAI client", "decoder": "tokenizers", "get_state": "numpy.random", "set_state": "numpy.random",

@@ -252,3 +252,44 @@ def test_a_buffer_returned_after_a_release_is_given_back_at_the_next_miss(pool):
     again = buffers.alloc_aligned(pool.capacity)  # the next miss
     assert not pool.contains(again) and pool.contains(keep)
     assert _resident_bytes(probe) == 0
+
+
+def test_peak_live_counts_the_pools_buffers_and_the_misses_at_once(pool):
+    """``peak_live_bytes``: the most swap-buffer bytes alive at once, carved or fresh (the bench worker's
+    ``phase_peak_swap_buffer_bytes``), restarted by ``reset_peak_live``."""
+    assert pool.reset_peak_live() == 0
+    a = buffers.alloc_aligned(10 * MiB)
+    b = buffers.alloc_aligned(10 * MiB)  # does not fit beside a: a fresh buffer
+    assert pool.contains(a) and not pool.contains(b)
+    assert pool.peak_live_bytes >= 20 * MiB
+    del a, b
+    gc.collect()
+    assert pool.reset_peak_live() >= 20 * MiB
+    assert pool.peak_live_bytes == 0  # nothing alive now
+    c = buffers.alloc_aligned(2 * MiB)
+    assert pool.peak_live_bytes == 2 * MiB
+    del c
+
+
+def test_release_free_gives_the_touched_free_pages_back(pool):
+    """``release_free`` (the runtime's ``release_host_memory``, end of initialisation): the pages of free ranges
+    leave the process; buffers in use keep theirs and their bytes."""
+    def resident(start: int, n: int) -> int:
+        import ctypes
+        import mmap
+
+        page = mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * ((n + page - 1) // page))()
+        assert ctypes.CDLL(None).mincore(ctypes.c_void_p(start), ctypes.c_size_t(n), vec) == 0
+        return sum(v & 1 for v in vec) * page
+
+    a = buffers.alloc_aligned(4 * MiB)
+    b = buffers.alloc_aligned(4 * MiB)
+    a.fill_(7)
+    b.fill_(1)
+    ptr = b.data_ptr()
+    del b
+    gc.collect()
+    assert resident(ptr, 4 * MiB) == 4 * MiB  # a dead buffer's touched pages stay until given back
+    assert pool.release_free() == pool.capacity - 4 * MiB
+    assert resident(ptr, 4 * MiB) == 0 and int(a.min()) == 7 == int(a.max())

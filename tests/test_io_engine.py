@@ -394,3 +394,65 @@ def test_a_finished_request_lets_go_of_its_buffer(tmp_path, engine):
             assert refs(buf) == before, op
     finally:
         fh.close()
+
+
+class OffsetGateIO(SysIO):
+    """Blocks the first call at each offset of ``gates`` until its event is set (``entered[offset]`` is set
+    when a worker gets there)."""
+
+    def __init__(self, offsets) -> None:
+        self.release = {o: threading.Event() for o in offsets}
+        self.entered = {o: threading.Event() for o in offsets}
+
+    def _gate(self, offset):
+        ev = self.release.get(offset)
+        if ev is not None and not self.entered[offset].is_set():
+            self.entered[offset].set()
+            assert ev.wait(10)
+
+    def preadv(self, fd, bufs, offset, path):
+        self._gate(offset)
+        return super().preadv(fd, bufs, offset, path)
+
+    def pwritev(self, fd, bufs, offset, path):
+        self._gate(offset)
+        return super().pwritev(fd, bufs, offset, path)
+
+
+def test_a_boosted_request_lets_go_of_its_buffer_before_its_stale_entry_comes_by(tmp_path):
+    """A boosted chunk is queued twice; the stale entry at the old priority (a write-back's: behind every
+    read) used to pin the buffer through the chunk's memoryviews until a worker popped it, so an optimizer
+    sub-group whose write-back someone had waited for stayed in host memory after the write and after the
+    DRAM tier dropped it (640M fp32 Llama at budget 0: 0.3-0.9 GiB of swap buffers beside the tier's own,
+    [Note: a boosted chunk's stale entry] in io/engine.py)."""
+    def refs(t: torch.Tensor) -> int:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    gate = OffsetGateIO([0, 3 * 4096])
+    eng = IOEngine(sysio=gate, threads_per_drive=1, block_size=4096)
+    try:
+        fh = eng.open(str(tmp_path / "f.bin"))
+        first = eng.write(fh, 0, alloc_aligned(4096, zero=True))           # occupies the only worker
+        assert gate.entered[0].wait(5)
+        buf = alloc_aligned(4096, zero=True)
+        before = refs(buf)
+        chunks: list = []
+        w = eng.submit(fh, True, 4096, [buf], WRITE_BACK, chunks_out=chunks)
+        assert eng.boost(chunks, READ_DEMAND) == 1                          # its stale entry stays at WRITE_BACK
+        later = eng.write(fh, 3 * 4096, alloc_aligned(4096, zero=True), READ_DEMAND)  # holds the worker next
+        del chunks
+        gate.release[0].set()
+        w.wait()
+        assert gate.entered[3 * 4096].wait(5)                               # the stale entry is still queued
+        del w
+        deadline = time.monotonic() + 5
+        while refs(buf) != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert refs(buf) == before
+        gate.release[3 * 4096].set()
+        wait_all([first, later])
+        fh.close()
+    finally:
+        for ev in gate.release.values():
+            ev.set()
+        eng.close()

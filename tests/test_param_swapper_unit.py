@@ -220,3 +220,24 @@ def test_reclaimable_bytes_counts_whole_holes_less_the_slack(swapper, status):
     assert swapper.reclaimable_bytes(ids) == held  # one hole: the chunks were allocated back to back
     assert swapper.reclaimable_bytes(ids, slack=1 << 20) == held - (1 << 20)
     assert swapper.reclaimable_bytes(ids[:2]) < held  # the last partition keeps its chunk
+
+
+def test_a_read_ahead_slice_no_partition_reads_is_evicted_at_budget_0():
+    """[Note: a slice no partition reads] (issue 34): the master copies a step leaves for the next forward are
+    read-ahead working memory until used; when every partition detaches from one first (the next step gives them
+    new copies), the tier's next budget check evicts it instead of keeping it for the rest of the run."""
+    from aidaptiv_ds.integration.param_swapper import PartitionRecord, _Loc
+    from aidaptiv_ds.tiers.host_tier import HostTier, Slice
+
+    tier = HostTier(budget=0)
+    loc = _Loc(None, 0, 256, torch.float32, 4)
+    a, b = PartitionRecord(1, loc), PartitionRecord(2, loc)
+    s = Slice(("p", "r", 0, 0), torch.zeros(2048, dtype=torch.uint8), members=(1, 2), kind="param", prefetched=True)
+    a.host = b.host = s
+    tier.add(s)
+    a.detach_host()
+    tier.enforce_budget()
+    assert tier.held_bytes == 2048 and s.prefetched  # partition 2 will still read it
+    b.detach_host()
+    tier.enforce_budget()
+    assert tier.held_bytes == 0 and not s.prefetched

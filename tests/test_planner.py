@@ -16,6 +16,7 @@ from aidaptiv_ds.cli.plan import parse_cache_spec
 from aidaptiv_ds.planner import auto
 from aidaptiv_ds.planner.model_size import (PRESETS, load_model_shape, nearest_preset, preset_shape,
                                             shape_from_config)
+from aidaptiv_ds.planner.auto import RANK_OVERHEAD_BYTES
 from aidaptiv_ds.planner.plan import (CacheDrive, PlanInput, activation_bytes, layer_activation_bytes, make_plan,
                                       state_sizes_for_rank, usable_cache_bytes)
 from aidaptiv_ds.planner.residency import StateSizes, plan_residency
@@ -161,6 +162,30 @@ def test_405b_on_2x96gb_with_8tb_fits():
     assert p.step_time["lower_bound_s"] == pytest.approx(p.per_step["write_bytes"] / 6e9)
 
 
+def test_405b_verdict_follows_from_each_ranks_process_peak():
+    """Issue 34: the DRAM check counts each rank's host memory in every phase of the process (the model built
+    under zero.Init, deepspeed.initialize, the steps), not the steps alone, and the verdict follows from the
+    peak: 2 ranks x 96 GB GPUs, 512 GB DRAM, 8 TB fits; a host without room for the margin and both ranks'
+    peak does not."""
+    p = make_plan(ref_405b([CacheDrive(8 * TB)]))
+    rh = p.rank_host
+    assert set(rh) == {"construction", "initialization", "steps", "peak"}
+    assert rh["peak"] == max(rh["construction"], rh["initialization"], rh["steps"])
+    # construction: one whole parameter on the GPU; its partition (the 128256 x 16384 embedding over 2 ranks,
+    # bf16) copied to the host and staged once, beside the rank's allowance
+    emb_part = -(-128256 * 16384 // 2) * 2
+    assert rh["construction"] == RANK_OVERHEAD_BYTES + 2 * emb_part
+    # initialization and the steps hold one / three of the largest sub-group (a sub-group holds whole
+    # partitions: DeepSpeed's default 1e9 elements plus up to one partition)
+    assert rh["initialization"] < rh["steps"] and 3 * 10**9 * 16 < rh["steps"] < 3 * 2.1e9 * 16 + 8 * GB
+    assert p.dram["working_set_bytes"] == 2 * rh["peak"]
+    need = p.dram["margin_bytes"] + 2 * rh["peak"]
+    assert p.fits and need <= 512 * GB
+    # the margin is 10% of the host: 2 x peak / 0.95 leaves less than that beside both peaks, / 0.85 more
+    assert not make_plan(ref_405b([CacheDrive(8 * TB)], dram=int(2 * rh["peak"] / 0.95))).verdict.checks["dram"]
+    assert make_plan(ref_405b([CacheDrive(8 * TB)], dram=int(2 * rh["peak"] / 0.85))).verdict.checks["dram"]
+
+
 def test_405b_fits_even_without_dram_budget():
     p = make_plan(ref_405b([CacheDrive(8 * TB)], dram=256 * GB))
     assert p.fits, p.verdict.problems
@@ -205,11 +230,33 @@ def test_vram_problem_names_the_smallest_change():
 
 
 def test_dram_problem():
-    p = make_plan(PlanInput(shape=preset_shape("llama-3.1-70b"), gpus=8, vram=80 * GB, dram=64 * GB,
+    p = make_plan(PlanInput(shape=preset_shape("llama-3.1-70b"), gpus=8, vram=80 * GB, dram=128 * GB,
                             drives=[CacheDrive(8 * TB)]))
     assert not p.verdict.checks["dram"]
     assert "dram: the host needs" in p.verdict.problems[0]
     assert p.verdict.changes[0].startswith("reduce sub_group_size to")
+    # a sub-group holds whole partitions (DeepSpeed's _create_fp16_sub_groups): the embedding's 131M-element
+    # partition per rank is a floor no sub_group_size goes under, so 64 GB for 8 ranks takes more DRAM
+    p = make_plan(PlanInput(shape=preset_shape("llama-3.1-70b"), gpus=8, vram=80 * GB, dram=64 * GB,
+                            drives=[CacheDrive(8 * TB)]))
+    assert p.verdict.changes[0].startswith("use ") and "of DRAM or more" in p.verdict.changes[0]
+
+
+def test_sub_groups_are_deepspeeds():
+    """DeepSpeed closes a sub-group once it holds sub_group_size elements or more (stage3.py
+    _create_fp16_sub_groups): a sub-group reaches sub_group_size + a partition - 1, never less than one partition."""
+    from aidaptiv_ds.planner.auto import deepspeed_sub_group_numels
+    from aidaptiv_ds.planner.plan import rank_sub_group_numels
+
+    assert deepspeed_sub_group_numels([5, 5, 5, 5], 7) == [10, 10]
+    assert deepspeed_sub_group_numels([5, 5, 5], 100) == [15]
+    assert deepspeed_sub_group_numels([20, 1, 1], 7) == [20, 2]
+    assert deepspeed_sub_group_numels([], 7) == []
+    inp = PlanInput(shape=preset_shape("llama-3.1-70b"), gpus=8, vram=80 * GB, dram=128 * GB,
+                    drives=[CacheDrive(8 * TB)], sub_group_size=10**7)
+    g = rank_sub_group_numels(inp)
+    emb = -(-128256 * 8192 // 8)  # the embedding's partition (and the LM head's)
+    assert sum(g) >= inp.params // 8 and emb <= max(g) < emb + 10**7
 
 
 def test_endurance_uses_ledger_projection():

@@ -84,3 +84,22 @@ def test_cli_without_gpu_flags_on_a_cpu_host_names_cpu_ranks(capsys):
 def test_cli_cpu_ranks_and_gpus_must_agree(capsys):
     assert main(["plan", "--params", "1e9", "--cache", "4TB", "--cpu-ranks", "2", "--gpus", "4", "--dram", "64GB"]) == 2
     assert "disagree" in capsys.readouterr().err
+
+
+def test_a_cpu_ranks_activations_and_logits_are_its_own():
+    """Issue 34: on a CPU rank activations are host memory in the model dtype (fp32: twice the 16-bit figure a
+    GPU's plan counts), and the logits of every token the LM head computes come with the loss's fp32 copies
+    (measured: 4.05 x the fp32 logits at the peak of an LM head + cross-entropy backward); fewer tokens when
+    the loss takes logits at the response positions only (``--logits-tokens``)."""
+    from aidaptiv_ds.planner.plan import CPU_LOSS_BYTES_PER_LOGIT, activation_bytes
+
+    shape = preset_shape("smollm2-135m")
+    base = dict(shape=shape, gpus=1, vram=0, dram=HOST, drives=[CacheDrive(270 * GB)], cpu_ranks=True,
+                dtype="fp32", seq_len=512, micro_batch=4, dram_budget=0, activation_checkpointing=False)
+    full = make_plan(PlanInput(**base)).cpu_rank_host
+    gpu_act = activation_bytes(shape, 512, 4, False, True, False)
+    assert full["activations"] == 2 * gpu_act["layers"] + 2048 * shape.vocab_size * (4 + CPU_LOSS_BYTES_PER_LOGIT)
+    kept = make_plan(PlanInput(**base, logits_tokens=700)).cpu_rank_host
+    assert full["activations"] - kept["activations"] == (2048 - 700) * shape.vocab_size * 16
+    ckpt = make_plan(PlanInput(**{**base, "activation_checkpointing": True}, logits_tokens=700)).cpu_rank_host
+    assert ckpt["activations"] < kept["activations"]

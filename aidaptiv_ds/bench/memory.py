@@ -67,7 +67,7 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
 def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[str], steps: int = 3,
           work_dir: str = "/tmp/aidaptiv_memory", seed: int = 0, aio: str = "python", build_aio: bool = False,
           extensions_dir: str | None = None, timeout_s: float = 3600, build_under_zero_init: bool = False,
-          command: str = "", say=None) -> dict:
+          command: str = "", trace_detail: bool = False, build: str | None = None, say=None) -> dict:
     """Train every shape with every backend; return ``{"config", "points", "fits", "table", ...}``.
 
     Args:
@@ -78,19 +78,30 @@ def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[s
         build_under_zero_init: construct the model inside ``deepspeed.zero.Init`` (each parameter is
             partitioned as it is created) instead of building it whole first, for models whose fp32
             weights alone would not fit in RAM.
+        trace_detail: each RSS trace sample also says where the bytes are (C heap, DRAM tier by kind, buffer
+            pool: :func:`.worker.memory_detail`).
+        build: how the model is built (:mod:`.worker`'s ``build``): ``"whole"``, ``"zero_init"`` (the default
+            with ``build_under_zero_init``), ``"from_pretrained"`` (the sweep first saves each size, HF-initialised,
+            as safetensors under ``work_dir/models``) or ``"unpacked"`` (the same, then ``unpack`` into the run's
+            cache path before the worker starts: aidaptiv_ds backends only).
     """
     say = say or (lambda _m: None)
     env = aio_env(extensions_dir=extensions_dir)
     pre = preflight(env, build=build_aio) if "native" in backends and aio == "compiled" else \
         {"aio": "python", "status": "aidaptiv_ds pure-Python handle"}
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    build = build or ("zero_init" if build_under_zero_init else "whole")
     points = []
     for i, shape in enumerate(shapes):
+        model_dir = _saved_model(shape, settings, seed, os.path.join(work_dir, "models"), say) \
+            if build in ("from_pretrained", "unpacked") else None
         for b in backends:
             run_dir = os.path.join(work_dir, f"{stamp}-mem", f"{i:02d}-{b}")
             spec = {"backend": b, "shape": dataclasses.asdict(shape), "settings": settings.as_dict(), "steps": steps,
-                    "seed": seed, "aio": pre["aio"], "native_dedup": True,
-                    "build_under_zero_init": build_under_zero_init}
+                    "seed": seed, "aio": pre["aio"], "native_dedup": True, "build": build,
+                    "trace_detail": trace_detail, "model_dir": model_dir, "run_name": f"mem-{stamp}-{i:02d}"}
+            if build == "unpacked":
+                _unpack_for(model_dir, os.path.join(run_dir, "cache"), spec["run_name"], settings)
             say(f"{describe(shape)}: {b}")
             res = run_worker(spec, run_dir, worker_env(b, env, same_allocator=False), timeout_s=timeout_s, say=say)
             points.append({"backend": b, "n_params": shape.n_params(), "shape": shape.as_dict(),
@@ -102,21 +113,56 @@ def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[s
                            "median_step_s": _median([s["wall_s"] for s in res.get("steps", [])[1:]]),
                            "phase_peak_rss_bytes": [s.get("phase_peak_rss_bytes") for s in res.get("steps", [])],
                            "phase_start_rss_bytes": [s.get("phase_start_rss_bytes") for s in res.get("steps", [])],
+                           "phase_peak_swap_buffer_bytes": [s.get("phase_peak_swap_buffer_bytes")
+                                                            for s in res.get("steps", [])],
+                           "setup_phase_peak_rss_bytes": res.get("setup_phase_peak_rss_bytes"),
+                           "setup_phase_end_rss_bytes": res.get("setup_phase_end_rss_bytes"),
+                           "rss_trace": res.get("rss_trace"),
                            "planned_host": planned_host_bytes(shape, settings) if b == "aidaptiv0" else None,
                            "error": None if res.get("ok") else res.get("error")})
-    fits = {}
+    fits, process_fits = {}, {}
     for b in backends:
-        pts = [p for p in points if p["backend"] == b and p["ok"] and p["peak_rss_steps_bytes"]]
-        if len({p["n_params"] for p in pts}) >= 2:
-            a, slope = fit_line([p["n_params"] for p in pts], [p["peak_rss_steps_bytes"] for p in pts])
-            fits[b] = {"fixed_bytes": a, "bytes_per_param": slope, "points": len(pts)}
+        for key, into in (("peak_rss_steps_bytes", fits), ("peak_rss_process_bytes", process_fits)):
+            pts = [p for p in points if p["backend"] == b and p["ok"] and p[key]]
+            if len({p["n_params"] for p in pts}) >= 2:
+                a, slope = fit_line([p["n_params"] for p in pts], [p[key] for p in pts])
+                into[b] = {"fixed_bytes": a, "bytes_per_param": slope, "points": len(pts)}
     result = {"config": {**settings.as_dict(), "steps": steps, "backends": backends, "seed": seed,
-                         "build_under_zero_init": build_under_zero_init,
+                         "build_under_zero_init": build == "zero_init", "build": build,
                          "models": [describe(s) for s in shapes]},
               "command": command, "machine": machine_info(work_dir), "code": code_version(), "aio": pre,
-              "points": points, "fits": fits}
+              "points": points, "fits": fits, "process_fits": process_fits}
     result["table"] = format_table(result)
     return result
+
+
+def _saved_model(shape: LlamaShape, settings: TrainSettings, seed: int, root: str, say) -> str:
+    """``root/<shape>-<dtype>``: the HF Llama of ``shape`` (HF init, ``torch.manual_seed(seed)``) saved as safetensors
+    shards of at most 1 GB, made once (this process's memory is not measured)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    path = os.path.join(root, f"h{shape.hidden}-l{shape.layers}-v{shape.vocab}-{settings.dtype}-s{seed}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    say(f"saving {describe(shape)} to {path}")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(shape.hf_config())
+    if settings.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(path + ".tmp", max_shard_size="1GB")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _unpack_for(model_dir: str, cache: str, run_name: str, settings: TrainSettings) -> None:
+    """``aidaptiv-ds unpack`` of ``model_dir`` into ``cache`` under ``run_name``, one rank (before the worker runs)."""
+    import torch
+
+    from ..checkpoint.unpack import unpack
+
+    os.makedirs(cache, exist_ok=True)
+    unpack(model_dir, [cache], run_name, 1, torch.bfloat16 if settings.dtype == "bf16" else torch.float32)
 
 
 def _median(xs: list[float]) -> float | None:
@@ -125,7 +171,8 @@ def _median(xs: list[float]) -> float | None:
 
 
 def format_table(result: dict) -> str:
-    """Markdown: peak RSS of the steps per size and backend, then the fitted slope and fixed part."""
+    """Markdown: peak RSS of the steps / of the whole process per size and backend, then the fitted slopes
+    and fixed parts of both."""
     backends = result["config"]["backends"]
     sizes = sorted({p["n_params"] for p in result["points"]})
     head = "| parameters | " + " | ".join(LABELS.get(b, b) for b in backends) + " |"
@@ -139,17 +186,17 @@ def format_table(result: dict) -> str:
             elif not p["ok"]:
                 cells.append(f"failed: {(p['error'] or '')[:60]}")
             else:
-                cells.append(f"{p['peak_rss_steps_bytes'] / GiB:.2f} GiB")
+                cells.append(f"{p['peak_rss_steps_bytes'] / GiB:.2f} / {p['peak_rss_process_bytes'] / GiB:.2f} GiB")
         lines.append(f"| {n / 1e6:.1f}M | " + " | ".join(cells) + " |")
     planned = [p for p in result["points"] if p.get("planned_host") and p["ok"]]
     if planned:
-        lines.append("| planned (budget 0) | " + " | ".join(
+        lines.append("| planned (budget 0), process peak against it | " + " | ".join(
             ", ".join(f"{p['n_params'] / 1e6:.0f}M {p['planned_host']['total'] / GiB:.2f} GiB "
-                      f"({p['peak_rss_steps_bytes'] / p['planned_host']['total'] - 1:+.0%})" for p in planned)
+                      f"({p['peak_rss_process_bytes'] / p['planned_host']['total'] - 1:+.0%})" for p in planned)
             if b == "aidaptiv0" else "" for b in backends) + " |")
-    fits = result["fits"]
-    lines.append("| **slope, B/param** | " + " | ".join(
-        f"**{fits[b]['bytes_per_param']:.2f}**" if b in fits else "n/a" for b in backends) + " |")
-    lines.append("| fixed part | " + " | ".join(
-        f"{fits[b]['fixed_bytes'] / GiB:.2f} GiB" if b in fits else "n/a" for b in backends) + " |")
+    for title, fits in (("steps", result["fits"]), ("process", result.get("process_fits") or {})):
+        lines.append(f"| **slope, B/param ({title})** | " + " | ".join(
+            f"**{fits[b]['bytes_per_param']:.2f}**" if b in fits else "n/a" for b in backends) + " |")
+        lines.append(f"| fixed part ({title}) | " + " | ".join(
+            f"{fits[b]['fixed_bytes'] / GiB:.2f} GiB" if b in fits else "n/a" for b in backends) + " |")
     return "\n".join(lines)

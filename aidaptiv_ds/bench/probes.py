@@ -107,6 +107,120 @@ def reset_peak_rss() -> bool:
         return False
 
 
+class RssTrace:
+    """A thread sampling this process's RSS every ``every_s`` seconds, each sample tagged with the phase
+    ``label()`` names then; :meth:`samples` keeps the first sample of each phase, every sample that moved
+    ``min_step`` bytes from the last one kept, and each phase's largest sample (``[t_s, rss_bytes, phase]``,
+    ``t_s`` from :meth:`start`). A sampled peak is a lower bound of ``VmHWM``'s (a spike shorter than
+    ``every_s`` can fall between two samples); its use is *where* the memory rose, beside the exact peaks.
+    """
+
+    def __init__(self, label, every_s: float = 0.05, min_step: int = 32 << 20, detail=None) -> None:
+        self._label, self._every, self._min = label, float(every_s), int(min_step)
+        self._detail = detail  # optional ``fn() -> dict`` appended to each kept sample (where the bytes are)
+        self._out: list[list] = []
+        self._top: dict[str, list] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def start(self) -> RssTrace:
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="aidaptiv-rss-trace", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        last_rss, last_phase = -1, None
+        while not self._stop.wait(self._every):
+            rss, phase = rss_bytes(), str(self._label())
+            sample = [round(time.perf_counter() - self._t0, 3), rss, phase]
+            if self._detail is not None:
+                try:
+                    sample.append(self._detail())
+                except Exception as e:  # noqa: BLE001 - a diagnostic must not stop the run
+                    sample.append({"error": repr(e)})
+            if phase != last_phase or abs(rss - last_rss) >= self._min:
+                self._out.append(sample)
+                last_rss, last_phase = rss, phase
+            top = self._top.get(phase)
+            if top is None or rss > top[1]:
+                self._top[phase] = sample
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def samples(self) -> list[list]:
+        """The kept samples and each phase's largest one, in time order."""
+        seen, out = set(), []
+        for x in self._out + list(self._top.values()):
+            if id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+        return sorted(out, key=lambda x: x[0])
+
+
+def smaps_rss(ranges: dict[str, tuple[int, int]] | None = None) -> dict:
+    """Resident bytes of this process by kind of mapping (``/proc/self/smaps``): ``files`` (libraries and
+    other file mappings), ``heap`` (the ``brk`` heap), ``arenas`` (glibc's 64 MiB thread arenas), ``anon``
+    (other anonymous mappings: blocks above the mmap threshold, torch's and numpy's own, thread stacks) and
+    one entry per named address range of ``ranges`` (``{name: (start, end)}``: e.g. the buffer pool's region).
+    The kernel merges neighbouring anonymous mappings, so a named range can share a mapping with others; its
+    share is then the mapping's resident bytes up to the overlap (an upper bound). A diagnostic: reading smaps
+    costs milliseconds."""
+    out: dict[str, int] = {}
+    ranges = ranges or {}
+    kind, a, b, path = "", 0, 0, ""
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    parts = line.split()
+                    a, b = (int(x, 16) for x in parts[0].split("-"))
+                    path = parts[5] if len(parts) > 5 else ""
+                    if path.startswith("/"):
+                        kind = "files"
+                    elif path == "[heap]":
+                        kind = "heap"
+                    elif path:
+                        kind = "other"
+                    else:
+                        kind = "arenas" if b - a == 64 << 20 and a % (64 << 20) == 0 else "anon"
+                elif line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * 1024
+                    if kind == "anon":
+                        for name, (s0, e0) in ranges.items():
+                            share = min(rss, max(min(b, e0) - max(a, s0), 0))
+                            if share:
+                                out[name] = out.get(name, 0) + share
+                                rss -= share
+                    out[kind] = out.get(kind, 0) + rss
+    except OSError:
+        return {}
+    return out
+
+
+def heap_bytes() -> dict:
+    """glibc's ``mallinfo2`` over every arena (bytes): ``heap`` (obtained with ``brk``/arenas), ``heap_free``
+    (free chunks in it), ``mmapped`` (blocks mapped on their own); ``{}`` where it is not glibc."""
+    import ctypes
+
+    class _MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        from ..io.heap import glibc
+
+        fn = glibc().mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    fn.restype = _MallInfo2
+    m = fn()
+    return {"heap": int(m.arena), "heap_free": int(m.fordblks), "mmapped": int(m.hblkhd)}
+
+
 # ---------------------------------------------------------------------------- accelerator memory
 def reset_gpu_peaks(device) -> None:
     """Restart torch's peak counters of ``device`` (a CUDA ``torch.device``; nothing for another kind)."""

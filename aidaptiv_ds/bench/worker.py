@@ -6,9 +6,12 @@ Usage (the runner does this; by hand only for debugging)::
 
 ``SPEC.json`` keys: ``backend``, ``shape`` (:class:`~aidaptiv_ds.bench.models.LlamaShape` fields),
 ``settings`` (:class:`~aidaptiv_ds.bench.backends.TrainSettings` fields), ``steps``, ``seed``,
-``cache_dir``, ``aio`` (``"compiled"``/``"python"``, native only), ``build_under_zero_init`` (build
-the model inside ``deepspeed.zero.Init``, for models whose whole fp32 weights would not fit in RAM;
-``zero.Init(dtype=...)`` is given the model dtype then), ``native_dedup`` (native only,
+``cache_dir``, ``aio`` (``"compiled"``/``"python"``, native only), ``build``: ``"whole"`` (below),
+``"zero_init"`` (built inside ``deepspeed.zero.Init``, for models whose whole fp32 weights would not fit in RAM;
+``zero.Init`` takes the model dtype from the config's ``bf16`` section; ``build_under_zero_init`` true says the
+same), ``"from_pretrained"`` (``spec["model_dir"]`` loaded by ``from_pretrained`` under ZeRO-3, through
+``HfDeepSpeedConfig``) or ``"unpacked"`` (zero.Init with ``aidaptiv.from_unpacked`` and ``run_name =
+spec["run_name"]``: the weights come from the store ``aidaptiv-ds unpack`` filled), ``native_dedup`` (native only,
 default true: :func:`aidaptiv_ds.integration.bench_patches.dedup_native_swap_in`), ``t_launch`` (``time.time()``
 when the runner started the process), optional ``profile`` (a path: cProfile of the steps after
 ``profile_after`` steps) and ``profile_after``, optional ``timeline`` (``[first, last]``: those steps'
@@ -34,6 +37,8 @@ far, the ``miss_bytes`` of this step it had no room for), ``rss_bytes``, ``peak_
 :class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset before step 1, the maximum of the phases'
 peaks), ``peak_rss_process_bytes`` (the whole process: the setup's peak and the steps', since resetting
 ``VmHWM`` resets what ``ru_maxrss`` reads too), ``aio`` (native), ``plan`` and ``budget_bytes`` (aidaptiv_ds),
+``setup_phase_peak_rss_bytes`` / ``setup_phase_end_rss_bytes`` (per setup phase: import, build, partition,
+initialize; :class:`ResultFile`), ``rss_trace`` (``[t_s, rss_bytes, phase]`` samples: :class:`.probes.RssTrace`),
 ``tail`` (aidaptiv_ds: the write-back still in flight after the last step), ``timeline`` (the timeline file,
 when one was asked for), ``device`` (the engine's, e.g. ``cuda:0``).
 
@@ -56,19 +61,39 @@ for _k, _v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_
 
 
 class ResultFile:
-    """The worker's result dict, rewritten atomically on every :meth:`update`."""
+    """The worker's result dict, rewritten atomically on every :meth:`update`.
+
+    Until the first step, each phase change closes the phase before it: its peak RSS (``VmHWM``, reset
+    as the next phase starts) into ``setup_phase_peak_rss_bytes`` and the RSS it ended at into
+    ``setup_phase_end_rss_bytes`` (import, build, partition, initialize: where a process peak outside
+    the steps comes from).
+    """
 
     def __init__(self, path: str, **init) -> None:
         self.path = path
-        self.data: dict = {"ok": False, "error": None, "phase": "start", "steps": [], **init}
+        self.data: dict = {"ok": False, "error": None, "phase": "start", "steps": [], "setup_phase_peak_rss_bytes": {},
+                           "setup_phase_end_rss_bytes": {}, **init}
+        self._setup = True
         self.write()
 
     def update(self, **kw) -> None:
-        from .probes import rss_bytes
+        from .probes import peak_rss_bytes, reset_peak_rss, rss_bytes
 
+        new, old = kw.get("phase"), self.data.get("phase")
+        if self._setup and new is not None and new != old:
+            now = rss_bytes()
+            peaks = self.data["setup_phase_peak_rss_bytes"]
+            peaks[old] = max(peaks.get(old, 0), peak_rss_bytes(), now)
+            self.data["setup_phase_end_rss_bytes"][old] = now
+            reset_peak_rss()
+            self._setup = not str(new).startswith("step")
         self.data.update(kw)
         self.data["rss_bytes"] = rss_bytes()
         self.write()
+
+    def setup_peak(self) -> int:
+        """The largest of the setup phases' peaks (bytes)."""
+        return max(self.data["setup_phase_peak_rss_bytes"].values(), default=0)
 
     def write(self) -> None:
         from ..io.atomic import atomic_write
@@ -131,8 +156,23 @@ def build_engine(spec: dict, out: ResultFile, clock) -> tuple:
     dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
     out.update(phase="build", import_s=time.time() - t_launch)
     torch.manual_seed(int(spec["seed"]))
-    if spec.get("build_under_zero_init"):  # each parameter is partitioned as it is created (no whole fp32 model)
-        with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=dtype):
+    build = spec.get("build") or ("zero_init" if spec.get("build_under_zero_init") else "whole")
+    if build == "unpacked":  # zero.Init as below; the partitions' bytes come from the store `unpack` filled
+        if not backend.startswith("aidaptiv"):
+            raise ValueError(f"build 'unpacked' needs an aidaptiv_ds backend, not {backend!r}")
+        cfg["aidaptiv"].update(run_name=spec["run_name"], from_unpacked=True)
+        build = "zero_init"
+    if build == "from_pretrained":  # transformers builds it under zero.Init and loads the weights into the partitions
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds = HfDeepSpeedConfig(cfg)  # noqa: F841 - transformers keeps only a weak reference
+        model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype)
+        out.update(phase="initialize", n_params=sum(full_numel(p) for p in model.parameters()),
+                   build_s=time.time() - t_launch, partition_s=time.time() - t_launch)
+    elif build == "zero_init":  # each parameter is partitioned as it is created (no whole fp32 model)
+        # no dtype argument: DeepSpeed 0.19.8 on a CPU accelerator turns any dtype given into bf16
+        # (partition_parameters.py:409, an operator precedence slip); from the config it takes the right one
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = LlamaForCausalLM(shape.hf_config())
         out.update(phase="initialize", n_params=sum(full_numel(p) for p in model.parameters()),
                    build_s=time.time() - t_launch, partition_s=time.time() - t_launch)
@@ -205,7 +245,11 @@ class PhasePeaks:
         self.exact = bool(reset_ok) and reset_peak_rss()
         self.start: dict[str, int] = {}
         self.peaks: dict[str, int] = {}
+        self.pool_peaks: dict[str, int] = {}  # aidaptiv_ds's swap buffers (buffer pool and its misses) per phase
         self._at = rss_bytes()
+        self._pool = _buffer_pool()
+        if self._pool is not None:
+            self._pool.reset_peak_live()
 
     def end(self, phase: str) -> None:
         """Close ``phase``: record the RSS it started at and its peak, and start the next one."""
@@ -213,6 +257,8 @@ class PhasePeaks:
 
         self.start[phase] = self._at
         self.peaks[phase] = max(peak_rss_bytes(), self._at)
+        if self._pool is not None:
+            self.pool_peaks[phase] = self._pool.reset_peak_live()
         self._at = rss_bytes()
         if self.exact:
             reset_peak_rss()
@@ -224,7 +270,14 @@ class PhasePeaks:
     def record(self) -> dict:
         """``{"phase_peak_rss_bytes": {phase: bytes}, "phase_start_rss_bytes": {...}, "phase_peaks_exact"}``."""
         return {"phase_peak_rss_bytes": dict(self.peaks), "phase_start_rss_bytes": dict(self.start),
-                "phase_peaks_exact": self.exact}
+                "phase_peaks_exact": self.exact, "phase_peak_swap_buffer_bytes": dict(self.pool_peaks)}
+
+
+def _buffer_pool():
+    """aidaptiv_ds's host buffer pool of this process, if one is in use (budget 0 on a CPU rank)."""
+    from ..io.buffers import current_pool
+
+    return current_pool()
 
 
 def run(spec: dict, out: ResultFile) -> None:
@@ -242,10 +295,11 @@ def run(spec: dict, out: ResultFile) -> None:
     cuda = device.type == "cuda"
     probes.reset_gpu_peaks(device)
     setup_peak = probes.process_peak_rss_bytes()
-    reset_ok = reset_peak_rss()  # resets ru_maxrss's source too (the mm's high-water mark): keep the setup's peak
-    out.update(phase="step 1", device=str(device), setup_s=time.time() - t_launch,
-               peak_rss_setup_bytes=setup_peak, peak_rss_reset=reset_ok,
-               **_engine_info(engine, backend))
+    # closing the last setup phase resets VmHWM, and with it what ru_maxrss reads: keep the setup's peak
+    out.update(phase="step 1", device=str(device), setup_s=time.time() - t_launch, **_engine_info(engine, backend))
+    setup_peak = max(setup_peak, out.setup_peak())
+    reset_ok = reset_peak_rss()
+    out.update(peak_rss_setup_bytes=setup_peak, peak_rss_reset=reset_ok)
     steps_peak = rss_bytes()
     tl = None
     if spec.get("timeline"):
@@ -304,6 +358,35 @@ def run(spec: dict, out: ResultFile) -> None:
                peak_rss_process_bytes=max(setup_peak, steps_peak, process_peak_rss_bytes()), wait_calls=clock.calls)
 
 
+def memory_detail() -> dict:
+    """Where the bytes are now (``spec["trace_detail"]``, for :class:`.probes.RssTrace`): the C heap
+    (:func:`.probes.heap_bytes`), aidaptiv_ds's DRAM tier by slice kind and its host buffer pool's bytes in use."""
+    from .probes import heap_bytes, smaps_rss
+
+    d = heap_bytes()
+    ranges = {}
+    rt = None
+    try:
+        from ..integration.runtime import current_runtime
+
+        rt = current_runtime()
+    except Exception:  # noqa: BLE001 - no runtime yet (or not aidaptiv_ds)
+        pass
+    if rt is not None:
+        by_kind: dict = {}
+        for sl in rt.tier.slices():
+            k = (sl.kind or "?") + ("/ref" if sl.refs else "/pre" if sl.prefetched else "")
+            by_kind[k] = by_kind.get(k, 0) + sl.nbytes
+        d["tier"] = by_kind
+        pool = getattr(rt, "buffer_pool", None)
+        if pool is not None:
+            d["pool_used"] = pool.capacity - pool.free_bytes()
+            ranges["pool"] = (pool._start, pool._start + pool.capacity)
+    d["rss_by"] = smaps_rss(ranges)
+    d["py_blocks"] = sys.getallocatedblocks()  # pymalloc's blocks (its arenas are anonymous mappings)
+    return d
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
@@ -313,18 +396,27 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.load(f)
     out = ResultFile(argv[1], backend=spec["backend"], pid=os.getpid())
     from ..process_group import destroy_gloo_group_at_exit
+    from .probes import RssTrace
 
     destroy_gloo_group_at_exit()  # every backend, DeepSpeed's too: no abort at exit (process_group.py)
+    detail = bool(spec.get("trace_detail"))  # smaps costs ~50 ms a read: sample less often then
+    trace = RssTrace(lambda: out.data.get("phase"), every_s=0.25 if detail else 0.05,
+                     detail=memory_detail if detail else None).start()
     try:
         run(spec, out)
     except BaseException as e:  # noqa: BLE001 - recorded for the report, then re-raised as an exit code
         from .probes import process_peak_rss_bytes
 
+        trace.stop()
         out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:],
-                   peak_rss_process_bytes=max(process_peak_rss_bytes(), out.data.get("peak_rss_setup_bytes") or 0,
+                   rss_trace=trace.samples(),
+                   peak_rss_process_bytes=max(process_peak_rss_bytes(), out.setup_peak(),
+                                              out.data.get("peak_rss_setup_bytes") or 0,
                                               out.data.get("peak_rss_steps_bytes") or 0))
         print(traceback.format_exc(), file=sys.stderr)
         return 1
+    trace.stop()
+    out.update(rss_trace=trace.samples())
     return 0
 
 

@@ -162,6 +162,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-activation-checkpointing", action="store_true", help="keep all activations")
     p.add_argument("--no-flash-attention", action="store_true", help="attention scores are materialised (s^2)")
     p.add_argument("--dropout", action="store_true", help="the model uses dropout (masks are stored)")
+    p.add_argument("--logits-tokens", type=int, default=None, metavar="N",
+                   help="tokens per micro-batch the LM head computes logits for (default micro-batch x seq-len; "
+                        "fewer when the loss is taken at response tokens only, as launch/finetune.py does)")
     p.add_argument("--sub-group-size", type=float, default=DEFAULT_SUB_GROUP_SIZE,
                    help="optimizer sub-group in elements (DeepSpeed sub_group_size, default 1e9)")
     p.add_argument("--gpu-tflops", default=None, metavar="TFLOPS|PRESET",
@@ -284,7 +287,8 @@ def plan_input_from_args(args) -> PlanInput:
         step_time_s=args.step_time, cpu_ranks=cpu_ranks,
         max_live_parameters=int(args.max_live_parameters),
         reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else CPU_REDUCE_BUCKET_NUMEL, gradient_clipping=args.gradient_clipping,
-        step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward], assumed=assumed)
+        step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward],
+        logits_tokens=args.logits_tokens, assumed=assumed)
 
 
 def _config_endurance(path: str) -> dict:
@@ -439,6 +443,11 @@ def format_plan(p: CapacityPlan, strict: bool = False) -> str:
                  f"{_dec(c['activations'])}, read-ahead {_dec(c['readahead'])}, gradient window] and optimizer "
                  f"pipeline {_dec(c['optimizer'])})")
     host += f", budget {_dec(d['budget_bytes'])} ({_dec(d['per_rank_bytes'])}/rank)"
+    if p.rank_host:
+        h = p.rank_host
+        host += (f"; per rank besides the budget, the process's peak {_dec(h['peak'])} (model build under zero.Init "
+                 f"{_dec(h['construction'])}, deepspeed.initialize {_dec(h['initialization'])}, steps "
+                 f"{_dec(h['steps'])})")
     sib = (f"inside backward (a second copy of the state on the drives, {_dec(r['shadow_bytes'])}"
            + ("; gradients consumed at once, never written)" if not i.get("gradient_clipping")
               else "; gradients kept until the clipping norm is known)")) if r.get("step_in_backward") \

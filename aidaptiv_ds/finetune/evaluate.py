@@ -72,7 +72,11 @@ def evaluate(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], exam
     total, tokens = 0.0, 0
     for batch in rank_batches(examples, batch_size, distributed.rank(), distributed.world_size()):
         b = collate(batch, pad_id)
-        s, n = loss_sum(forward(b["input_ids"], b["attention_mask"]), b["labels"])
+        if getattr(forward, "takes_labels", False):  # logits at the response positions only (hf_forward)
+            logits, target = forward(b["input_ids"], b["attention_mask"], b["labels"])
+            s, n = F.cross_entropy(logits.float(), target, reduction="sum").double(), int(target.numel())
+        else:
+            s, n = loss_sum(forward(b["input_ids"], b["attention_mask"]), b["labels"])
         total += float(s)
         tokens += n
     total, tokens = distributed.sum_floats([total, float(tokens)])
@@ -81,10 +85,38 @@ def evaluate(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], exam
     return {"eval_loss": total / tokens, "eval_tokens": int(tokens)}
 
 
-def hf_forward(model) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``forward`` for :func:`evaluate` from an HF causal LM (or a DeepSpeed engine wrapping one)."""
+def response_logits_supported(model) -> bool:
+    """The model's forward takes ``logits_to_keep`` and ``**kwargs`` reaching its loss (``shift_labels``):
+    transformers' causal LMs since ``slice_logits_to_keep`` takes a boolean mask (transformers 5)."""
+    import inspect
+
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep  # noqa: F401
+        sig = inspect.signature(model.forward)
+    except (ImportError, TypeError, ValueError):
+        return False
+    return "logits_to_keep" in sig.parameters and any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) \
+        and "bool" in (inspect.getdoc(slice_logits_to_keep) or "")
+
+
+def hf_forward(model, response_logits_only: bool = False) -> Callable:
+    """``forward`` for :func:`evaluate` from an HF causal LM (or a DeepSpeed engine wrapping one):
+    ``(input_ids, attention_mask) -> logits [B, T, V]``; with ``response_logits_only``
+    ``(input_ids, attention_mask, labels) -> (logits [n, V], targets [n])`` at the n positions that predict a
+    labelled token (its ``takes_labels`` attribute is True; the model's boolean ``logits_to_keep``,
+    [Note: logits at the response positions only] in ``finetune/loop.py``)."""
     def fwd(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def kept(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+        target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        keep = target != IGNORE_INDEX
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep)
+        return out.logits, target[keep]
+
+    if response_logits_only:
+        kept.takes_labels = True  # type: ignore[attr-defined]
+        return kept
     return fwd
 
 
@@ -118,4 +150,5 @@ def reload_eval_loss(output_dir: str, dtype: str | torch.dtype = "auto") -> dict
     model = AutoModelForCausalLM.from_pretrained(output_dir, dtype=dtype)
     model.eval()
     split = encode_records(tokenizer, read_dolly(os.path.join(output_dir, EVAL_SPLIT_FILE)), args["max_seq_length"])
-    return evaluate(hf_forward(model), split.examples, args["eval_batch_size"], pad_token_id(tokenizer))
+    kept = args.get("response_logits_only") is True and response_logits_supported(model)  # as the run scored it
+    return evaluate(hf_forward(model, kept), split.examples, args["eval_batch_size"], pad_token_id(tokenizer))

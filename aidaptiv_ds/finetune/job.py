@@ -107,6 +107,12 @@ class FinetuneArgs:
     resume_from_checkpoint: str | None = dataclasses.field(default=None, **_flag(
         "OUTPUT_DIR/checkpoint-N, or 'latest' (the newest complete checkpoint in --output_dir): continue that run "
         "bit for bit (weights, optimizer, LR schedule, data order, RNG)", metavar="PATH|latest"))
+    gradient_checkpointing: Literal["auto", "true", "false"] = dataclasses.field(default="auto", **_flag(
+        "recompute each decoder layer's activations in backward (HF's gradient checkpointing, non-reentrant); "
+        "auto: on where the ranks are CPU ranks (their activations are host memory beside the training state)"))
+    response_logits_only: Literal["auto", "true", "false"] = dataclasses.field(default="auto", **_flag(
+        "compute the LM head's logits only at the positions that predict a response token (the model's "
+        "boolean logits_to_keep); auto: where the model's forward allows it"))
     local_rank: int = dataclasses.field(default=-1, **_flag(argparse.SUPPRESS))  # passed by the deepspeed launcher
 
 
@@ -257,6 +263,32 @@ def _trainer_state(step: int, loop_state: dict, plan, args: FinetuneArgs, settin
             "best_metric": None, "best_model_checkpoint": None}
 
 
+def _memory_settings(args: FinetuneArgs, model) -> tuple[bool, bool]:
+    """``(gradient checkpointing, response logits only)`` resolved from the flags (``auto``, module defaults:
+    checkpointing on CPU ranks, response-only logits where the model allows: README "The main job").
+
+    Raises:
+        ValueError: ``--response_logits_only true`` for a model whose forward does not take a boolean
+            ``logits_to_keep``, or ``--gradient_checkpointing true`` for one without HF's checkpointing.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    from .evaluate import response_logits_supported
+
+    can_ckpt = bool(getattr(model, "supports_gradient_checkpointing", False))
+    ckpt = args.gradient_checkpointing == "true" or (
+        args.gradient_checkpointing == "auto" and can_ckpt and get_accelerator().device_name() == "cpu")
+    if ckpt and not can_ckpt:
+        raise ValueError(f"--gradient_checkpointing true: {type(model).__name__} does not support HF's gradient "
+                         f"checkpointing; use --gradient_checkpointing false")
+    can_keep = response_logits_supported(model)
+    kept = args.response_logits_only == "true" or (args.response_logits_only == "auto" and can_keep)
+    if kept and not can_keep:
+        raise ValueError(f"--response_logits_only true: {type(model).__name__}.forward takes no boolean "
+                         f"logits_to_keep (transformers 5 causal LMs do); use --response_logits_only false")
+    return ckpt, kept
+
+
 def run(args: FinetuneArgs) -> dict:
     """Fine-tune and save; returns the summary line (on every rank; rank 0 writes the files).
 
@@ -319,6 +351,19 @@ def run(args: FinetuneArgs) -> dict:
 
     loaded = load_model(src, dtype, cfg, is_zero3(cfg), tokenizer=tokenizer)
     model = loaded.model
+    ckpt, kept = _memory_settings(args, model)
+    settings.response_logits_only = kept
+    if ckpt:  # non-reentrant: reentrant checkpointing and steps inside backward clash
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _say(f"activation checkpointing {'on' if ckpt else 'off'}; "
+         f"logits {'at response positions only' if kept else 'at every position'}")
+    if rank == 0:
+        run_args = os.path.join(args.output_dir, RUN_ARGS_FILE)
+        with open(run_args, encoding="utf-8") as f:
+            saved = json.load(f)
+        saved.update(gradient_checkpointing=ckpt, response_logits_only=kept)  # resolved: reload_eval_loss reads it
+        with open(run_args, "w", encoding="utf-8") as f:
+            json.dump(saved, f, indent=1)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     longest = max(len(e.input_ids) for e in train_split.examples + eval_split.examples)
     if max_pos is not None and longest > max_pos:
@@ -366,7 +411,8 @@ def run(args: FinetuneArgs) -> dict:
                    "wall_time_s": round(time.perf_counter() - t0, 3)}
         summary["memory"] = memory_parts(summary, planned_parts(
             engine.module.config.to_dict() if hasattr(engine.module, "config") else None, cfg, n_params,
-            args.max_seq_length, settings.micro_batch, world, dtype.itemsize, _cpu_ranks()), world)
+            args.max_seq_length, settings.micro_batch, world, dtype.itemsize, _cpu_ranks(), checkpointing=ckpt,
+            logits_tokens=stats.get("max_logits_tokens")), world)
         if log is not None:
             log.write(summary)
     finally:

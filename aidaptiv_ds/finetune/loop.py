@@ -35,6 +35,7 @@ import signal
 import time
 from typing import Callable
 
+import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..telemetry import counters
@@ -42,7 +43,7 @@ from . import distributed
 from .evaluate import evaluate, hf_forward
 from ..telemetry import nvml, sysinfo
 from ..telemetry.metrics import MetricsWriter, build_record, format_step_summary
-from .template import Example, collate
+from .template import IGNORE_INDEX, Example, collate
 
 
 @dataclasses.dataclass
@@ -50,7 +51,8 @@ class LoopSettings:
     """Loop parameters (flags of the same names; ``max_steps`` <= 0 means "use the epochs").
 
     ``save_steps``: checkpoint every this many optimizer steps (0: never); ``save_at_end``: also after
-    the last step (HF's ``save_strategy="steps"``).
+    the last step (HF's ``save_strategy="steps"``). ``response_logits_only``: the model computes logits at
+    the positions that predict a response token only (:func:`training_loss`).
     """
     num_train_epochs: float
     max_steps: int
@@ -61,6 +63,7 @@ class LoopSettings:
     pad_id: int
     save_steps: int = 0
     save_at_end: bool = False
+    response_logits_only: bool = False
 
 
 @dataclasses.dataclass
@@ -166,6 +169,7 @@ class _Totals:
         self.windows: dict[str, dict] = {}      # kind -> {"bytes_written", "bytes_read"} on the cache tier
         self.peak_rss = 0
         self.dram_peak = 0
+        self.logits_tokens = 0  # the most positions of one micro-batch the LM head computed logits for
         self.memory = {"dram_budgeted_peak_bytes": 0, "dram_budget_bytes": 0, "buffer_pool_bytes": 0,
                        "setup_peak_rss_bytes": 0, "steps_peak_rss_bytes": 0}
 
@@ -226,6 +230,7 @@ class _Totals:
             "bytes_per_path_total": {p: dict(v) for p, v in self.all_path.items()},
             "cache_bytes_by_window": {k: dict(v) for k, v in self.windows.items()},
             "peak_rss_bytes": self.peak_rss or None,
+            "max_logits_tokens": self.logits_tokens or None,
             **self.memory,
         }
 
@@ -236,11 +241,42 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="finetune", unit="step", disable=not enabled, dynamic_ncols=True)
 
 
+def training_loss(engine, batch: dict, response_logits_only: bool):
+    """The micro-batch's mean next-token cross-entropy over its response tokens, by the model's own loss.
+
+    [Note: logits at the response positions only] The labels are ``IGNORE_INDEX`` on the prompt and on the
+    padding, so the logits there are computed and thrown away: ``[B, T, V]`` in fp32 (402 MB for a batch of
+    4 x 512 tokens over SmolLM2's 49,152 tokens), and the loss takes an fp32 copy, ``log_softmax`` another
+    and backward their gradients. Where the model's forward takes a boolean ``logits_to_keep`` mask
+    (transformers' ``slice_logits_to_keep``: ``LlamaForCausalLM`` and the other causal LMs of transformers 5),
+    ``response_logits_only`` asks for the logits at the positions that predict a response token (position
+    ``t`` predicts token ``t + 1``) and passes their targets as ``shift_labels``: the same tokens, the same
+    mean, only the positions no loss is taken at are not computed. The float sum runs over fewer terms in
+    another order, so the last bits of the loss can differ from the full-logits loss.
+    """
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    if not response_logits_only:
+        return engine(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    target = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    keep = target != IGNORE_INDEX
+    out = engine(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, logits_to_keep=keep,
+                 shift_labels=target[keep])
+    return out.loss
+
+
+def logits_positions(batch: dict, response_logits_only: bool) -> int:
+    """How many positions of ``batch`` :func:`training_loss` computes logits for: every one (``B x T``), or
+    with ``response_logits_only`` those that predict a labelled token."""
+    if not response_logits_only:
+        return int(batch["input_ids"].numel())
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
 def run_eval(engine, examples: list[Example], s: LoopSettings) -> dict:
     """Score ``examples`` with the engine in eval mode (no grad); returns ``eval_loss``/``eval_tokens``."""
     engine.eval()
     try:
-        return evaluate(hf_forward(engine), examples, s.eval_batch_size, s.pad_id)
+        return evaluate(hf_forward(engine, s.response_logits_only), examples, s.eval_batch_size, s.pad_id)
     finally:
         engine.train()
 
@@ -333,15 +369,15 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
         first_i, skip = skip, 0
         t_mark = time.perf_counter()
         losses: list[float] = []
-        tokens = 0
+        tokens = width = 0
         for i, batch in enumerate(it, start=first_i):
             win_start = (i // s.grad_accum) * s.grad_accum
             win_len = min(s.grad_accum, plan.micro_batches_per_epoch - win_start)
             boundary = i - win_start == win_len - 1
             engine.set_gradient_accumulation_boundary(boundary)
-            out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         labels=batch["labels"], use_cache=False)
-            loss = out.loss
+            loss = training_loss(engine, batch, s.response_logits_only)
+            width = max(width, int(batch["input_ids"].shape[1]))
+            totals.logits_tokens = max(totals.logits_tokens, logits_positions(batch, s.response_logits_only))
             engine.backward(loss * (s.grad_accum / win_len) if win_len != s.grad_accum else loss)
             losses.append(float(loss.detach()))
             tokens += int(batch["attention_mask"].sum())
@@ -362,12 +398,12 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
                                lr=lr, vram=nvml.nvml_status() if rank == 0 else None,
                                rss={"rss_bytes": c["rss_bytes"], "peak_rss_bytes": c["peak_rss_bytes"]},
                                host_mem=sysinfo.host_memory(),
-                               extra={"epoch": ep, "writeback_wait_s": round(c["settle_s"], 4)})
+                               extra={"epoch": ep, "writeback_wait_s": round(c["settle_s"], 4), "batch_width": width})
             write(rec)
             history.append({"step": step, "epoch": ep, "loss": rec["loss"], "learning_rate": lr})
             bar.set_postfix_str(format_step_summary(rec), refresh=False)
             bar.update(1)
-            losses, tokens = [], 0
+            losses, tokens, width = [], 0, 0
             end_of_epoch = i == plan.micro_batches_per_epoch - 1
             stop = step >= plan.total_steps
             if end_of_epoch or stop:

@@ -13,8 +13,10 @@ Peak RSS alone does not say whose memory it was. The loop measures each accounti
   - **DeepSpeed's working set**: the parameters it keeps gathered (up to ``stage3_max_live_parameters``)
     and its reduce buckets (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`): planned, from the
     config's knobs; host memory on CPU ranks only (on a GPU it is device memory);
-  - **activations and logits** of one micro-batch (:func:`aidaptiv_ds.planner.plan.activation_bytes`,
-    without checkpointing): planned, from the model's shape; host memory on CPU ranks only;
+  - **activations and logits** of one micro-batch (:func:`aidaptiv_ds.planner.plan.activation_bytes` with
+    the run's activation checkpointing, in the model dtype, and the logits of the tokens the LM head computed
+    with the loss's fp32 copies, :func:`aidaptiv_ds.planner.plan.cpu_activation_bytes`): planned, from the
+    model's shape; host memory on CPU ranks only;
   - **the rest**: the steps' peak less those three (the interpreter, torch, DeepSpeed and transformers
     themselves, the model's module objects, the heap's fragments), measured by difference.
 
@@ -26,18 +28,22 @@ from ..units import format_bytes
 
 
 def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq_len: int, micro_batch: int,
-                  world: int, dtype_bytes: int, cpu: bool) -> dict:
+                  world: int, dtype_bytes: int, cpu: bool, checkpointing: bool = False,
+                  logits_tokens: int | None = None) -> dict:
     """``{"deepspeed_bytes", "activations_logits_bytes"}`` per rank (None where unknown; 0 on GPU ranks,
     where both are device memory).
 
     Args:
         model_config: the model's HF config as a dict (``model.config.to_dict()``), or None.
         ds_config: the resolved DeepSpeed config (its ZeRO-3 knobs; DeepSpeed's defaults where absent).
+        checkpointing: the run recomputed each layer's activations in backward.
+        logits_tokens: the most tokens of one micro-batch the LM head computed logits for (default
+            ``seq_len x micro_batch``; fewer with logits at the response positions only).
     """
     if not cpu:
         return {"deepspeed_bytes": 0, "activations_logits_bytes": 0}
     from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes
-    from ..planner.plan import DEEPSPEED_MAX_LIVE_PARAMETERS, activation_bytes
+    from ..planner.plan import CPU_LOSS_BYTES_PER_LOGIT, DEEPSPEED_MAX_LIVE_PARAMETERS, activation_bytes
 
     zero = ds_config.get("zero_optimization") or {}
     live = int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS)))
@@ -49,7 +55,10 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
             from ..planner.model_size import shape_from_config
 
             shape = shape_from_config(model_config)
-            act = activation_bytes(shape, seq_len, micro_batch, checkpointing=False)["total"]
+            a = activation_bytes(shape, seq_len, micro_batch, checkpointing=checkpointing)
+            tokens = seq_len * micro_batch if logits_tokens is None else int(logits_tokens)
+            # as plan.cpu_activation_bytes: 16-bit activations in the model dtype, the logits with the loss's copies
+            act = a["layers"] * dtype_bytes // 2 + tokens * shape.vocab_size * (dtype_bytes + CPU_LOSS_BYTES_PER_LOGIT)
         except (ValueError, KeyError, TypeError):
             act = None  # a model family the planner does not know
     return {"deepspeed_bytes": ds, "activations_logits_bytes": act}

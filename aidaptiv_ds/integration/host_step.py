@@ -33,7 +33,7 @@ per 20M elements, and which made ``auto`` 1.37x DeepSpeed's CPU offload in the s
 Each tile allocates and frees its two temporaries (8 MiB) again. Where they are fresh mappings, each tile
 page-faults them in: 89 against 37 ms per 20M-element AdamW step (median of 20 interleaved pairs). Every
 heap policy the runtime sets serves blocks of that size from the heap (the budget-0 policy maps only
-blocks of 1 GiB and more on their own: ``io/heap.py`` [Note: the return threshold]), so the next tile
+blocks of 16 MiB and more on their own: ``io/heap.py`` [Note: the return threshold]), so the next tile
 reuses them; the planner counts them (:func:`aidaptiv_ds.planner.auto.optimizer_scratch_bytes`).
 
 [Note: bit-identity]

@@ -360,7 +360,12 @@ class IOEngine:
                     with self._lock:
                         self.failed_write = self.failed_write or e
                 chunk.future._chunk_done(e)
-            chunk = None  # its memoryviews pin the buffer: let it go now, not at the drive's next request
+            # [Note: a boosted chunk's stale entry] its memoryviews pin the whole host buffer, and a chunk
+            # boost() re-queued is in the queue twice: the stale entry, at the old priority, is popped only
+            # when the queue gets down to that priority (a write-back behind every read). Drop the views
+            # now, not when the stale entry or the drive's next request comes by.
+            chunk.segs = ()
+            chunk = None
 
     def _run(self, drive: _Drive, c: _Chunk) -> None:
         segs = c.segs

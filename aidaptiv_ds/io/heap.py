@@ -23,10 +23,23 @@ per reduce bucket DeepSpeed's flat ``torch.cat`` of the bucket's gradients and g
 (80-100 MB each on the 148M Llama; one rank skips them, ``integration/grad_path.py``), and the gathered
 embedding and head (98 MB each there). A block above the mmap
 threshold is a fresh mapping per use, page-faulted in and zeroed by the kernel, and unmapped on free; a free
-heap top above the trim threshold goes back at the next ``free``. Since 2026-12-04 both are out of the way
-(mmap threshold 1 GiB, trim threshold the largest ``mallopt`` takes, 2 GiB - 1): within a phase a freed block
-stays for the next allocation, and what the phase freed goes back when it ends, where the runtime trims the
-whole free heap (``Runtime.end_of_step``, after each backward and each step).
+heap top above the trim threshold goes back at the next ``free``. The trim threshold is the largest ``mallopt``
+takes (2 GiB - 1): what a phase freed in the heap goes back when it ends, where the runtime trims the whole
+free heap (``Runtime.end_of_step``, after each backward and each step). The mmap threshold is 16 MiB
+(:data:`RETURN_MMAP_BYTES`): blocks below it (activations of a sequence, the tiled optimizer step's 8 MiB
+temporaries, ``integration/host_step.py``) are reused from the heap within a phase; larger ones (gathered
+weights and their gradients, DeepSpeed's reduce buckets, the embedding) are their own mappings, given back
+when freed.
+
+[Note: why 16 MiB, not 1 GiB] From 2026-12-04 the mmap threshold was 1 GiB, so every block stayed in the heap
+until the phase ended. Blocks of many sizes with small long-lived allocations between them fragment a heap
+that is trimmed only at phase ends: what it held free grew with the layers a phase went through, and with it
+the peak. Measured (issue 34; one rank, budget 0, fp32 Llama hidden 2048, seq 32, clipping 1.0, built under
+``zero.Init``, ``launch/memory_sweep.py``, ``mallinfo2`` and ``/proc/self/smaps`` sampled beside the RSS):
+at 640M parameters the heap held 0.6-0.9 GiB of free chunks at the peak of step 1's backward and grew by
+0.36 GiB through ``deepspeed.initialize``; peak RSS 2.65 GiB and 1.46 GiB in initialisation at 1 GiB against
+2.24 and 0.95 GiB at 16 MiB (same commit, back to back; step time 20.6 against 17.1 s at load 7-8, within this
+VM's spread). The heap then stays at 0.15-0.25 GiB through every phase.
 
 Measured on the 148M fp32 Llama at budget 0 (``launch/compare.py --backends cpu,aidaptiv0``, 8 steps, three
 interleaved pairs each time, CPU offload in every run), at two times of day on this VM, whose host discards
@@ -78,8 +91,8 @@ GLIBC_DEFAULT_TRIM_BYTES = 128 << 10
 #: the largest value ``mallopt`` takes (its ``value`` is a C ``int``; [Note: mallopt takes an int])
 C_INT_MAX = 2**31 - 1
 #: the return policy's mmap threshold: blocks of this size or more are mapped and unmapped on their own
-#: ([Note: the return threshold])
-RETURN_MMAP_BYTES = 1 << 30
+#: ([Note: the return threshold], [Note: why 16 MiB, not 1 GiB])
+RETURN_MMAP_BYTES = 16 << 20
 #: the return policy's trim threshold: the free heap top is given back by the runtime's trims at phase ends,
 #: not by ``free`` ([Note: the return threshold])
 RETURN_TRIM_BYTES = C_INT_MAX

@@ -92,6 +92,8 @@ class HostBufferPool:
             the free pages back]) or as a buffer died while a miss was alive ([Note: lean while a miss is
             alive]).
         miss_live_bytes: bytes of fresh buffers (:meth:`fresh`) alive now, as of the last merge.
+        peak_live_bytes: the most bytes of swap buffers alive at once, the pool's and the misses', since
+            :meth:`reset_peak_live`, taken at each allocation after the buffers returned so far are merged.
 
     Raises:
         ValueError: a capacity below one granule or a granule that is not a multiple of 4096.
@@ -117,6 +119,7 @@ class HostBufferPool:
         self._resident_free = True  # free ranges may hold touched pages (none given back since last carve)
         self.live = 0  # buffers handed out and not yet returned
         self.miss_live_bytes = 0  # fresh buffers of misses alive (decrements queued in _miss_returned)
+        self.peak_live_bytes = 0  # the most bytes handed out and of live misses at once (reset_peak_live)
         self._miss_returned: collections.deque = collections.deque()
 
     # ------------------------------------------------------------------ carving
@@ -147,6 +150,7 @@ class HostBufferPool:
                 self._free_len[best + n] = length - n
             self.in_use += n
             self.peak_in_use = max(self.peak_in_use, self.in_use)
+            self.peak_live_bytes = max(self.peak_live_bytes, self.in_use + self.miss_live_bytes)
             self.hit_bytes += int(nbytes)
             self.live += 1
         cbuf = (ctypes.c_char * n).from_address(self._start + best)
@@ -180,6 +184,7 @@ class HostBufferPool:
         with self._lock:
             self._merge_returned()
             self.miss_live_bytes += n
+            self.peak_live_bytes = max(self.peak_live_bytes, self.in_use + self.miss_live_bytes)
         weakref.finalize(arr, self._miss_returned.append, n).atexit = False
         return torch.from_numpy(arr)
 
@@ -235,6 +240,23 @@ class HostBufferPool:
         """All bytes of tensor ``t`` lie inside the region."""
         p = t.data_ptr()
         return self._start <= p and p + t.numel() * t.element_size() <= self._start + self.capacity
+
+    def release_free(self) -> int:
+        """Give the pages of every free range back to the OS now (``MADV_DONTNEED``; the ranges stay mapped
+        and read as zeros when next handed out); returns the bytes of the free ranges. For a one-time drop,
+        e.g. the end of initialisation: touched free pages otherwise stay resident until a miss."""
+        with self._lock:
+            self._merge_returned()
+            self._resident_free = True
+            self._release_free()
+            return sum(self._free_len.values())
+
+    def reset_peak_live(self) -> int:
+        """Restart :attr:`peak_live_bytes` from the bytes live now (pool and misses); returns the peak it had."""
+        with self._lock:
+            self._merge_returned()
+            old, self.peak_live_bytes = self.peak_live_bytes, self.in_use + self.miss_live_bytes
+            return old
 
     def counters(self) -> dict:
         """``{"capacity", "in_use", "peak_in_use", "hit_bytes", "miss_bytes", "released_bytes",

@@ -81,6 +81,9 @@ FREE_FRACTION = 0.10
 RANK_OVERHEAD_BYTES = 3 * GiB
 #: RSS of a CPU rank after ``deepspeed.initialize`` with every state offloaded (module docstring)
 CPU_RANK_BASELINE_BYTES = int(0.8 * GiB)
+#: RSS of a rank once torch, DeepSpeed and transformers are imported, before the model is built (measured
+#: 0.41-0.42 GiB on a CPU rank, issue 34: the ``import`` phase of ``launch/memory_sweep.py``)
+IMPORT_BASELINE_BYTES = int(0.45 * GiB)
 OPTIMIZER_PIPELINE_DEPTH = 3
 PARAM_STAGING_SLICES = 2
 GRAD_BYTES_PER_PARAM = 4
@@ -295,6 +298,68 @@ def norm_scratch_bytes(largest_partition_numel: int) -> int:
     """
     need = min(max(int(largest_partition_numel), 0), DEEPSPEED_NORM_SPLIT_NUMEL)
     return 8 * need if need <= NORM_SCRATCH_MAX_NUMEL else 0
+
+
+def process_phases(*, steps_bytes: int, baseline_bytes: int, largest_tensor_bytes: int,
+                   largest_partition_bytes: int, largest_subgroup_numel: int, slot_bytes_per_param: int,
+                   import_bytes: int = IMPORT_BASELINE_BYTES, tensor_on_host: bool = True) -> dict:
+    """A rank's host memory (bytes) in each phase of the process, and the peak over them (issue 34):
+
+    * ``construction``, the model built under ``deepspeed.zero.Init`` (``from_pretrained`` with ZeRO-3 too):
+      each parameter is created whole (on the host for a CPU rank: ``tensor_on_host``), its partition is
+      copied into the parameter swapper's buffer and staged once for its write (``param_swapper.py``
+      ``get_buffer``, ``swap_out_and_release``), so ``import + largest tensor + 2 x its partition``;
+    * ``initialization`` (``deepspeed.initialize``): sub-group by sub-group, DeepSpeed's fp32 buffer of the
+      sub-group (``stage3.py`` ``_create_fp32_partitions``) and its zeroed gradient buffer of the largest
+      sub-group (``initialize_optimizer_states``), our slice of the sub-group (master weights and state
+      slots) and the partitions read for it: ``baseline + largest sub-group x (8 + slot bytes) + 2 x the
+      largest partition``;
+    * ``steps``: ``steps_bytes`` (the training steps' figure, e.g. :func:`cpu_rank_working_set` ``total``).
+
+    Returns ``{"construction", "initialization", "steps", "peak"}`` (``peak`` the largest).
+
+    Args:
+        steps_bytes: host memory of the training steps besides the budget, baseline included.
+        baseline_bytes: the rank once ``deepspeed.initialize`` returned (interpreter, libraries, modules).
+        largest_tensor_bytes / largest_partition_bytes: the largest parameter whole / its partition per rank.
+        largest_subgroup_numel: elements of the largest optimizer sub-group of the rank.
+        slot_bytes_per_param: host bytes per element of a sub-group's slice (4 B master + moment bytes).
+        import_bytes: the rank with torch, DeepSpeed and transformers imported (:data:`IMPORT_BASELINE_BYTES`).
+        tensor_on_host: the whole parameter is created in host memory (a CPU rank); on a GPU it is VRAM.
+    """
+    construction = int(import_bytes) + (int(largest_tensor_bytes) if tensor_on_host else 0) \
+        + 2 * int(largest_partition_bytes)
+    initialization = int(baseline_bytes) + int(largest_subgroup_numel) * (2 * MASTER_BYTES_PER_PARAM
+                                                                        + int(slot_bytes_per_param)) \
+        + 2 * int(largest_partition_bytes)
+    steps = int(steps_bytes)
+    return {"construction": construction, "initialization": initialization, "steps": steps,
+            "peak": max(construction, initialization, steps)}
+
+
+def deepspeed_sub_group_numels(partition_numels: list[int], sub_group_size: int) -> list[int]:
+    """Elements of each optimizer sub-group DeepSpeed 0.19.8 makes of one rank's parameter partitions
+    (``stage3.py`` ``_create_fp16_sub_groups``): partitions in parameter order are added to a sub-group
+    until it holds ``sub_group_size`` elements or more, so a sub-group can reach ``sub_group_size +``
+    the largest partition ``- 1`` (a 2e7-element sub-group of a Llama with hidden 2048 and an MLP of 5504:
+    up to 2.6e7 elements). All of them one sub-group when ``sub_group_size`` covers them.
+
+    Args:
+        partition_numels: each parameter's partition on the rank, ``ceil(numel / dp)``, in parameter order.
+        sub_group_size: ``zero_optimization.sub_group_size`` (elements).
+    """
+    parts = [int(n) for n in partition_numels]
+    if not parts or int(sub_group_size) >= sum(parts):
+        return [sum(parts)] if parts else []
+    out, cur = [], 0
+    for n in parts:
+        cur += n
+        if cur >= int(sub_group_size):
+            out.append(cur)
+            cur = 0
+    if cur:
+        out.append(cur)
+    return out
 
 
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,

@@ -92,12 +92,14 @@ from .auto import (
     auto_prefetch_bytes,
     cpu_rank_working_set,
     deepspeed_cpu_rank_bytes,
+    deepspeed_sub_group_numels,
     explain_dram_budget,
     host_working_set,
     master_hold_bytes,
     norm_scratch_bytes,
     optimizer_scratch_bytes,
     prefetch_bytes_from_budget,
+    process_phases,
 )
 from .model_size import ModelShape
 from .residency import ResidencyPlan, StateSizes, plan_residency
@@ -181,6 +183,9 @@ class PlanInput:
             micro-batches per optimizer step.
         dtype: parameter dtype (``bf16``, ``fp16``, ``fp32``); optimizer: one of :data:`MOMENT_BYTES`.
         activation_checkpointing / flash_attention / dropout: see the module docstring, item 2.
+        logits_tokens: tokens per micro-batch whose logits the LM head computes (default ``micro_batch x
+            seq_len``; fewer where the loss takes logits at the response positions only, the fine-tuning job's
+            default: ``finetune/loop.py``); on CPU ranks logits and the loss are host memory.
         sub_group_size: optimizer sub-group in elements (DeepSpeed ``sub_group_size``).
         gpu_flops: peak FLOP/s per GPU for the compute bound (None: no compute bound).
         dataset_tokens / epochs: for writes per epoch and per run (None: not computed).
@@ -241,6 +246,7 @@ class PlanInput:
     gradient_clipping: float = 0.0
     step_in_backward: bool | str = "auto"
     step_rides_forward: bool | str = "auto"
+    logits_tokens: int | None = None
     schedule: str = "both"
     link_gbps: float | None = None
     gpu_mfu: float = DEFAULT_MFU
@@ -337,6 +343,24 @@ def activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, checkpoi
     return {"per_layer": one, "layers": layers, "logits": logits, "total": layers + logits}
 
 
+#: host bytes per logit element of a CPU rank's training step besides the logits in the model dtype: the
+#: loss's fp32 ``log_softmax``, and in backward its gradient and the logits' (fp32, measured: an fp32 LM head
+#: and cross-entropy over 2048 x 49152 logits peak at 4.05 x the logits' bytes)
+CPU_LOSS_BYTES_PER_LOGIT = 3 * 4
+
+
+def cpu_activation_bytes(inp: PlanInput, act: dict) -> dict:
+    """The activations of one micro-batch on a CPU rank (host memory): :func:`activation_bytes` counts 16-bit
+    activations (a GPU's), a CPU rank keeps them in the model dtype (fp32: twice); its logits are those of
+    ``logits_tokens`` tokens in the model dtype plus the loss's fp32 copies (:data:`CPU_LOSS_BYTES_PER_LOGIT`).
+    Returns the dict of :func:`activation_bytes` with ``layers``, ``logits`` and ``total`` replaced."""
+    pb = PARAM_BYTES[inp.dtype]
+    layers = act["layers"] * pb // 2
+    tokens = inp.logits_tokens if inp.logits_tokens is not None else inp.seq_len * inp.micro_batch
+    logits = int(tokens) * inp.shape.vocab_size * (pb + CPU_LOSS_BYTES_PER_LOGIT)
+    return {**act, "layers": layers, "logits": logits, "total": layers + logits}
+
+
 def training_flops_per_token(shape: ModelShape, n_params: int, seq_len: int, checkpointing: bool) -> float:
     """Training FLOPs per token (Kaplan et al. 2020, module docstring item 7).
 
@@ -420,6 +444,9 @@ class CapacityPlan:
         per_step: per node: bytes written, read, read (best case), tokens per step.
         step_time: ``{"compute_s", "io_read_s", "io_write_s", "lower_bound_s", "bound_by", "pace_s"}``.
         cpu_rank_host: with ``cpu_ranks``, one rank's :func:`cpu_rank_host_bytes` (else None).
+        rank_host: one rank's host memory besides the DRAM budget in each phase of the process
+            (:func:`~aidaptiv_ds.planner.auto.process_phases`: ``construction``, ``initialization``, ``steps``)
+            and ``peak``, their maximum: what the DRAM check counts per rank.
         schedules: the gradient-accumulation schedules of :func:`schedule_report` (``inputs.schedule`` says
             which are shown).
         drives: one :class:`DrivePlan` per drive of a node.
@@ -448,6 +475,7 @@ class CapacityPlan:
     epoch: dict
     verdict: Verdict
     cpu_rank_host: dict | None = None
+    rank_host: dict | None = None
     wear: dict | None = None
     schedules: dict | None = None
 
@@ -486,12 +514,14 @@ def _core(inp: PlanInput) -> dict:
     if inp.n_params is not None and shape.n_params:
         slice_numel = int(slice_numel * N / shape.n_params)
     slice_part = -(-slice_numel // dp) * pb
-    largest_sg = min(inp.sub_group_size, -(-N // dp))
+    largest_sg = max(rank_sub_group_numels(inp), default=0)  # DeepSpeed's: up to sub_group_size + a partition
     # gradients accumulate in per-sub-group slices in the tiers (integration/gradients.py); the open window
     # (two of the largest slice partitions, in the accumulation dtype) is working set
     grad_window = 2 * -(-slice_numel // dp) * grad_accum_bytes(inp.dtype)
     act = activation_bytes(shape, inp.seq_len, inp.micro_batch, inp.activation_checkpointing, inp.flash_attention,
                            inp.dropout)
+    if inp.cpu_ranks:
+        act = cpu_activation_bytes(inp, act)
     vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
             "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
             "overhead": inp.vram_overhead}
@@ -501,7 +531,16 @@ def _core(inp: PlanInput) -> dict:
         ws = cpu["total"] * ranks
     else:
         cpu = None
-        ws = host_working_set(slice_part, largest_sg, mb, ranks, inp.rank_overhead, grad_window_bytes=grad_window)
+        steps = host_working_set(slice_part, largest_sg, mb, 1, inp.rank_overhead, grad_window_bytes=grad_window)
+        largest_param = max(shape.largest_param_numel, 1)
+        if inp.n_params is not None and shape.n_params:
+            largest_param = int(largest_param * N / shape.n_params)
+        gpu_host = process_phases(steps_bytes=steps, baseline_bytes=inp.rank_overhead, import_bytes=inp.rank_overhead,
+                                  largest_tensor_bytes=largest_param * pb,
+                                  largest_partition_bytes=-(-largest_param // dp) * pb,
+                                  largest_subgroup_numel=largest_sg, slot_bytes_per_param=MASTER_BYTES_PER_PARAM + mb,
+                                  tensor_on_host=False)
+        ws = gpu_host["peak"] * ranks
     auto = explain_dram_budget(inp.dram, ws, total_host_bytes=inp.dram, local_ranks=ranks)
     if inp.dram_budget is not None:
         dram = DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
@@ -526,7 +565,7 @@ def _core(inp: PlanInput) -> dict:
     return {"sizes": sizes, "slice_numel": slice_numel, "slice_part": slice_part, "dram": dram, "res": res,
             "act": act, "vram": vram, "cache_need": nonres_rank * ranks, "cache_usable": usable,
             "step_in_backward": speculate, "shadow_bytes": shadows * ranks,
-            "cpu_rank": cpu,
+            "cpu_rank": cpu, "rank_host_phases": cpu if inp.cpu_ranks else gpu_host,
             "dram_need": dram.margin_bytes + ws + (dram.budget_bytes if inp.dram_budget is not None else 0)}
 
 
@@ -541,6 +580,15 @@ def grad_accum_bytes(dtype: str) -> int:
     (:class:`~aidaptiv_ds.integration.gradients.GradientStore`): the parameter dtype's for bf16/fp16, 4 for
     fp32 (``data_types.grad_accum_dtype`` unset)."""
     return PARAM_BYTES[dtype]
+
+
+def rank_sub_group_numels(inp: PlanInput) -> list[int]:
+    """One rank's optimizer sub-groups (elements) as DeepSpeed makes them from the model's parameters in
+    module order (:func:`~aidaptiv_ds.planner.auto.deepspeed_sub_group_numels`): each partition
+    ``ceil(numel / dp)``, every tensor scaled by ``n_params / shape`` when ``--params`` overrides the count."""
+    scale = inp.params / inp.shape.n_params if inp.shape.n_params else 1.0
+    parts = [-(-max(int(t.numel * scale), 1) // inp.dp) for t in inp.shape.tensors()]
+    return deepspeed_sub_group_numels(parts, inp.sub_group_size)
 
 
 def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> dict:
@@ -565,10 +613,8 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
         largest_param = int(largest_param * N / shape.n_params)
     # the swapper passes 2 partitions; it never reads ahead more than the rank's parameter partitions
     readahead = min(auto_prefetch_bytes(2 * -(-largest_param // dp) * pb), -(-N // dp) * pb)
-    per_rank = -(-N // dp)
-    largest_sg = min(inp.sub_group_size, per_rank)
-    numels = [inp.sub_group_size] * (per_rank // inp.sub_group_size) + (
-        [per_rank % inp.sub_group_size] if per_rank % inp.sub_group_size else [])
+    numels = rank_sub_group_numels(inp)  # DeepSpeed's: up to sub_group_size + a partition
+    largest_sg = max(numels, default=0)
     ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, N, pb, inp.reduce_bucket_size, grad_accum_bytes(inp.dtype),
                                   partition_ranks=dp)
     speculate = _may_step_in_backward(inp)  # before the preflight's choice
@@ -591,7 +637,13 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
                                  if inp.step_rides_forward is True else 0,
                                  ride_param_bytes=largest_sg * MASTER_BYTES_PER_PARAM
                                  if inp.step_rides_forward is True and inp.dtype == "fp32" else 0)
-    return {**parts, "deepspeed": ds, "activations": int(activations), "readahead": readahead}
+    phases = process_phases(steps_bytes=parts["total"], baseline_bytes=inp.cpu_rank_baseline,
+                            largest_tensor_bytes=largest_param * pb,
+                            largest_partition_bytes=-(-largest_param // dp) * pb, largest_subgroup_numel=largest_sg,
+                            slot_bytes_per_param=MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer])
+    return {**parts, "steps": parts["total"], "construction": phases["construction"],
+            "initialization": phases["initialization"], "total": phases["peak"], "deepspeed": ds,
+            "activations": int(activations), "readahead": readahead}
 
 
 def _checks(inp: PlanInput, c: dict) -> dict:
@@ -953,7 +1005,9 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
         epoch={"steps_per_epoch": steps_epoch, "epochs": inp.epochs, "run_steps": run_steps,
                "run_days": run_steps * pace / SECONDS_PER_DAY if run_steps else None,
                "write_bytes_per_epoch": write_step * steps_epoch if steps_epoch else None},
-        verdict=verdict, cpu_rank_host=c["cpu_rank"], schedules=schedule_report(inp, c, costs))
+        verdict=verdict, cpu_rank_host=c["cpu_rank"], schedules=schedule_report(inp, c, costs),
+        rank_host={k: c["rank_host_phases"][k] for k in ("construction", "initialization", "steps")}
+        | {"peak": c["rank_host_phases"]["total" if inp.cpu_ranks else "peak"]})
     if wear:
         from .wear import assess_wear
 
