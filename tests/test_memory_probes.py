@@ -40,15 +40,30 @@ def test_result_file_records_each_setup_phases_peak(tmp_path):
     assert out.setup_peak() == max(peaks.values())
 
 
+def _until(cond, what: str, timeout_s: float = 120.0) -> None:
+    """Wait for the sampler thread to have taken what ``cond`` looks for (a bound, never a timing assertion:
+    on a loaded machine the thread may be scheduled late)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the RSS trace took no sample {what} in {timeout_s:.0f} s")
+        time.sleep(0.01)
+
+
 def test_rss_trace_keeps_each_phases_first_and_largest_sample():
     phase = {"now": "a"}
     tr = probes.RssTrace(lambda: phase["now"], every_s=0.01, min_step=1 << 40,
                          detail=lambda: {"x": 1}).start()
-    time.sleep(0.1)
+    _until(lambda: any(x[2] == "a" for x in tr.samples()), 'in phase "a"')
     phase["now"] = "b"
     keep = bytearray(96 * MiB)  # resident while "b" is sampled
     keep[::4096] = b"\1" * len(keep[::4096])
-    time.sleep(0.1)
+    def gap() -> bool:  # phase "b"'s largest sample above phase "a"'s by most of the 96 MiB
+        s = tr.samples()
+        a, b = [x[1] for x in s if x[2] == "a"], [x[1] for x in s if x[2] == "b"]
+        return bool(a and b) and max(b) - max(a) >= 80 * MiB
+
+    _until(gap, 'in phase "b" with the 96 MiB resident')
     tr.stop()
     del keep
     s = tr.samples()

@@ -121,6 +121,7 @@ class RssTrace:
         self._out: list[list] = []
         self._top: dict[str, list] = {}
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # samples() may be called while the thread samples
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
 
@@ -140,12 +141,13 @@ class RssTrace:
                     sample.append(self._detail())
                 except Exception as e:  # noqa: BLE001 - a diagnostic must not stop the run
                     sample.append({"error": repr(e)})
-            if phase != last_phase or abs(rss - last_rss) >= self._min:
-                self._out.append(sample)
-                last_rss, last_phase = rss, phase
-            top = self._top.get(phase)
-            if top is None or rss > top[1]:
-                self._top[phase] = sample
+            with self._lock:
+                if phase != last_phase or abs(rss - last_rss) >= self._min:
+                    self._out.append(sample)
+                    last_rss, last_phase = rss, phase
+                top = self._top.get(phase)
+                if top is None or rss > top[1]:
+                    self._top[phase] = sample
 
     def stop(self) -> None:
         self._stop.set()
@@ -154,8 +156,10 @@ class RssTrace:
 
     def samples(self) -> list[list]:
         """The kept samples and each phase's largest one, in time order."""
+        with self._lock:
+            kept = self._out + list(self._top.values())
         seen, out = set(), []
-        for x in self._out + list(self._top.values()):
+        for x in kept:
             if id(x) not in seen:
                 seen.add(id(x))
                 out.append(x)
