@@ -56,8 +56,11 @@ def test_rss_trace_keeps_each_phases_first_and_largest_sample():
                          detail=lambda: {"x": 1}).start()
     _until(lambda: any(x[2] == "a" for x in tr.samples()), 'in phase "a"')
     phase["now"] = "b"
-    keep = bytearray(96 * MiB)  # resident while "b" is sampled
-    keep[::4096] = b"\1" * len(keep[::4096])
+    # 96 MiB resident while "b" is sampled, in a mapping of its own: heap memory that a long test process freed
+    # may still be resident, and reusing it would not raise RSS (the CI run failed so with a bytearray)
+    keep = mmap.mmap(-1, 96 * MiB)
+    torch.frombuffer(keep, dtype=torch.uint8).fill_(1)
+
     def gap() -> bool:  # phase "b"'s largest sample above phase "a"'s by most of the 96 MiB
         s = tr.samples()
         a, b = [x[1] for x in s if x[2] == "a"], [x[1] for x in s if x[2] == "b"]
@@ -65,7 +68,7 @@ def test_rss_trace_keeps_each_phases_first_and_largest_sample():
 
     _until(gap, 'in phase "b" with the 96 MiB resident')
     tr.stop()
-    del keep
+    keep.close()
     s = tr.samples()
     assert [x[0] for x in s] == sorted(x[0] for x in s)
     assert {x[2] for x in s} == {"a", "b"} and all(x[3] == {"x": 1} for x in s)
