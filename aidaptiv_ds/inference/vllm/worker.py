@@ -23,8 +23,8 @@ that calls it (the store is not thread-safe):
   scheduler through the worker metadata (:meth:`BlockMover.take_events`), which keeps its index of
   what can be loaded.
 
-Counters (``stats``) are written with each commit to ``kv_connector_stats.json`` beside the index
-(``aidaptiv-ds kv-cache`` shows them).
+Counters (``stats``) are written to ``kv_connector_stats.json`` beside the index after each commit and
+each finished load (``aidaptiv-ds kv-cache`` shows them).
 """
 from __future__ import annotations
 
@@ -254,8 +254,10 @@ class BlockMover:
                 except queue.Empty:
                     break
             stop = False
+            released = False
             for m in batch:  # releases and loads first: a load is waited for by a request, a save by nobody
                 if m[0] == "release":
+                    released = True
                     self._guard(self.store.release, m[1])
             for m in batch:
                 if m[0] == "load":
@@ -263,7 +265,10 @@ class BlockMover:
             saves = [m for m in batch if m[0] == "save"]
             if saves:
                 self._do_saves(saves)
-            if time.time() - self._stats_at > 1.0 or saves:
+            # [Note: counters on the drive] A release follows the poll that counted the loaded blocks, a
+            # save batch its commit: the file is written after each, so it never lags what vLLM reports
+            # (a server stopped by a signal may end before :meth:`close` writes it once more).
+            if released or saves or time.time() - self._stats_at > 1.0:
                 self._write_stats()
             stop = any(m[0] == "stop" for m in batch)
             if stop:
