@@ -103,3 +103,19 @@ def test_a_cpu_ranks_activations_and_logits_are_its_own():
     assert full["activations"] - kept["activations"] == (2048 - 700) * shape.vocab_size * 16
     ckpt = make_plan(PlanInput(**{**base, "activation_checkpointing": True}, logits_tokens=700)).cpu_rank_host
     assert ckpt["activations"] < kept["activations"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_the_riding_window_is_planned_where_the_runtime_rides(dtype):
+    """``step_rides_forward``: the planner counts the riding window only where the runtime rides
+    (``planner.auto.rides_forward``, asked by both): ``true`` on a CPU rank, never ``"auto"`` there
+    ([Note: riding on CPU ranks]), never with fp16 (its loss scaler keeps the updates in ``step()``)."""
+    base = dict(shape=preset_shape("smollm2-135m"), gpus=1, vram=0, dram=HOST, drives=[CacheDrive(270 * GB)],
+                cpu_ranks=True, dtype=dtype, seq_len=512, micro_batch=4, dram_budget=0, gradient_clipping=1.0)
+    host = {mode: make_plan(PlanInput(**base, step_rides_forward=mode)).cpu_rank_host
+            for mode in ("auto", False, True)}
+    assert host["auto"] == host[False] and host[False]["riding"] == 0
+    if dtype == "fp16":
+        assert host[True] == host[False]
+    else:  # two sub-group slices and the step's temporaries in the forward phase
+        assert host[True]["riding"] > 0 and host[True]["forward"] > host[False]["forward"]

@@ -335,6 +335,12 @@ def _dotted(parts: list) -> str:
     return out
 
 
+def _key_hint(unknown: Any, names: list[str]) -> str:
+    """The fix for an unknown key: the closest valid name (``difflib``, ratio >= 0.5), else all of them."""
+    close = difflib.get_close_matches(str(unknown), names, n=1, cutoff=0.5)
+    return f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(names)}"
+
+
 def _explain(err: ValidationError, section: dict) -> str:
     """One line per problem (several pydantic errors of one key become one line), each naming the
     key, the value and the fix."""
@@ -344,9 +350,7 @@ def _explain(err: ValidationError, section: dict) -> str:
         if e["type"] == "extra_forbidden":
             parts, _, model = _resolve(e["loc"], unknown_last=True)
             names = _field_names(model or AidaptivConfig)
-            close = difflib.get_close_matches(str(parts[-1]), names, n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(names)}"
-            lines.append(f"{_dotted(parts)}: unknown key; {hint}")
+            lines.append(f"{_dotted(parts)}: unknown key; {_key_hint(parts[-1], names)}")
             continue
         parts, field, _ = _resolve(e["loc"], unknown_last=False)
         key = _dotted(parts)
@@ -555,9 +559,8 @@ def _deepspeed_model_problems(zero: Any) -> list[str]:
             key = "zero_optimization" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
             if e["type"] == "extra_forbidden":
                 names = _zero_model_keys(loc)
-                close = difflib.get_close_matches(str(loc[-1]) if loc else "", names, n=1, cutoff=0.5)
-                hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(names)}"
-                out.append(f"{key}: unknown key, DeepSpeed's ZeRO config refuses it; {hint}")
+                out.append(f"{key}: unknown key, DeepSpeed's ZeRO config refuses it; "
+                           f"{_key_hint(loc[-1] if loc else '', names)}")
             else:
                 out.append(f"{key} is {_short(e.get('input'))}: {e['msg']} (DeepSpeed's ZeRO config refuses it). "
                            f"Fix: correct or remove it, as DeepSpeed's config reference describes")

@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 from ..io.buffers import round_up
 from ..planner.auto import (CPU_REDUCE_BUCKET_NUMEL, OPTIMIZER_PIPELINE_DEPTH, RANK_OVERHEAD_BYTES,
                             buffer_pool_bytes, cpu_rank_working_set, deepspeed_cpu_rank_bytes, host_working_set,
-                            master_hold_bytes, norm_scratch_bytes, optimizer_scratch_bytes)
+                            master_hold_bytes, norm_scratch_bytes, optimizer_scratch_bytes, rides_forward)
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
@@ -302,9 +302,7 @@ def make_stage3_class(base: type) -> type:
             master_hold = master_hold_bytes(max(numels, default=0) * sw.elsize) if alias else 0
             may_speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 \
                 and sw.expected_states > 0
-            # "auto": only where the forward computes on an accelerator ([Note: riding on CPU ranks])
-            wanted = rt.cfg.step_rides_forward is True or (rt.cfg.step_rides_forward == "auto"
-                                                            and get_accelerator().device_name() != "cpu")
+            wanted = rides_forward(rt.cfg.step_rides_forward, on_accelerator=get_accelerator().device_name() != "cpu")
             rides = (wanted and self.dtype != torch.float16
                      and int(getattr(self, "zero_hpz_partition_size", 1) or 1) <= 1 and sw.expected_states > 0)
             pool_bytes = 0  # the host buffer pool, where one is used (CPU ranks)

@@ -206,6 +206,22 @@ def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel:
 
 
 #: the read-ahead window's floor (``prefetch_bytes: "auto"``; about 0.1 s of reads at this project's drive rates)
+def rides_forward(setting: bool | str, *, on_accelerator: bool) -> bool:
+    """Whether the optimizer updates not done in ``step()`` ride the next forward.
+
+    Args:
+        setting: the ``aidaptiv.step_rides_forward`` value: True, False or ``"auto"``.
+        on_accelerator: the forward computes on an accelerator (not a CPU rank).
+
+    Returns:
+        True for ``True``; for ``"auto"`` only on an accelerator, where the update's arithmetic runs
+        on host cores the forward leaves idle (on a CPU rank it would take the forward's own cores:
+        ``[Note: riding on CPU ranks]`` in ``integration/step_pipeline.py``); False otherwise. The
+        runtime (``integration/stage3.py``) and the planner ask this one function.
+    """
+    return setting is True or (setting == "auto" and on_accelerator)
+
+
 PREFETCH_FLOOR_BYTES = 256 << 20
 
 

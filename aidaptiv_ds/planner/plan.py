@@ -100,6 +100,7 @@ from .auto import (
     optimizer_scratch_bytes,
     prefetch_bytes_from_budget,
     process_phases,
+    rides_forward,
 )
 from .model_size import ModelShape
 from .residency import ResidencyPlan, StateSizes, plan_residency
@@ -618,6 +619,7 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
     ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, N, pb, inp.reduce_bucket_size, grad_accum_bytes(inp.dtype),
                                   partition_ranks=dp)
     speculate = _may_step_in_backward(inp)  # before the preflight's choice
+    rides = rides_forward(inp.step_rides_forward, on_accelerator=False) and inp.dtype != "fp16"  # a CPU rank
     parts = cpu_rank_working_set(readahead_bytes=readahead,
                                  grad_window_bytes=2 * largest_sg * grad_accum_bytes(inp.dtype),
                                  deepspeed_bytes=ds, activation_bytes=activations,
@@ -632,11 +634,11 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
                                  if speculate and inp.dtype == "fp32" else 0,
                                  step_scratch=optimizer_scratch_bytes(),
                                  # sub-groups not stepped inside backward ride the next forward only where
-                                 # asked for (``"auto"`` keeps them in ``step()`` on CPU ranks)
+                                 # asked for (:func:`rides_forward`: ``"auto"`` keeps them in ``step()`` here)
                                  ride_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer])
-                                 if inp.step_rides_forward is True else 0,
+                                 if rides else 0,
                                  ride_param_bytes=largest_sg * MASTER_BYTES_PER_PARAM
-                                 if inp.step_rides_forward is True and inp.dtype == "fp32" else 0)
+                                 if rides and inp.dtype == "fp32" else 0)
     phases = process_phases(steps_bytes=parts["total"], baseline_bytes=inp.cpu_rank_baseline,
                             largest_tensor_bytes=largest_param * pb,
                             largest_partition_bytes=-(-largest_param // dp) * pb, largest_subgroup_numel=largest_sg,
