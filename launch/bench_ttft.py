@@ -38,6 +38,10 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="256,512,1024,2048,4096", help="context lengths in tokens")
     p.add_argument("--block_tokens", type=int, default=64)
     p.add_argument("--max_new_tokens", type=int, default=8)
+    p.add_argument("--reserved_cpus", type=int, default=1, help="with --engine vllm: cores every server reserves for "
+                   "vLLM's scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU; vLLM's own default differs with a KV connector)")
+    p.add_argument("--repeats", type=int, default=3, help="with --engine vllm: cold requests per length and server "
+                   "(each its own context; the median is reported)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--kv_dir", default="/tmp/aidaptiv_ttft", help="KV cache directories (emptied first)")
     p.add_argument("--json", default="ttft.json")
@@ -93,7 +97,8 @@ def vllm_main(a) -> int:
     if os.path.isdir(a.kv_dir):
         shutil.rmtree(a.kv_dir)
     spec = {"work": a.kv_dir, "lengths": [int(x) for x in a.lengths.split(",")], "dolly": a.dolly,
-            "max_new_tokens": a.max_new_tokens, "model_dir": a.model}
+            "max_new_tokens": a.max_new_tokens, "model_dir": a.model, "repeats": a.repeats,
+            "reserved_cpus": a.reserved_cpus}
     res = ttft_vllm.run(spec)
     rows = ttft_vllm.summarize(res)
     hf = None

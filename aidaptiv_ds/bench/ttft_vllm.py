@@ -4,12 +4,17 @@ Per context length ``N`` the prompt is the chat template around a system message
 tokens of Dolly contexts (as :mod:`aidaptiv_ds.bench.ttft` builds them, decoded to text) and a
 short question; greedy, 8 new tokens, streamed with the ``openai`` client; TTFT is the time from
 sending the request to the first streamed token (HTTP, tokenization and scheduling included).
-Every server is started with ``--enforce-eager`` and answers one short warm-up request first.
+Every server is started with ``--enforce-eager``, with the same cores reserved for vLLM's scheduler
+(``VLLM_CPU_NUM_OF_RESERVED_CPU``, ``reserved_cpus``; see [Note: the same cores for every server]), and
+answers one short warm-up request first.
 
 1. **no connector** (server A): per length, question 1 (``cold``: the whole prompt computed) and
    question 2 (``vllm_warm``: vLLM's in-memory prefix cache holds the context);
 2. **connector, cold** (server B, empty cache directory): question 1 per length (``cold_connector``:
-   computed, and its blocks copied out and written behind); the bytes the server's processes wrote
+   computed, and its blocks copied out and written behind). Cold is asked ``repeats`` times per length
+   on A and on B, each time with a context of its own (a different first line), and the median is
+   reported: one request's TTFT on a shared 2-core machine varies by more than the 5% the connector's
+   cold overhead is held to; the bytes the server's processes wrote
    (``/proc/PID/io`` ``write_bytes``) against the ledger's count for the cache, and the bytes written per
    stored token against the KV size per token;
 3. **connector after a restart** (server C): question 2 per length (``restart``: the context's
@@ -26,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -80,18 +86,29 @@ def run(spec: dict) -> dict:
     lengths = [int(n) for n in spec["lengths"]]
     # the contexts of the lengths share their start (the padded Dolly text): a first line of its own per
     # length keeps vLLM's prefix cache from serving one length's blocks to the next (cold means cold)
-    ctx = {n: f"Document {n}.\n" + tok.decode(context_ids(tok, spec["dolly"], n)) for n in lengths}
+    body = {n: tok.decode(context_ids(tok, spec["dolly"], n)) for n in lengths}
+    ctx = {n: f"Document {n}.\n" + body[n] for n in lengths}
+    repeats = max(1, int(spec.get("repeats", 3)))
+
+    def variant(n, r):  # the context of cold sample r (r = 0: the one later asked again)
+        return ctx[n] if r == 0 else f"Document {n}, copy {r}.\n" + body[n]
     fresh_src = dolly_contexts(spec["dolly"])[::-1]
     new = int(spec.get("max_new_tokens", 8))
     port = int(spec.get("port", 8123))
     kv_dir = os.path.join(work, "kv")
     os.makedirs(kv_dir, exist_ok=True)
     kv = kv_transfer_config([kv_dir], capacity=spec.get("capacity", "8GiB"), dram_budget=spec.get("dram_budget", "1GiB"))
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    # [Note: the same cores for every server] vLLM's CPU platform reserves one core for its scheduler and,
+    # when a KV transfer config is given, one more per rank "for nixl_connector" (vllm/utils/
+    # ompmultiprocessing.py); on a 2-core machine that is every core, so it reserves none and the worker
+    # computes on both, against one core without a connector: measured cold 2,048 tokens 4.31 s without,
+    # 2.82 s with the connector. Every server here gets the same reservation, so the two differ only by
+    # what the connector does.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": str(int(spec.get("reserved_cpus", 1)))}
     out: dict = {"model": model, "lengths": lengths, "rows": {str(n): {} for n in lengths}}
 
-    def msgs(n, q):
-        return [{"role": "system", "content": ctx[n]}, {"role": "user", "content": q}]
+    def msgs(n, q, r=0):
+        return [{"role": "system", "content": variant(n, r)}, {"role": "user", "content": q}]
 
     def serve(name, with_kv):
         s = Server(model, port, os.path.join(work, f"{name}.log"), kv=kv if with_kv else None,
@@ -100,15 +117,18 @@ def run(spec: dict) -> dict:
         chat(s.url, model, [{"role": "user", "content": "Hello!"}], max_tokens=2)  # warm-up
         return s
 
-    def ask(s, n, q, key):
-        r = chat(s.url, model, msgs(n, q), max_tokens=new)
-        out["rows"][str(n)][key] = {"ttft_s": r["ttft_s"], "prompt_tokens": r["prompt_tokens"], "ids": r["token_ids"]}
-        print(json.dumps({"case": key, "context_tokens": n, "ttft_s": round(r["ttft_s"], 3)}), file=sys.stderr, flush=True)
+    def ask(s, n, q, key, repeat=1):
+        got = [chat(s.url, model, msgs(n, q, r), max_tokens=new) for r in range(repeat)]
+        ttft = [g["ttft_s"] for g in got]
+        out["rows"][str(n)][key] = {"ttft_s": statistics.median(ttft), "samples_s": ttft,
+                                    "prompt_tokens": got[0]["prompt_tokens"], "ids": got[0]["token_ids"]}
+        print(json.dumps({"case": key, "context_tokens": n, "ttft_s": [round(t, 3) for t in ttft]}), file=sys.stderr,
+              flush=True)
 
     s = serve("A_no_connector", False)
     try:
         for n in lengths:
-            ask(s, n, QUESTIONS[0], "cold")
+            ask(s, n, QUESTIONS[0], "cold", repeats)
             ask(s, n, QUESTIONS[1], "vllm_warm")
     finally:
         s.stop()
@@ -118,7 +138,7 @@ def run(spec: dict) -> dict:
         pids = s.pids()
         w0, l0 = proc_write_bytes(pids), ledger_bytes(kv_dir)
         for n in lengths:
-            ask(s, n, QUESTIONS[0], "cold_connector")
+            ask(s, n, QUESTIONS[0], "cold_connector", repeats)
         t0 = time.time()  # the last saves are written behind: wait for their commit
         while connector_stats(kv_dir).get("connector", {}).get("blocks_written", -1) < \
                 connector_stats(kv_dir).get("connector", {}).get("saves_requested", 0) and time.time() - t0 < 120:
@@ -218,7 +238,7 @@ def plot(rows: list[dict], hf_rows: list[dict] | None, path: str, title: str) ->
     ax.set_xticks(x, [str(v) for v in x])
     ax.set_xlabel("context tokens (system message; plus chat template and question)")
     ax.set_ylabel("time to first token, s")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 100), fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
