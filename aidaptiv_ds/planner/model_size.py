@@ -166,7 +166,9 @@ def _llama_block(i: int, cfg: dict, h: int, f: int, a: int, k: int, d: int) -> t
     qkv_bias = mt == "qwen2" or (mt in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)))
     o_bias = mt in ("llama", "qwen3") and bool(cfg.get("attention_bias", False))
     mlp_bias = mt == "llama" and bool(cfg.get("mlp_bias", False))
-    t = [TensorShape(p + "input_layernorm.weight", (h,))]
+    # HF's registration order (LlamaDecoderLayer: self_attn, mlp, then the two norms), which is the order
+    # DeepSpeed packs the parameters into sub-groups (tests/test_working_set.py)
+    t = []
     for proj, rows in (("q_proj", a * d), ("k_proj", k * d), ("v_proj", k * d)):
         t.append(TensorShape(p + f"self_attn.{proj}.weight", (rows, h)))
         if qkv_bias:
@@ -176,11 +178,11 @@ def _llama_block(i: int, cfg: dict, h: int, f: int, a: int, k: int, d: int) -> t
         t.append(TensorShape(p + "self_attn.o_proj.bias", (h,)))
     if mt == "qwen3":
         t += [TensorShape(p + "self_attn.q_norm.weight", (d,)), TensorShape(p + "self_attn.k_norm.weight", (d,))]
-    t.append(TensorShape(p + "post_attention_layernorm.weight", (h,)))
     for proj, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
         t.append(TensorShape(p + f"mlp.{proj}.weight", shape))
         if mlp_bias:
             t.append(TensorShape(p + f"mlp.{proj}.bias", (shape[0],)))
+    t += [TensorShape(p + "input_layernorm.weight", (h,)), TensorShape(p + "post_attention_layernorm.weight", (h,))]
     return tuple(t)
 
 
