@@ -86,7 +86,9 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
     monkeypatch.setattr(stage3, "auto_dram_budget", lambda working_set_bytes=0: seen.append(working_set_bytes)
                         or real(working_set_bytes=working_set_bytes))
     # our own windows out of the way (0), so what the budget is cut by is DeepSpeed's alone
-    monkeypatch.setattr(stage3, "cpu_rank_working_set",
+    from aidaptiv_ds.planner import working_set
+
+    monkeypatch.setattr(working_set, "cpu_rank_working_set",
                         lambda **kw: {"baseline": 0, "forward": 0, "backward": kw["deepspeed_bytes"], "optimizer": 0,
                                       "in_backward": 0, "riding": 0, "total": kw["deepspeed_bytes"]})
     one_rank_env(monkeypatch)

@@ -36,8 +36,10 @@ def test_the_changes_named_are_re_planned_within_the_rating(capsys):
     _, p = _plan(capsys, "--dwpd", "60", "--step-time", "100")
     w = p["wear"]
     assert w["exceeds"] and not w["rating_assumed"] and w["pace_source"] == "measured (--step-time)"
-    # 384 GB per drive per step against 60 x 2 TB a day: one step every 276.48 s at most
-    assert w["rating_step_s"] == pytest.approx(384e9 * 86400 / (60 * 2e12))
+    # 399.32 GB per drive per step against 60 x 2 TB a day: one step every 287.51 s at most (384 GB while the
+    # planner's gradient window beside a GPU was two slice partitions, not the runtime's two sub-group slices)
+    assert [d["write_bytes_per_step"] for d in p["drives"]] == [399_322_238_976] * 2
+    assert w["rating_step_s"] == pytest.approx(399_322_238_976 * 86400 / (60 * 2e12))
     kinds = {c["change"].split(" ")[1]: c for c in w["changes"]}
     for c in w["changes"]:
         assert (c["dwpd"] <= 60) == c["within"], c

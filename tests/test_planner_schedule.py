@@ -192,7 +192,7 @@ def test_405b_ga16_on_the_phison_server():
     # optimizer state: 12 B x N, once per step either way (4.87 TB)
     assert m["writes"]["optimizer"] == lm["writes"]["optimizer"] == m["reads"]["optimizer"] == 12 * N405
     # gradients: what the budget does not hold, written and read 16 times against once (568 GB: the budget
-    # leaves room for each rank's process peak, 108.3 GB with DeepSpeed's sub-groups as built: issue 34)
+    # leaves room for each rank's process peak, 109.6 GB with DeepSpeed's sub-groups as built: issue 34)
     g = lm["writes"]["gradients"]
     assert 560 * GB < g < 575 * GB and lm["reads"]["gradients"] == g
     assert m["writes"]["gradients"] == m["reads"]["gradients"] == 16 * g
@@ -201,8 +201,8 @@ def test_405b_ga16_on_the_phison_server():
     assert a["bytes"] == 2 * 16 * 4096 * 16384 * 2 * 126 == 541_165_879_296
     assert a["dram"] == 2 * p.residency["cache_bytes"] and a["drive"] == a["bytes"] - a["dram"]
     assert lm["writes"]["activations"] == lm["reads"]["activations"] == a["drive"]
-    assert m["read_bytes_best_per_param"] == pytest.approx(97.9, abs=0.05)
-    assert m["write_bytes_per_param"] == pytest.approx(36.4, abs=0.05)
+    assert m["read_bytes_best_per_param"] == pytest.approx(98.0, abs=0.05)
+    assert m["write_bytes_per_param"] == pytest.approx(36.6, abs=0.05)
     assert lm["read_bytes_best_per_param"] == pytest.approx(18.7, abs=0.05)
     assert lm["write_bytes_per_param"] == pytest.approx(16.7, abs=0.05)
     # step time: drives at 7 / 6 GB/s, the pcie4 preset, an H100 SXM's 989 TFLOP/s at 50%
@@ -213,9 +213,9 @@ def test_405b_ga16_on_the_phison_server():
         assert t["bound_by"] == "drives" and t["estimate_s"] == t["drive_s"]
     flops = training_flops_per_token(preset_shape("llama-3.1-405b"), N405, 4096, True) * 4096 * 16
     assert m["step_time"]["compute_s"] == lm["step_time"]["compute_s"] == pytest.approx(flops / (989e12 * 0.5))
-    assert m["step_time"]["estimate_s"] == pytest.approx(8136, rel=1e-3)      # 2.26 h
+    assert m["step_time"]["estimate_s"] == pytest.approx(8153, rel=1e-3)      # 2.26 h
     assert lm["step_time"]["estimate_s"] == pytest.approx(2216, rel=1e-3)     # 36.9 min
-    assert s["layer_major_speedup"] == pytest.approx(3.67, abs=0.01)
+    assert s["layer_major_speedup"] == pytest.approx(3.68, abs=0.01)
     # GA 1 is what it was: the residency plan's bytes, "step time >= 17.4 min"
     one = make_plan(PlanInput(shape=preset_shape("llama-3.1-405b"), gpus=2, vram=96 * GB, dram=512 * GB,
                               drives=[CacheDrive(8 * TB)]))

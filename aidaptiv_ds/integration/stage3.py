@@ -23,9 +23,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..io.buffers import round_up
-from ..planner.auto import (CPU_REDUCE_BUCKET_NUMEL, OPTIMIZER_PIPELINE_DEPTH, RANK_OVERHEAD_BYTES,
-                            buffer_pool_bytes, cpu_rank_working_set, deepspeed_cpu_rank_bytes, host_working_set,
-                            master_hold_bytes, norm_scratch_bytes, optimizer_scratch_bytes, rides_forward)
+from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes
+from ..planner.working_set import RankPolicy, RankState, rank_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
@@ -296,44 +295,32 @@ def make_stage3_class(base: type) -> type:
                                subgroup_param_bytes=[sum(p.ds_tensor.ds_numel * p.element_size() for p in group)
                                                      for group in self.fp16_groups],
                                subgroup_grad_bytes=grad_slices, param_resident_cap=self._aidaptiv_param_cap(module_params))
-            grad_window = 2 * max(grad_slices, default=0)
-            largest_opt_slice = max((round_up(n * sw.elsize * slots, align) for n in numels), default=0)
-            # parameter bytes kept for a master slot in backward ([Note: master weights from the parameter reads])
-            master_hold = master_hold_bytes(max(numels, default=0) * sw.elsize) if alias else 0
-            may_speculate = rt.cfg.step_in_backward is not False and self.dtype != torch.float16 \
-                and sw.expected_states > 0
-            wanted = rides_forward(rt.cfg.step_rides_forward, on_accelerator=get_accelerator().device_name() != "cpu")
-            rides = (wanted and self.dtype != torch.float16
-                     and int(getattr(self, "zero_hpz_partition_size", 1) or 1) <= 1 and sw.expected_states > 0)
-            pool_bytes = 0  # the host buffer pool, where one is used (CPU ranks)
-            if get_accelerator().device_name() == "cpu":  # what a GPU holds is host memory here, by phase
-                ds_bytes = self._aidaptiv_deepspeed_cpu_bytes(module_params)
-                parts = cpu_rank_working_set(
-                    readahead_bytes=min(psw.prefetch_window(), sizes.param_bytes) if psw is not None else 0,
-                    grad_window_bytes=grad_window,
-                    deepspeed_bytes=ds_bytes,
-                    activation_bytes=0,  # the sequence length is not known yet: the safety margin holds them
-                    subgroup_numels=numels, moment_bytes_per_param=sw.elsize * sw.expected_states,
-                    in_backward_slice_bytes=largest_opt_slice if may_speculate else 0,
-                    norm_scratch=norm_scratch_bytes(max((p.partition_numel() for group in self.fp16_groups
-                                                         for p in group), default=0)),
-                    master_hold=master_hold if may_speculate else 0,
-                    step_scratch=optimizer_scratch_bytes(TILE_NUMEL, sw.elsize),
-                    ride_slice_bytes=largest_opt_slice if rides else 0,
-                    ride_param_bytes=max(sizes.subgroup_param_bytes, default=0) if alias else 0)
-                ws, overhead = parts["total"], parts["baseline"]
-                in_backward_window = max(parts["in_backward"], parts["riding"])
-                pool_bytes = buffer_pool_bytes(parts, ds_bytes)
-            else:
-                ws = host_working_set(
-                    largest_slice_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
-                    largest_subgroup_numel=max(numels, default=0),
-                    moment_bytes_per_param=sw.elsize * sw.expected_states,
-                    local_ranks=1, grad_window_bytes=grad_window,
-                    master_hold_bytes=master_hold if may_speculate else 0)
-                overhead = RANK_OVERHEAD_BYTES
-                # the host working set already sums the parameter staging and the whole optimizer pipeline
-                in_backward_window = OPTIMIZER_PIPELINE_DEPTH * largest_opt_slice
+            cpu_rank = get_accelerator().device_name() == "cpu"
+            ds_bytes = self._aidaptiv_deepspeed_cpu_bytes(module_params) if cpu_rank else 0
+            # the planner calls the same function with the same records; only the facts come from DeepSpeed's
+            # optimizer here ([Note: what each side knows] in planner/working_set.py)
+            state = RankState(
+                subgroup_numels=tuple(numels), grad_numels=tuple(grad_numels),
+                largest_partition_numel=max((p.partition_numel() for group in self.fp16_groups for p in group),
+                                            default=0),
+                param_bytes=sizes.param_bytes, largest_subgroup_param_bytes=max(sizes.subgroup_param_bytes, default=0),
+                staging_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
+                accum_elsize=accum.itemsize, state_elsize=sw.elsize, states=sw.expected_states, alignment=align,
+                alias=alias)
+            policy = RankPolicy(
+                cpu_rank=cpu_rank, step_in_backward=rt.cfg.step_in_backward,
+                step_rides_forward=rt.cfg.step_rides_forward, fp16=self.dtype == torch.float16,
+                hpz=int(getattr(self, "zero_hpz_partition_size", 1) or 1) > 1,
+                readahead_bytes=psw.prefetch_window() if psw is not None and cpu_rank else 0, deepspeed_bytes=ds_bytes,
+                activation_bytes=0,  # the sequence length is not known yet: the safety margin holds them
+                step_tile_numel=TILE_NUMEL)
+            rank_ws = rank_working_set(state, policy)
+            # what the budget was cut by, and from what (tests/test_working_set.py compares it with the plan)
+            self._aidaptiv_working_set = (state, policy, rank_ws)
+            grad_window, may_speculate, rides = rank_ws.grad_window, rank_ws.may_step_in_backward, rank_ws.rides
+            ws, overhead, pool_bytes = rank_ws.total, rank_ws.overhead, rank_ws.pool_bytes
+            in_backward_window = rank_ws.in_backward_window
+            largest_opt_slice = rank_ws.largest_opt_slice
             if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
                 held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
                 rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
@@ -382,7 +369,7 @@ def make_stage3_class(base: type) -> type:
             self._aidaptiv_stepper.pipeline = self._aidaptiv_pipeline
             sw.wanted = self._aidaptiv_stepper.wanted
             sw.holds_master = self._aidaptiv_holds_master
-            sw.master_hold_limit = master_hold if speculate else 0
+            sw.master_hold_limit = rank_ws.master_hold if speculate else 0
             rt.attach_engine(self._aidaptiv_engine_id, sw, self._aidaptiv_stepper)
             rt.preflight_checkpoints(sum(n * sw.elsize * slots + 4 * align for n in numels))
             if psw is not None and plan.params_resident:

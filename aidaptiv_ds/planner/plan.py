@@ -90,17 +90,11 @@ from .auto import (
     RANK_OVERHEAD_BYTES,
     DramBudget,
     auto_prefetch_bytes,
-    cpu_rank_working_set,
     deepspeed_cpu_rank_bytes,
     deepspeed_sub_group_numels,
     explain_dram_budget,
-    host_working_set,
-    master_hold_bytes,
-    norm_scratch_bytes,
-    optimizer_scratch_bytes,
     prefetch_bytes_from_budget,
     process_phases,
-    rides_forward,
 )
 from .model_size import ModelShape
 from .residency import ResidencyPlan, StateSizes, plan_residency
@@ -118,6 +112,7 @@ from .schedule import (
     Rates,
     schedule_cost,
 )
+from .working_set import RankPolicy, RankState, rank_working_set
 
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MOMENT_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4}
@@ -515,10 +510,6 @@ def _core(inp: PlanInput) -> dict:
     if inp.n_params is not None and shape.n_params:
         slice_numel = int(slice_numel * N / shape.n_params)
     slice_part = -(-slice_numel // dp) * pb
-    largest_sg = max(rank_sub_group_numels(inp), default=0)  # DeepSpeed's: up to sub_group_size + a partition
-    # gradients accumulate in per-sub-group slices in the tiers (integration/gradients.py); the open window
-    # (two of the largest slice partitions, in the accumulation dtype) is working set
-    grad_window = 2 * -(-slice_numel // dp) * grad_accum_bytes(inp.dtype)
     act = activation_bytes(shape, inp.seq_len, inp.micro_batch, inp.activation_checkpointing, inp.flash_attention,
                            inp.dropout)
     if inp.cpu_ranks:
@@ -532,7 +523,11 @@ def _core(inp: PlanInput) -> dict:
         ws = cpu["total"] * ranks
     else:
         cpu = None
-        steps = host_working_set(slice_part, largest_sg, mb, 1, inp.rank_overhead, grad_window_bytes=grad_window)
+        # one calculation with the runtime's (planner/working_set.py): the staging partitions, the optimizer
+        # pipeline, the gradient window (two sub-groups' accumulation slices) and the master hold
+        state = rank_state(inp)
+        steps = rank_working_set(state, rank_policy(inp)).total
+        largest_sg = max(state.subgroup_numels, default=0)
         largest_param = max(shape.largest_param_numel, 1)
         if inp.n_params is not None and shape.n_params:
             largest_param = int(largest_param * N / shape.n_params)
@@ -609,43 +604,59 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
     """
     shape, N, dp = inp.shape, inp.params, inp.dp
     pb = PARAM_BYTES[inp.dtype]
+    state = rank_state(inp)
+    policy = cpu_rank_policy(inp, state, activations)
+    ds, readahead = policy.deepspeed_bytes, policy.readahead_bytes
+    ws = rank_working_set(state, policy)
+    parts = ws.phases
     largest_param = max(shape.largest_param_numel, 1)
     if inp.n_params is not None and shape.n_params:
         largest_param = int(largest_param * N / shape.n_params)
-    # the swapper passes 2 partitions; it never reads ahead more than the rank's parameter partitions
-    readahead = min(auto_prefetch_bytes(2 * -(-largest_param // dp) * pb), -(-N // dp) * pb)
-    numels = rank_sub_group_numels(inp)  # DeepSpeed's: up to sub_group_size + a partition
-    largest_sg = max(numels, default=0)
-    ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, N, pb, inp.reduce_bucket_size, grad_accum_bytes(inp.dtype),
-                                  partition_ranks=dp)
-    speculate = _may_step_in_backward(inp)  # before the preflight's choice
-    rides = rides_forward(inp.step_rides_forward, on_accelerator=False) and inp.dtype != "fp16"  # a CPU rank
-    parts = cpu_rank_working_set(readahead_bytes=readahead,
-                                 grad_window_bytes=2 * largest_sg * grad_accum_bytes(inp.dtype),
-                                 deepspeed_bytes=ds, activation_bytes=activations,
-                                 subgroup_numels=numels,
-                                 moment_bytes_per_param=MOMENT_BYTES[inp.optimizer],
-                                 baseline_bytes=inp.cpu_rank_baseline,
-                                 in_backward_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[
-                                     inp.optimizer]) if speculate else 0,
-                                 norm_scratch=norm_scratch_bytes(-(-largest_param // dp)),
-                                 # fp32 parameters are read from their master slots (the runtime's ``alias``)
-                                 master_hold=master_hold_bytes(largest_sg * MASTER_BYTES_PER_PARAM)
-                                 if speculate and inp.dtype == "fp32" else 0,
-                                 step_scratch=optimizer_scratch_bytes(),
-                                 # sub-groups not stepped inside backward ride the next forward only where
-                                 # asked for (:func:`rides_forward`: ``"auto"`` keeps them in ``step()`` here)
-                                 ride_slice_bytes=largest_sg * (MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer])
-                                 if rides else 0,
-                                 ride_param_bytes=largest_sg * MASTER_BYTES_PER_PARAM
-                                 if rides and inp.dtype == "fp32" else 0)
+    largest_sg = max(state.subgroup_numels, default=0)
     phases = process_phases(steps_bytes=parts["total"], baseline_bytes=inp.cpu_rank_baseline,
                             largest_tensor_bytes=largest_param * pb,
                             largest_partition_bytes=-(-largest_param // dp) * pb, largest_subgroup_numel=largest_sg,
                             slot_bytes_per_param=MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer])
     return {**parts, "steps": parts["total"], "construction": phases["construction"],
             "initialization": phases["initialization"], "total": phases["peak"], "deepspeed": ds,
-            "activations": int(activations), "readahead": readahead}
+            "activations": int(activations), "readahead": min(readahead, state.param_bytes)}
+
+
+def rank_state(inp: PlanInput) -> RankState:
+    """One rank's state as DeepSpeed would build it from the model (:class:`~aidaptiv_ds.planner.working_set.RankState`,
+    the record the runtime fills from DeepSpeed's optimizer): DeepSpeed's sub-groups, each partition
+    ``ceil(numel / dp)`` (tensors scaled by ``n_params / shape`` when ``--params`` overrides the count),
+    fp32 master weights and ``MOMENT_BYTES / 4`` optimizer states, fp32 parameters read from their master slots."""
+    shape, N, dp = inp.shape, inp.params, inp.dp
+    pb = PARAM_BYTES[inp.dtype]
+    scale = N / shape.n_params if inp.n_params is not None and shape.n_params else 1.0
+    largest_param = max(int(max(shape.largest_param_numel, 1) * scale), 1)
+    numels = tuple(rank_sub_group_numels(inp))  # DeepSpeed's: up to sub_group_size + a partition
+    slice_numel = int(shape.largest_slice_params * scale)
+    return RankState(subgroup_numels=numels, grad_numels=numels, largest_partition_numel=-(-largest_param // dp),
+                     param_bytes=sum(numels) * pb, largest_subgroup_param_bytes=max(numels, default=0) * pb,
+                     staging_partition_bytes=-(-slice_numel // dp) * pb, accum_elsize=grad_accum_bytes(inp.dtype),
+                     state_elsize=MASTER_BYTES_PER_PARAM, states=MOMENT_BYTES[inp.optimizer] // MASTER_BYTES_PER_PARAM,
+                     alias=inp.dtype == "fp32")
+
+
+def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankPolicy:
+    """A CPU rank's :class:`~aidaptiv_ds.planner.working_set.RankPolicy` as the runtime fills it: the read-ahead
+    window the parameter swapper asks for (2 x the largest partition, ``prefetch_bytes: "auto"``), DeepSpeed's
+    working set from ``--max-live-parameters`` and ``--reduce-bucket-size``, and ``activations`` (bytes)."""
+    pb = PARAM_BYTES[inp.dtype]
+    ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, inp.params, pb, inp.reduce_bucket_size,
+                                  grad_accum_bytes(inp.dtype), partition_ranks=inp.dp)
+    return rank_policy(inp, readahead_bytes=auto_prefetch_bytes(2 * state.largest_partition_numel * pb),
+                       deepspeed_bytes=ds, activation_bytes=activations)
+
+
+def rank_policy(inp: PlanInput, **inputs) -> RankPolicy:
+    """The plan's :class:`~aidaptiv_ds.planner.working_set.RankPolicy`: the user's settings and ``inputs``
+    (``readahead_bytes``, ``deepspeed_bytes``, ``activation_bytes``)."""
+    return RankPolicy(cpu_rank=inp.cpu_ranks, step_in_backward=inp.step_in_backward,
+                      step_rides_forward=inp.step_rides_forward, fp16=inp.dtype == "fp16",
+                      baseline_bytes=inp.cpu_rank_baseline, rank_overhead_bytes=inp.rank_overhead, **inputs)
 
 
 def _checks(inp: PlanInput, c: dict) -> dict:

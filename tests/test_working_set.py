@@ -1,0 +1,78 @@
+"""One working-set calculation (issue 39, item 2): the runtime and the planner describe a rank in the same
+records (:class:`~aidaptiv_ds.planner.working_set.RankState`, ``RankPolicy``) and call the same function.
+
+What the runtime reads off DeepSpeed's optimizer for a real engine (a small HF Llama, ZeRO-3, both offloads on
+our backend) must be what the planner derives from the model's shape (:func:`~aidaptiv_ds.planner.plan.rank_state`),
+so that ``aidaptiv-ds plan`` says what ``dram_budget: "auto"`` will really take out; DeepSpeed's default
+``sub_group_size`` left unset as well as a small one set.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from _engine import nvme_config, one_rank_env
+from aidaptiv_ds.bench.models import LlamaShape, describe
+from aidaptiv_ds.planner.model_size import shape_from_config
+from aidaptiv_ds.planner.plan import CacheDrive, PlanInput, cpu_rank_policy, rank_state
+from aidaptiv_ds.planner.working_set import RankPolicy, RankState, rank_working_set
+
+SHAPE = LlamaShape(hidden=128, intermediate=352, layers=2, heads=4, kv_heads=2, vocab=1024)
+
+
+def test_the_cpu_and_accelerator_figures_follow_the_policy():
+    state = RankState(subgroup_numels=(1000, 3000), grad_numels=(1000, 3000), largest_partition_numel=600,
+                      param_bytes=16000, largest_subgroup_param_bytes=12000, staging_partition_bytes=2400,
+                      accum_elsize=4, alias=True)
+    on = rank_working_set(state, RankPolicy(cpu_rank=True, step_rides_forward=True))
+    off = rank_working_set(state, RankPolicy(cpu_rank=True, step_in_backward=False, step_rides_forward=False))
+    assert on.may_step_in_backward and on.rides and not off.may_step_in_backward and not off.rides
+    assert on.grad_window == off.grad_window == 2 * 12288  # two of the largest slice, 4 KiB aligned
+    assert on.in_backward_window > 0 and off.in_backward_window == 0 and off.master_hold == 0 < on.master_hold
+    fp16 = rank_working_set(state, RankPolicy(cpu_rank=True, fp16=True, step_rides_forward=True))
+    assert not fp16.may_step_in_backward and not fp16.rides
+    gpu = rank_working_set(state, RankPolicy(cpu_rank=False))
+    assert gpu.rides and gpu.pool_bytes == 0 and gpu.phases == {}  # "auto" rides beside an accelerator
+    stateless = rank_working_set(dataclasses.replace(state, states=0), RankPolicy(cpu_rank=True))
+    assert not stateless.may_step_in_backward and not stateless.rides
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("sub_group_size", [None, 30_000], ids=["deepspeed-default", "small"])
+def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, sub_group_size):
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    import aidaptiv_ds  # noqa: F401  (installs the hooks)
+
+    one_rank_env(monkeypatch)
+    cfg = nvme_config(tmp_path / "cache", dram_budget="auto")
+    zero = cfg["zero_optimization"]
+    for k in ("sub_group_size", "stage3_param_persistence_threshold"):  # DeepSpeed's defaults unless set
+        zero.pop(k)
+    zero["offload_param"].pop("max_in_cpu")
+    if sub_group_size is not None:
+        zero["sub_group_size"] = sub_group_size
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(SHAPE.hf_config())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    try:
+        ran_state, policy, ran = engine.optimizer._aidaptiv_working_set
+        inp = PlanInput(shape=shape_from_config(SHAPE.hf_config().to_dict(), describe(SHAPE)), gpus=1, vram=0,
+                        dram=64 << 30, drives=[CacheDrive(capacity=1 << 40)], cpu_ranks=True, dtype="fp32",
+                        **({} if sub_group_size is None else {"sub_group_size": sub_group_size}))
+        planned = rank_state(inp)
+        # the staged partition matters beside an accelerator only (the planner's is the largest slice's)
+        assert dataclasses.replace(planned, staging_partition_bytes=0) == \
+            dataclasses.replace(ran_state, staging_partition_bytes=0)
+        assert rank_working_set(planned, policy) == ran
+        # and the choices: the planner's policy (read-ahead, DeepSpeed's working set, baseline, settings) is the
+        # runtime's, given the activations the runtime leaves to the safety margin
+        assert cpu_rank_policy(inp, planned, 0) == policy
+        assert engine.optimizer._aidaptiv_rt.budget > 0
+    finally:
+        rt = engine.optimizer._aidaptiv_rt
+        engine.destroy()
+        rt.close()
