@@ -67,6 +67,7 @@ import logging
 import torch
 
 from ..spans import span
+from .phase import EnginePhase, Phase
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -377,7 +378,7 @@ class BackwardStepMixin:
     their sub-groups' reads)."""
 
     _aidaptiv_stepper: BackwardStepper | None = None
-    _aidaptiv_backward_open = False  # between DeepSpeed's backward_prologue and backward_epilogue
+    _aidaptiv_phase: EnginePhase  # BACKWARD between DeepSpeed's backward_prologue and backward_epilogue
 
     # ---------------------------------------------------------------- called from partition_grads
     def _aidaptiv_gradient_arriving(self, index: int, param) -> None:
@@ -396,7 +397,7 @@ class BackwardStepMixin:
         reading their sub-groups' optimizer state (the first use in backward comes before the first
         gradient, which waits for its reduce bucket; read then, the master slot fills from these reads)."""
         st = self._aidaptiv_stepper
-        if st is None or not self._aidaptiv_backward_open or not self.is_gradient_accumulation_boundary():
+        if st is None or not (self._aidaptiv_phase.open(Phase.BACKWARD) and self.is_gradient_accumulation_boundary()):
             return
         where = self._aidaptiv_grad_where
         for i in sorted({where[d][0] for d in ds_ids if d in where}, reverse=True):
@@ -405,10 +406,10 @@ class BackwardStepMixin:
     def backward_prologue(self):
         self._aidaptiv_drain()  # updates of sub-groups the forward did not gather
         super().backward_prologue()
-        self._aidaptiv_backward_open = True
+        self._aidaptiv_phase.begin_backward()
 
     def backward_epilogue(self):
-        self._aidaptiv_backward_open = False
+        self._aidaptiv_phase.end_backward()
         super().backward_epilogue()
         sw = getattr(self, "optimizer_swapper", None)
         if sw is not None and hasattr(sw, "release_held"):
@@ -419,7 +420,8 @@ class BackwardStepMixin:
         backward leaves before the sub-group has a slice are kept for its master slot
         (:meth:`AidaptivOptimizerSwapper.take_master_bytes`)."""
         st = self._aidaptiv_stepper
-        return (st is not None and self._aidaptiv_backward_open and self.is_gradient_accumulation_boundary()
+        return (st is not None and self._aidaptiv_phase.open(Phase.BACKWARD)
+                and self.is_gradient_accumulation_boundary()
                 and st._waiting(index))
 
     def _aidaptiv_gradient_started(self, index: int) -> None:

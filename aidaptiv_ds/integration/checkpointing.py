@@ -54,6 +54,7 @@ from ..checkpoint.writer import RankWriter, write_latest, write_manifest
 from ..io.buffers import alloc_aligned
 from ..io.errors import FileWriteError
 from ..io.killpoint import kill_point
+from .phase import Phase
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -506,14 +507,11 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
                     setattr(opt.loss_scaler, k, v)
     # the low-precision partitions are the masters cast down, as DeepSpeed's reset_swap_buffers does
     psw = opt._aidaptiv_param_swapper()
-    sw.init_phase = True
-    try:
+    with opt._aidaptiv_phase.during(Phase.LOADING):
         for i in range(len(opt.fp16_groups)):
             opt._optimizer_states_and_gradient_swap_in(i)
             opt._reassign_or_swap_out_partitioned_parameters(i)
             opt._optimizer_states_and_gradient_swap_out(i)
-    finally:
-        sw.init_phase = False
     frozen = [(names[id(p)], p) for p in opt._aidaptiv_module.parameters()
               if not p.requires_grad and getattr(p, "ds_tensor", None) is not None and id(p) in names]
     items = []

@@ -35,6 +35,7 @@ from ..spans import spanned
 from ..tiers.host_tier import Slice
 from .errors import DeepSpeedContractError
 from .gradients import GradientStore
+from .phase import EnginePhase, Phase
 from .runtime import Runtime
 
 log = logging.getLogger("aidaptiv_ds")
@@ -78,9 +79,11 @@ class AidaptivOptimizerSwapper:
         optimizer: the wrapped torch/DeepSpeed optimizer (its ``state`` dict is read and rebound).
         dtype: master-weight dtype (fp32 unless DeepSpeed runs bf16 master weights).
         engine_id: distinguishes the sub-group keys of several engines in one process.
+        phase: the engine's phase record (a fresh one, ``TRAINING``, when not given).
     """
 
-    def __init__(self, runtime: Runtime, optimizer, dtype: torch.dtype, engine_id: int) -> None:
+    def __init__(self, runtime: Runtime, optimizer, dtype: torch.dtype, engine_id: int,
+                 phase: EnginePhase | None = None) -> None:
         self.rt = runtime
         self.optimizer = optimizer
         self._owner = None  # weakref to the Stage-3 optimizer that built this swapper (set by it)
@@ -90,10 +93,8 @@ class AidaptivOptimizerSwapper:
         self.groups: dict[str, _Group] = {}
         self.order: list[str] = []
         self.plan: ResidencyPlan | None = None
-        self.init_phase = False
-        #: a DeepSpeed state-API call is running (``state_api.py``): a swap-out writes changed state back but
-        #: is no optimizer step, so it consumes no gradient
-        self.state_api = False
+        #: the engine's phase ([Note: phases] in ``phase.py``; the Stage-3 subclass passes its own)
+        self.phase = phase if phase is not None else EnginePhase()
         self.expected_states = expected_state_slots(optimizer)
         self.gradients: GradientStore | None = None  # set by the Stage-3 subclass before initialisation
         self.wanted = None  # fn(index) -> bool: the sub-group is still to be stepped (worth reading ahead)
@@ -412,7 +413,7 @@ class AidaptivOptimizerSwapper:
         for j, name in enumerate(g.state_names, start=1):
             if name in state:
                 state[name].data = self._slot(g, s, j)
-        if self.init_phase or self.gradients is None:  # DeepSpeed binds a zero buffer itself there
+        if self.phase.rebuilds_state or self.gradients is None:  # DeepSpeed binds a zero buffer itself there
             parameter.grad = None
         else:
             parameter.grad = self.gradients.fp32_grad(g.index)
@@ -454,11 +455,12 @@ class AidaptivOptimizerSwapper:
         if s is None:
             return
         s = self._adopt_states(g, parameter, s)
-        if not self.init_phase:
+        if not self.phase.rebuilds_state:
             self.rt.tier.mark_dirty(s)
         if not g.resident:  # issue the write while the slice is still referenced: releasing a dirty slice
             self.rt.tier.write_back(s)  # first would evict it, and a dirty eviction writes and waits
-        self._release(g, parameter, consumed=not self.init_phase and not g.keep_gradient and not self.state_api)
+        self._release(g, parameter, consumed=not self.phase.rebuilds_state and not g.keep_gradient
+                      and not self.phase.open(Phase.STATE_API))
         self.rt.tier.enforce_budget()
 
     def slice_bytes(self, g: _Group) -> int:

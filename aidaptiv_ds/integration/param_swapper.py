@@ -39,6 +39,7 @@ from ..tiers.host_tier import Slice
 from ..errors import AidaptivConfigError
 from ..spans import spanned
 from .errors import DeepSpeedContractError
+from .phase import EnginePhase, Phase
 from .runtime import Runtime
 
 log = logging.getLogger("aidaptiv_ds")
@@ -166,7 +167,9 @@ class AidaptivParamSwapper:
         self._reserved_numel = 0
         self._reserved: list[torch.Tensor] = []
         self._window: int | None = None
-        self.init_phase = False  # set by the Stage-3 subclass while DeepSpeed rewrites unchanged partitions
+        #: the phase of the engine initialising last ([Note: phases] in ``phase.py``): in ``INITIALIZING``
+        #: DeepSpeed rewrites unchanged partitions (set by the Stage-3 subclass)
+        self.phase = EnginePhase()
         self.from_unpacked = bool(runtime.cfg.from_unpacked)
         self.aliased_skipped_bytes = 0  # parameter writes saved by reading fp32 partitions from their masters
         #: the optimizer update riding the forward (step_pipeline.py) is running: keep a copy of the new bytes of
@@ -377,7 +380,7 @@ class AidaptivParamSwapper:
     def swap_out_partitioned_params(self, dst_fp16_params, src_fp32_params) -> None:
         """Write fp32 master slices cast to each partition's dtype as its new content."""
         S = _status()
-        if self.init_phase:  # DeepSpeed re-writes partitions from masters just made from them: identical bytes
+        if self.phase.open(Phase.INITIALIZING):  # DeepSpeed re-writes partitions from masters just made from them
             self.skipped_init_bytes += sum(p.ds_tensor.ds_numel * p.element_size() for p in dst_fp16_params)
             for p in dst_fp16_params:
                 p.ds_tensor.status = S.NOT_AVAILABLE

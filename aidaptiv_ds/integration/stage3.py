@@ -38,6 +38,7 @@ from .step_pipeline import StepPipeline
 from .step_pipeline import forget as forget_pipeline
 from .gradients import GradientStore
 from .optimizer_swapper import AidaptivOptimizerSwapper
+from .phase import EnginePhase, Phase
 from .runtime import auto_dram_budget, get_runtime
 
 log = logging.getLogger("aidaptiv_ds")
@@ -118,6 +119,7 @@ def make_stage3_class(base: type) -> type:
 
         def __init__(self, *args, **kwargs):
             ds_config = kwargs.get("ds_config")
+            self._aidaptiv_phase = EnginePhase()  # [Note: phases] in phase.py
             self._aidaptiv_module = kwargs.get("module", args[0] if args else None)
             self._aidaptiv_cfg = validate(ds_config)
             self._aidaptiv_rt = get_runtime(self._aidaptiv_cfg)
@@ -165,7 +167,7 @@ def make_stage3_class(base: type) -> type:
             rt = self._aidaptiv_rt
             self.optimizer_swapper = sw = AidaptivOptimizerSwapper(rt, self.optimizer,
                                                                    self.master_weights_and_grads_dtype,
-                                                                   self._aidaptiv_engine_id)
+                                                                   self._aidaptiv_engine_id, phase=self._aidaptiv_phase)
             sw._owner = weakref.ref(self)
             self._aidaptiv_plan()
 
@@ -212,17 +214,11 @@ def make_stage3_class(base: type) -> type:
             return out
 
         def initialize_optimizer_states(self):
-            sw = self.optimizer_swapper
             psw = self._aidaptiv_param_swapper()
-            sw.init_phase = True
             if psw is not None:
-                psw.init_phase = True
-            try:
+                psw.phase = self._aidaptiv_phase
+            with self._aidaptiv_phase.during(Phase.INITIALIZING):
                 super().initialize_optimizer_states()
-            finally:
-                sw.init_phase = False
-                if psw is not None:
-                    psw.init_phase = False
             # initialisation streamed every sub-group through host buffers once; give their pages back
             # before DeepSpeed allocates its flat gradient buffer (stage3.py:791) on top of them
             self._aidaptiv_rt.release_host_memory()

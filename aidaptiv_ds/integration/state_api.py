@@ -22,13 +22,14 @@ the state API was used in the process; a call that meets a consumed gradient rai
 The swap-out that ends a setter (``set_full_hp_param`` writes the sub-group back with
 ``_optimizer_states_and_gradient_swap_out``, the gradient setters with ``_writeback_swap_state``) writes the
 changed state back but is not an optimizer step: the gradient stays for the step
-(:attr:`AidaptivOptimizerSwapper.state_api`).
+(the engine's ``STATE_API`` phase, [Note: phases] in ``phase.py``).
 """
 from __future__ import annotations
 
 import contextlib
 
 from ..spans import span
+from .phase import Phase
 
 
 class StateAPIMixin:
@@ -46,13 +47,8 @@ class StateAPIMixin:
                              if p.requires_grad and self.get_param_id(p) in self.grad_position})
             for i in groups:
                 st.reopen(i, what)
-        sw = self.optimizer_swapper
-        was, sw.state_api = sw.state_api, True
-        try:
-            with span("aidaptiv::state_api", lane="optimizer", call=what):
-                yield
-        finally:
-            sw.state_api = was
+        with self._aidaptiv_phase.during(Phase.STATE_API), span("aidaptiv::state_api", lane="optimizer", call=what):
+            yield
 
     def get_full_hp_param(self, param, optim_state_key=None):
         with self._aidaptiv_state_access(param, "get_full_hp_param (safe_get_full_fp32_param/optimizer_state)"):
