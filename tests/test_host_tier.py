@@ -178,3 +178,38 @@ def test_waiting_for_a_write_that_already_finished_still_evicts(store):
     assert tier.wait_oldest_write() is True
     assert "w" not in tier
     assert tier.wait_oldest_write() is False
+
+
+def test_training_ranks_optimizer_and_gradient_slices_before_parameters():
+    """[Note: ranking the kinds in training]: with the order known, optimizer and gradient slices go before every
+    parameter slice, also one the order no longer holds (which plain Belady ties with them, then LRU); within a
+    kind it is Belady; before the order is known it is LRU over all kinds."""
+    from aidaptiv_ds.tiers.eviction import TRAINING_KIND_RANK, EvictionPolicy
+
+    def fill(tier, order, known):
+        if known:
+            order.set_order([1, 2, 3])
+        made = [Slice("stale-param", torch.empty(UNIT, dtype=torch.uint8), members=["gone"], kind="param"),
+                Slice(("opt", 0), torch.empty(UNIT, dtype=torch.uint8), kind="opt"),
+                Slice(2, torch.empty(UNIT, dtype=torch.uint8), members=[2], kind="param"),
+                Slice(("grad", 0), torch.empty(UNIT, dtype=torch.uint8), kind="grad"),
+                Slice(3, torch.empty(UNIT, dtype=torch.uint8), members=[3], kind="param")]
+        gone = []
+        for s in made:
+            s.on_drop = lambda sl: gone.append(sl.key)
+            tier.add(s)
+            tier.acquire(s)
+            tier.release(s)
+        tier.budget = 0
+        tier.enforce_budget()
+        return gone
+
+    order = AccessOrder()
+    ranked = fill(HostTier(budget=8 * UNIT, policy=EvictionPolicy(order, TRAINING_KIND_RANK)), order, known=True)
+    assert ranked == [("opt", 0), ("grad", 0), "stale-param", 3, 2]
+    order = AccessOrder()
+    plain = fill(HostTier(budget=8 * UNIT, order=order), order, known=True)
+    assert plain == ["stale-param", ("opt", 0), ("grad", 0), 3, 2]  # never used again: a tie, then LRU
+    order = AccessOrder()
+    lru = fill(HostTier(budget=8 * UNIT, policy=EvictionPolicy(order, TRAINING_KIND_RANK)), order, known=False)
+    assert lru == ["stale-param", ("opt", 0), 2, ("grad", 0), 3]

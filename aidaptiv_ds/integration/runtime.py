@@ -39,7 +39,7 @@ from ..store.ledger import EnduranceRating
 from ..store.store import PathSpec, SlabStore
 from ..telemetry import counters
 from ..telemetry.counters import dram_gauges
-from ..tiers.eviction import AccessOrder
+from ..tiers.eviction import TRAINING_KIND_RANK, AccessOrder, EvictionPolicy
 from ..tiers.host_tier import HostTier
 from ..torch_env import huge_pages_advice, kernel_huge_page_mode
 from ..units import format_bytes
@@ -148,7 +148,8 @@ class Runtime:
         self.budget = auto_dram_budget() if cfg.dram_budget == "auto" else int(cfg.dram_budget)
         wb = 512 << 20 if cfg.writeback_bytes == "auto" else int(cfg.writeback_bytes)
         self.order = AccessOrder()
-        self.tier = HostTier(self.budget, writeback_limit=wb, order=self.order)
+        # optimizer and gradient slices before parameter slices ([Note: ranking the kinds in training])
+        self.tier = HostTier(self.budget, writeback_limit=wb, policy=EvictionPolicy(self.order, TRAINING_KIND_RANK))
         self.io_wait = Timer()
         self.param_swapper = None  # this runtime's AidaptivParamSwapper, created by the first zero.Init on its paths
         self._engines: dict = {}  # engine id -> (weakref to its optimizer swapper, weakref to its stepper)

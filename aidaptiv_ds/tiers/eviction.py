@@ -11,7 +11,7 @@ with bypass: it never misses more than MIN); ties go to the least recently used.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 
@@ -52,12 +52,24 @@ class AccessOrder:
 
 
 class Evictable(Protocol):
-    """What the policy reads of a candidate: the ids it holds and when it was last used."""
+    """What the policy reads of a candidate: the ids it holds, when it was last used, what kind of unit it is."""
     @property
     def members(self) -> Sequence[Hashable]: ...
 
     @property
     def last_use(self) -> int: ...
+
+    @property
+    def kind(self) -> str: ...
+
+
+#: [Note: ranking the kinds in training] The access order records parameter fetches only (DeepSpeed's trace of
+#: the forward and backward), so an optimizer sub-group or a gradient slice has no next use in it: it is next
+#: used in the next step's backward or optimizer phase, after every parameter fetch of the next forward. Once
+#: the order is known such slices go first (rank 0), then parameter slices by Belady (rank 1). Before this rule
+#: was written down, the same followed from their next use being "never" (``inf``); now a parameter slice no
+#: longer in the order (a branch the model stopped using) waits behind them too.
+TRAINING_KIND_RANK: Mapping[str, int] = {"opt": 0, "grad": 0, "param": 1}
 
 
 _S = TypeVar("_S", bound=Evictable)
@@ -66,11 +78,18 @@ _S = TypeVar("_S", bound=Evictable)
 class EvictionPolicy:
     """Pick victims among candidate slices: Belady when the order is known, else least recently used.
 
-    A slice exposes ``members`` (ids it holds) and ``last_use`` (a monotonic counter).
+    A slice exposes ``members`` (ids it holds), ``last_use`` (a monotonic counter) and ``kind``.
+
+    Args:
+        order: the access order (shared with the prefetcher); a fresh, unknown one when not given.
+        kind_rank: with the order known, slices of a lower rank are evicted before any of a higher rank, and
+            Belady decides within a rank (kinds not listed rank 0). None: no ranking, Belady over all
+            (:data:`TRAINING_KIND_RANK` is the training tier's, ``integration/runtime.py``).
     """
 
-    def __init__(self, order: AccessOrder | None = None) -> None:
+    def __init__(self, order: AccessOrder | None = None, kind_rank: Mapping[str, int] | None = None) -> None:
         self.order = order or AccessOrder()
+        self.kind_rank = dict(kind_rank or {})
 
     def victim(self, candidates: list[_S]) -> _S:
         """The candidate to evict (one of ``candidates``).
@@ -81,5 +100,6 @@ class EvictionPolicy:
         if not candidates:
             raise ValueError("no eviction candidates")
         if self.order.known:
-            return max(candidates, key=lambda s: (self.order.next_use(s.members), -s.last_use))
+            rank = self.kind_rank
+            return max(candidates, key=lambda s: (-rank.get(s.kind, 0), self.order.next_use(s.members), -s.last_use))
         return min(candidates, key=lambda s: s.last_use)

@@ -83,13 +83,15 @@ class HostTier:
         budget: bytes for resident + cached slices.
         writeback_limit: most bytes of write-back in flight.
         order: the access order used for Belady eviction (shared with the prefetcher).
+        policy: which cached slice goes first (default: :class:`EvictionPolicy` over ``order``, no kind ranking).
     """
 
-    def __init__(self, budget: int, writeback_limit: int = 512 << 20, order: AccessOrder | None = None) -> None:
+    def __init__(self, budget: int, writeback_limit: int = 512 << 20, order: AccessOrder | None = None,
+                 policy: EvictionPolicy | None = None) -> None:
         self.budget = int(budget)
         self.writeback_limit = int(writeback_limit)
-        self.order = order or AccessOrder()
-        self.policy = EvictionPolicy(self.order)
+        self.order = policy.order if policy is not None else (order or AccessOrder())
+        self.policy = policy if policy is not None else EvictionPolicy(self.order)
         self._slices: dict[Hashable, Slice] = {}
         self._writes: collections.deque[tuple[int, IOFuture, Slice | None]] = collections.deque()
         self._clock = itertools.count(1)
