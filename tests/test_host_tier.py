@@ -213,3 +213,12 @@ def test_training_ranks_optimizer_and_gradient_slices_before_parameters():
     order = AccessOrder()
     lru = fill(HostTier(budget=8 * UNIT, policy=EvictionPolicy(order, TRAINING_KIND_RANK)), order, known=False)
     assert lru == ["stale-param", ("opt", 0), 2, ("grad", 0), 3]
+
+
+def test_one_access_order_per_tier():
+    from aidaptiv_ds.tiers.eviction import EvictionPolicy
+
+    with pytest.raises(ValueError, match="not two orders"):
+        HostTier(budget=0, order=AccessOrder(), policy=EvictionPolicy(AccessOrder()))
+    order = AccessOrder()
+    assert HostTier(budget=0, order=order, policy=EvictionPolicy(order)).order is order

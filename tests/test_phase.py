@@ -50,3 +50,12 @@ def test_an_impossible_transition_raises_and_leaves_the_record_as_it_was():
         with ph.during(Phase.BACKWARD):
             pass
     assert ph.now is Phase.TRAINING
+
+
+def test_a_caller_can_ask_before_it_changes_anything():
+    ph = EnginePhase()
+    ph.check_opens(Phase.STATE_API)  # allowed: nothing raised, nothing opened
+    assert ph.now is Phase.TRAINING
+    with ph.during(Phase.INITIALIZING):
+        with pytest.raises(RuntimeError, match="state_api phase cannot open during initializing"):
+            ph.check_opens(Phase.STATE_API)

@@ -167,8 +167,9 @@ class AidaptivParamSwapper:
         self._reserved_numel = 0
         self._reserved: list[torch.Tensor] = []
         self._window: int | None = None
-        #: the phase of the engine initialising last ([Note: phases] in ``phase.py``): in ``INITIALIZING``
-        #: DeepSpeed rewrites unchanged partitions (set by the Stage-3 subclass)
+        #: the phase of the engine initialising now ([Note: phases] in ``phase.py``; the Stage-3 subclass lends
+        #: it for the call): in ``INITIALIZING`` DeepSpeed rewrites unchanged partitions. This swapper is
+        #: shared by the engines of a runtime, so it asks nothing else of the record
         self.phase = EnginePhase()
         self.from_unpacked = bool(runtime.cfg.from_unpacked)
         self.aliased_skipped_bytes = 0  # parameter writes saved by reading fp32 partitions from their masters

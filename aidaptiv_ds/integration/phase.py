@@ -65,10 +65,15 @@ class EnginePhase:
         """The optimizer state is being made or installed, not stepped (``INITIALIZING`` or ``LOADING``)."""
         return Phase.INITIALIZING in self._stack or Phase.LOADING in self._stack
 
-    def _push(self, phase: Phase) -> None:
+    def check_opens(self, phase: Phase) -> None:
+        """Raise (a ``RuntimeError`` naming both phases) if ``phase`` may not open now (:data:`OPENS_IN`); for a
+        caller that must know before it changes anything."""
         if self.now not in OPENS_IN[phase]:
             raise RuntimeError(f"aidaptiv_ds: the {phase.value} phase cannot open during {self.now.value} "
                                f"(phases open: {[p.value for p in self._stack]}); this is a bug, please report it")
+
+    def _push(self, phase: Phase) -> None:
+        self.check_opens(phase)
         self._stack.append(phase)
 
     @contextlib.contextmanager

@@ -9,9 +9,9 @@ Overrides (``docs/deepspeed-seams.md`` §2.5, §6.4):
 * ``__init__`` sees the raw config dict (the optimizer swapper's constructor does not) and
   validates the section before anything is built;
 * ``_configure_tensor_swapping`` builds :class:`AidaptivOptimizerSwapper` instead of DeepSpeed's;
-* ``initialize_optimizer_states`` runs DeepSpeed's initialisation with both swappers in their init
-  phase: the sub-groups and partitions it swaps in and out there are unchanged, so nothing is
-  rewritten; then the residency plan is applied and the store is preflighted for the rest.
+* ``initialize_optimizer_states`` runs DeepSpeed's initialisation in the engine's ``INITIALIZING`` phase
+  ([Note: phases] in ``phase.py``): the sub-groups and partitions it swaps in and out there are unchanged,
+  so nothing is rewritten; then the residency plan is applied and the store is preflighted for the rest.
 """
 from __future__ import annotations
 
@@ -214,11 +214,16 @@ def make_stage3_class(base: type) -> type:
             return out
 
         def initialize_optimizer_states(self):
-            psw = self._aidaptiv_param_swapper()
+            psw = self._aidaptiv_param_swapper()  # one per runtime: engines on the same paths share it
+            was = psw.phase if psw is not None else None
             if psw is not None:
                 psw.phase = self._aidaptiv_phase
-            with self._aidaptiv_phase.during(Phase.INITIALIZING):
-                super().initialize_optimizer_states()
+            try:
+                with self._aidaptiv_phase.during(Phase.INITIALIZING):
+                    super().initialize_optimizer_states()
+            finally:
+                if psw is not None:
+                    psw.phase = was
             # initialisation streamed every sub-group through host buffers once; give their pages back
             # before DeepSpeed allocates its flat gradient buffer (stage3.py:791) on top of them
             self._aidaptiv_rt.release_host_memory()

@@ -41,6 +41,7 @@ class StateAPIMixin:
         sub-groups ([Note: the state API]) and mark the optimizer swapper's swap-outs as state writes."""
         params = params if isinstance(params, (list, tuple)) else [params]
         self._aidaptiv_drain()  # updates riding the forward first (step_pipeline.py)
+        self._aidaptiv_phase.check_opens(Phase.STATE_API)  # before a speculative step is undone
         st = getattr(self, "_aidaptiv_stepper", None)
         if st is not None:
             groups = sorted({self.grad_position[self.get_param_id(p)][0] for p in params

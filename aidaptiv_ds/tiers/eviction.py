@@ -6,7 +6,8 @@ ZeRO-3 training repeats the same parameter order every step (DeepSpeed's coordin
 in its first step, ``docs/deepspeed-seams.md`` §5), so the order is known from step 2 on and treated
 as cyclic: an id not used again this step is next used at its first position of the next step.
 The tier decides when a slice is released after use, so the slice just used competes too (MIN
-with bypass: it never misses more than MIN); ties go to the least recently used.
+with bypass: it never misses more than MIN); ties go to the least recently used. A policy may also rank
+kinds of slices (:data:`TRAINING_KIND_RANK`: optimizer and gradient slices before parameter slices).
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class Evictable(Protocol):
 #: used in the next step's backward or optimizer phase, after every parameter fetch of the next forward. Once
 #: the order is known such slices go first (rank 0), then parameter slices by Belady (rank 1). Before this rule
 #: was written down, the same followed from their next use being "never" (``inf``); now a parameter slice no
-#: longer in the order (a branch the model stopped using) waits behind them too.
+#: longer in the order waits behind them too: a branch the model stopped using, or the parameters of another
+#: engine on the same runtime (an eval engine beside the training one; the order is the last coordinator's).
 TRAINING_KIND_RANK: Mapping[str, int] = {"opt": 0, "grad": 0, "param": 1}
 
 

@@ -7,7 +7,8 @@ booked in three classes:
 * **resident** slices, chosen by the planner to live in DRAM for good (never evicted; dirty ones
   are written only on :meth:`HostTier.flush`, i.e. at a checkpoint);
 * **cached** slices: unreferenced copies kept for reuse; ``resident + cached <= budget``, and the
-  excess is evicted by :class:`EvictionPolicy` (furthest next use, LRU before the order is known).
+  excess is evicted by :class:`EvictionPolicy` (furthest next use, LRU before the order is known; the
+  training tier ranks optimizer and gradient slices first, [Note: ranking the kinds in training]).
   Evicting a clean slice writes nothing; evicting a dirty one issues its write-back and lets it go
   once written (the training thread does not wait);
 * **working** slices: referenced by compute, prefetched and not yet used, or being written back.
@@ -88,6 +89,8 @@ class HostTier:
 
     def __init__(self, budget: int, writeback_limit: int = 512 << 20, order: AccessOrder | None = None,
                  policy: EvictionPolicy | None = None) -> None:
+        if policy is not None and order is not None and order is not policy.order:
+            raise ValueError("HostTier: give the access order or a policy built on it, not two orders")
         self.budget = int(budget)
         self.writeback_limit = int(writeback_limit)
         self.order = policy.order if policy is not None else (order or AccessOrder())
