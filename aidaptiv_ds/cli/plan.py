@@ -159,6 +159,9 @@ def register(subparsers) -> None:
                         f"{DEFAULT_MFU})")
     p.add_argument("--dtype", default="bf16", choices=sorted(PARAM_BYTES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(MOMENT_BYTES))
+    p.add_argument("--moments", default="fp32", choices=("fp32", "bf16"),
+                   help="dtype of the optimizer's moments on the tiers (aidaptiv.optimizer_state.moments; bf16 halves "
+                        "them, Adam/AdamW only; default fp32)")
     p.add_argument("--no-activation-checkpointing", action="store_true", help="keep all activations")
     p.add_argument("--no-flash-attention", action="store_true", help="attention scores are materialised (s^2)")
     p.add_argument("--dropout", action="store_true", help="the model uses dropout (masks are stored)")
@@ -280,6 +283,7 @@ def plan_input_from_args(args) -> PlanInput:
         shape=shape, n_params=n_params, shape_source=source, gpus=gpus, nodes=args.nodes, vram=vram, dram=dram,
         drives=drives, dram_budget=budget, micro_batch=args.micro_batch, seq_len=args.seq_len,
         grad_accum=args.grad_accum, dtype=args.dtype, optimizer=args.optimizer,
+        moments=args.moments,
         activation_checkpointing=not args.no_activation_checkpointing, flash_attention=not args.no_flash_attention,
         dropout=args.dropout, sub_group_size=int(args.sub_group_size),
         gpu_flops=tflops * 1e12 if tflops else None, schedule=args.schedule, link_gbps=link, gpu_mfu=args.mfu,

@@ -92,6 +92,11 @@ def _names(module) -> dict[int, str]:
 
 
 # ---------------------------------------------------------------------------------------------- save
+def _fp32_prefix(layout, slots: int) -> bool:
+    """The first ``slots`` slots are fp32: the extent's bytes are the checkpoint's fp32 ``[slots, numel]``."""
+    return all(sl.dtype == torch.float32 for sl in layout.slots[:slots])
+
+
 def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWriter:
     """Write this rank's optimizer sub-groups and frozen partitions under ``tag_path``."""
     rt, sw = opt._aidaptiv_rt, opt.optimizer_swapper
@@ -114,19 +119,20 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
                                                          else type(step).__name__)}
         fname = f"sg{i:05d}.safetensors"
         slots = g.valid_slots
-        nbytes = slots * g.slot_bytes
+        if slots > 1:  # [Note: moment dtype] in optimizer_swapper.py: stored widened to fp32, exactly
+            meta["slot_dtypes"] = [str(sl.dtype)[6:] for sl in g.layout.slots[:slots]]
+        as_stored = g.layout.slots[0].dtype == torch.float32 and _fp32_prefix(g.layout, slots)
         if g.slice is not None:  # newest bytes in DRAM (resident, cached or dirty)
-            data = sw.wait_slice(g).buf[:nbytes].view(torch.float32).reshape(slots, g.numel)
+            data = g.layout.widened(sw.wait_slice(g).buf, slots)
             writer.write_tensors(fname, [("state", data)], {"aidaptiv": meta})
         else:
             key = sw._extent_key(g)
             runs = rt.store.physical_runs(key, 0, sw._span(g, slots))
-            if not writer.clone_tensor(fname, "state", "float32", [slots, g.numel], runs, {"aidaptiv": meta},
-                                       rt.store.alignment):
+            if not as_stored or not writer.clone_tensor(fname, "state", "float32", [slots, g.numel], runs,
+                                                        {"aidaptiv": meta}, rt.store.alignment):
                 buf = alloc_aligned(sw._span(g, slots))
                 rt.store.read(key, buf, 0).wait()
-                writer.write_tensors(fname, [("state", buf[:nbytes].view(torch.float32).reshape(slots, g.numel))],
-                                     {"aidaptiv": meta})
+                writer.write_tensors(fname, [("state", g.layout.widened(buf, slots))], {"aidaptiv": meta})
         subgroups.append(dict(meta, file=fname, params=layout))
         _kill_point("subgroup")
     frozen = []
@@ -184,7 +190,8 @@ def save_bytes(opt, save_dir: str, tag: str, exclude_frozen: bool) -> int:
     need, nparams = 0, 0
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
         g = sw.groups[str(fp32.ds_id)]
-        data = 0 if (g.slice is None and clone) else g.valid_slots * g.slot_bytes
+        data = 0 if (g.slice is None and clone and _fp32_prefix(g.layout, g.valid_slots)) \
+            else g.valid_slots * g.numel * 4  # fp32 [slots, numel]
         need += data + 4 * align  # header (params' names and shapes in the metadata), rounding
         nparams += len(opt.fp16_groups[i])
     if not exclude_frozen:
@@ -486,10 +493,10 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
         state_names = list(reader.state_names) if load_optimizer_states else []
         slots = 1 + len(state_names)
         if slots > g.slots:
-            g.slots = slots
+            g.layout = sw.layout(g.numel, slots)
             rt.store.allocate(sw._extent_key(g), sw._span(g, slots))
         buf = alloc_aligned(sw._span(g, g.slots))
-        flat = buf[: slots * g.slot_bytes].view(torch.float32).reshape(slots, g.numel)
+        flat = g.layout.widened(buf, slots)  # a view of buf, or fp32 rows packed into narrower slots below
         off = 0
         for p in opt.fp16_groups[i]:
             name = names[id(p)]
@@ -499,6 +506,8 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
             n = p.ds_tensor.ds_numel
             flat[:, off:off + n] = reader.read_range(name, rank * n, n)[:slots]
             off += n
+        if not _fp32_prefix(g.layout, slots):
+            g.layout.fill(buf, flat)  # bf16 moments saved widened come back exactly
         sw.install_subgroup(g, fp32, buf, state_names, steps.get("step") if load_optimizer_states else None)
     if load_optimizer_states:
         for idx in reader.ranks[:1]:

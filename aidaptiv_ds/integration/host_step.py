@@ -45,6 +45,15 @@ the last copy's value. Probed bit-identical with one whole-partition call on 1e3
 AdamW, weight decay, amsgrad, maximize, tiles of 64K/100003/128K, 1-3 threads, ATen AVX512/AVX2/scalar
 kernels (``tests/test_host_step.py`` keeps the check).
 
+[Note: narrow moments]
+With ``"optimizer_state": {"moments": "bf16"}`` the optimizer's ``exp_avg``/``exp_avg_sq`` are bf16 views of
+the sub-group's slots (``optimizer_swapper.py`` [Note: moment dtype]). Each tile then widens its moments to
+fp32 (exact), runs the same ``adam`` call on them and rounds them back into the slots (``copy_``:
+round-to-nearest-even): the master update is torch's fp32 arithmetic on moments rounded after the previous
+step. The two widened tiles are 2 x 8 MiB more scratch (the planner's ``widened_states``). Such a state has
+no other step: where the tiled path does not apply, :class:`HostStepMixin` raises instead of handing bf16
+moments to DeepSpeed's or torch's whole-partition step.
+
 The tiled path runs only where it is exactly torch's step: the optimizer is ``torch.optim.Adam`` or
 ``AdamW`` (not a subclass), the partition is a real fp32 CPU tensor with a dense gradient, its state is
 initialised by ``_init_group`` as torch does, ``foreach``/``fused`` are off or unset (unset resolves to
@@ -57,6 +66,7 @@ from __future__ import annotations
 import torch
 from torch.optim.adam import adam
 
+from ..errors import AidaptivConfigError
 from ..planner.auto import OPTIMIZER_TILE_NUMEL
 from ..spans import span
 
@@ -87,8 +97,10 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
     if _has_step_hooks(optimizer) or len(group["params"]) != 1 or group["params"][0] is not param:
         return False
     g = param.grad
+    narrow = narrow_moments(optimizer, param)
     if (g is None or param.device.type != "cpu" or param.dtype != torch.float32 or param.dim() != 1
-            or g.is_sparse or g.dtype != param.dtype or g.shape != param.shape or param.numel() <= tile_numel):
+            or g.is_sparse or g.dtype != param.dtype or g.shape != param.shape
+            or (param.numel() <= tile_numel and not narrow)):
         return False
     params, grads, m, v, vmax, steps = [], [], [], [], [], []
     with torch.no_grad():
@@ -103,15 +115,33 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
                   capturable=False, differentiable=False, fused=False, grad_scale=None, found_inf=None,
                   decoupled_weight_decay=group["decoupled_weight_decay"])
         tensors = [params[0].detach(), grads[0], m[0], v[0]] + ([vmax[0]] if group["amsgrad"] else [])
+        if any(t.shape != param.shape or t.dtype not in (torch.float32,) + NARROW_MOMENT_DTYPES
+               for t in tensors[2:]):
+            return False
         n, last = param.numel(), step
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
             for a in range(0, n, tile_numel):
                 sl = [t[a:a + tile_numel] for t in tensors]
+                states = [t.float() if t.dtype != torch.float32 else t for t in sl[2:]]  # [Note: narrow moments]
                 last = step.clone()
-                adam([sl[0]], [sl[1]], [sl[2]], [sl[3]], sl[4:], [last], **kw)
+                adam([sl[0]], [sl[1]], [states[0]], [states[1]], states[2:], [last], **kw)
+                for t, w in zip(sl[2:], states):
+                    if t is not w:
+                        t.copy_(w)
             step.copy_(last)
     optimizer._opt_called = True  # what torch's lr_scheduler step wrapper records (its order warning)
     return True
+
+
+#: moment dtypes the tiled step widens per tile ([Note: narrow moments])
+NARROW_MOMENT_DTYPES = (torch.bfloat16,)
+
+
+def narrow_moments(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    """Whether ``param``'s optimizer state holds a per-element tensor narrower than fp32 (bf16 moments)."""
+    state = optimizer.state.get(param)
+    return bool(state) and any(torch.is_tensor(v) and v.dim() > 0 and v.dtype in NARROW_MOMENT_DTYPES
+                               for v in state.values())
 
 
 def _plain_group(group: dict) -> bool:
@@ -134,18 +164,30 @@ class HostStepMixin:
             return self._aidaptiv_optimizer_step(sub_group_id)
 
     def _aidaptiv_optimizer_step(self, sub_group_id):
+        fp32_param = self.fp32_partitioned_groups_flat[sub_group_id]
         if not self._aidaptiv_tiled_step_applies(sub_group_id):
+            self._aidaptiv_refuse_narrow(sub_group_id, fp32_param)
             return super()._optimizer_step(sub_group_id)
         gid = self.sub_group_to_group_id[sub_group_id]
-        fp32_param = self.fp32_partitioned_groups_flat[sub_group_id]
         group = self.optimizer.param_groups[gid]
         group["params"] = [fp32_param]  # DeepSpeed's protocol (stage3.py:1252-1254)
         try:
             if not tiled_adam_step(self.optimizer, group, fp32_param):
+                self._aidaptiv_refuse_narrow(sub_group_id, fp32_param)
                 return super()._optimizer_step(sub_group_id)
         finally:
             group["params"] = []
         return None
+
+    def _aidaptiv_refuse_narrow(self, sub_group_id, param) -> None:
+        """Raise where a sub-group with narrow moments would go to a whole-partition step ([Note: narrow
+        moments]): nothing has changed yet."""
+        if narrow_moments(self.optimizer, param):
+            raise AidaptivConfigError(
+                f"aidaptiv_ds: optimizer sub-group {sub_group_id} keeps its moments in bf16 "
+                f"(aidaptiv.optimizer_state.moments), which only the tiled torch Adam/AdamW step supports, and this "
+                f"step cannot run tiled (an optimizer step hook, a grad scaler, foreach/fused/capturable, or a "
+                f"sub-group off the host). Fix: set \"moments\": \"fp32\", or remove what stops the tiled step")
 
     def _aidaptiv_tiled_step_applies(self, sub_group_id) -> bool:
         """The branch of DeepSpeed's ``_optimizer_step`` that plainly calls ``self.optimizer.step()``."""

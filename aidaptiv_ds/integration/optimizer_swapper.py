@@ -4,7 +4,9 @@ Per optimizer sub-group (``docs/deepspeed-seams.md`` §2):
 
 * **One extent, one transfer.** The fp32 master weights and every per-element optimizer state
   tensor (Adam's ``exp_avg``, ``exp_avg_sq``) are slots of one extent, read and written as one
-  sequential transfer into one host slice; the tensors are views of that slice (no copies).
+  sequential transfer into one host slice; the tensors are views of that slice (no copies). Where
+  the slots lie and in which dtype is the sub-group's :class:`~aidaptiv_ds.tiers.unit.UnitLayout`:
+  Adam's moments in the dtype the user picks (``optimizer_state.moments``, [Note: moment dtype]).
 * **Pipelined.** ``swap_in_optimizer_state(i, async_parameter=i+1)`` waits for sub-group *i* and
   starts reading *i+1*; ``swap_out_optimizer_state(i)`` issues the write-back of *i* at write-back
   priority and returns, so reading *i+1*, updating *i* and writing *i-1* overlap.
@@ -33,6 +35,8 @@ from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..planner.residency import ResidencyPlan
 from ..spans import spanned
 from ..tiers.host_tier import Slice
+from ..tiers.unit import UnitLayout
+from ..errors import AidaptivConfigError
 from .errors import DeepSpeedContractError
 from .gradients import GradientStore
 from .phase import EnginePhase, Phase
@@ -50,12 +54,18 @@ def expected_state_slots(optimizer) -> int:
     return 2 if any(name == n or name.endswith(n) for n in _TWO_STATE) else 0
 
 
+def moment_layout_ok(optimizer) -> bool:
+    """Whether ``optimizer``'s moments may be stored narrower than its master weights: torch's own Adam or
+    AdamW (not a subclass), whose step the host runs in tiles that widen each tile of the moments to fp32
+    (``host_step.py``, [Note: narrow moments])."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+
+
 @dataclasses.dataclass
 class _Group:
     key: str
     numel: int
-    slot_bytes: int  # numel x element size: slot j starts at byte j x slot_bytes
-    slots: int  # capacity of the extent in slots (master + states)
+    layout: UnitLayout  # where the master and each state slot lie, and their dtypes (capacity: every slot)
     index: int  # the sub-group's index (DeepSpeed's sub_group_id: creation order)
     state_names: list = dataclasses.field(default_factory=list)
     resident: bool = False
@@ -70,6 +80,16 @@ class _Group:
     def valid_slots(self) -> int:
         return 1 + len(self.state_names)
 
+    @property
+    def slots(self) -> int:
+        """Capacity of the extent in slots (master + states)."""
+        return len(self.layout.slots)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the master slot (slot 0: ``numel`` x the master dtype's size)."""
+        return self.layout.slots[0].nbytes
+
 
 class AidaptivOptimizerSwapper:
     """Holds every swappable sub-group of one DeepSpeed Stage-3 optimizer.
@@ -80,15 +100,31 @@ class AidaptivOptimizerSwapper:
         dtype: master-weight dtype (fp32 unless DeepSpeed runs bf16 master weights).
         engine_id: distinguishes the sub-group keys of several engines in one process.
         phase: the engine's phase record (a fresh one, ``TRAINING``, when not given).
+        moment_dtype: dtype of Adam's two moments on the tiers (default: ``dtype``); see [Note: moment dtype].
+
+    Raises:
+        AidaptivConfigError: ``moment_dtype`` differs from ``dtype`` and the optimizer is not torch's Adam or
+            AdamW (:func:`moment_layout_ok`), or is wider than ``dtype``.
+
+    [Note: moment dtype]
+    With ``"optimizer_state": {"moments": "bf16"}`` Adam's ``exp_avg`` and ``exp_avg_sq`` are bf16 slots
+    after the fp32 master: 8 bytes per parameter instead of 12 read and written per step. The optimizer
+    works on views of those slots as usual; the tiled host step widens each tile to fp32, steps it with
+    torch's arithmetic and rounds it back (round-to-nearest-even), so the update of the master weights is
+    torch's fp32 update from moments that were rounded after the previous step: not bit-identical with fp32
+    moments, and the default stays fp32. The first step's moments are created by torch in fp32 and rounded
+    into the slots when the step ends (``_adopt_states``). Checkpoints store them widened to fp32 (exact), so
+    a resume in bf16 continues bit-exactly and a checkpoint can be resumed with either setting.
     """
 
     def __init__(self, runtime: Runtime, optimizer, dtype: torch.dtype, engine_id: int,
-                 phase: EnginePhase | None = None) -> None:
+                 phase: EnginePhase | None = None, moment_dtype: torch.dtype | None = None) -> None:
         self.rt = runtime
         self.optimizer = optimizer
         self._owner = None  # weakref to the Stage-3 optimizer that built this swapper (set by it)
         self.dtype = dtype
         self.elsize = dtype.itemsize
+        self.moment_dtype = dtype if moment_dtype is None else moment_dtype
         self.engine_id = engine_id
         self.groups: dict[str, _Group] = {}
         self.order: list[str] = []
@@ -96,6 +132,14 @@ class AidaptivOptimizerSwapper:
         #: the engine's phase ([Note: phases] in ``phase.py``; the Stage-3 subclass passes its own)
         self.phase = phase if phase is not None else EnginePhase()
         self.expected_states = expected_state_slots(optimizer)
+        if self.moment_dtype != dtype:
+            if self.moment_dtype.itemsize > dtype.itemsize or not moment_layout_ok(optimizer):
+                raise AidaptivConfigError(
+                    f"aidaptiv.optimizer_state.moments is {str(self.moment_dtype)[6:]!r}, but the optimizer is "
+                    f"{type(optimizer).__module__}.{type(optimizer).__name__} with {str(dtype)[6:]} master weights; "
+                    f"narrow moments need torch's Adam or AdamW (stepped in tiles that widen them). Fix: set "
+                    f"\"torch_adam\": true in the optimizer's params (with \"type\": \"Adam\" or \"AdamW\"), or "
+                    f"\"moments\": \"fp32\"")
         self.gradients: GradientStore | None = None  # set by the Stage-3 subclass before initialisation
         self.wanted = None  # fn(index) -> bool: the sub-group is still to be stepped (worth reading ahead)
         self._pending_owner: dict[int, _Group] = {}  # ds_id -> the sub-group whose master slot awaits its bytes
@@ -129,13 +173,24 @@ class AidaptivOptimizerSwapper:
     def _shadow_key(self, g: _Group) -> str:
         return f"opt{self.engine_id}/{g.key}~"
 
+    def layout(self, numel: int, slots: int) -> UnitLayout:
+        """A sub-group's layout: the master in :attr:`dtype`, then ``slots - 1`` states, the first
+        :attr:`expected_states` (Adam's moments) in :attr:`moment_dtype`, any further ones in :attr:`dtype`."""
+        specs = [("master", self.dtype)] + [(f"state{j}", self.moment_dtype if j <= self.expected_states
+                                              else self.dtype) for j in range(1, slots)]
+        return UnitLayout.packed(numel, specs)
+
+    def state_dtype(self, g: _Group, name: str) -> torch.dtype:
+        """The dtype of the slot holding state ``name`` of ``g``."""
+        return g.layout.slots[1 + g.state_names.index(name)].dtype
+
     def _span(self, g: _Group, slots: int) -> int:
         """Bytes of the first ``slots`` slots, rounded up to the I/O alignment (slots are packed
         end to end, so only the extent's tail is padding)."""
-        return round_up(slots * g.slot_bytes, self.rt.store.alignment)
+        return round_up(g.layout.prefix_bytes(slots), self.rt.store.alignment)
 
     def _slot(self, g: _Group, s: Slice, j: int) -> torch.Tensor:
-        return s.buf[j * g.slot_bytes: j * g.slot_bytes + g.numel * self.elsize].view(self.dtype)
+        return g.layout.slots[j].view(s.buf)
 
     def _writeback(self, g: _Group):
         def write(s: Slice):
@@ -357,7 +412,7 @@ class AidaptivOptimizerSwapper:
         for param, src in zip(parameters, src_tensors):
             key = str(param.ds_id)
             numel = src.numel()
-            g = _Group(key, numel, numel * self.elsize, 1 + self.expected_states, index=len(self.order))
+            g = _Group(key, numel, self.layout(numel, 1 + self.expected_states), index=len(self.order))
             if self.plan is not None:  # the residency plan indexes sub-groups in creation order
                 g.resident = g.index in self.plan.resident_subgroups
             self.groups[key] = g
@@ -428,7 +483,7 @@ class AidaptivOptimizerSwapper:
             return s
         names = g.state_names + new
         if 1 + len(names) > g.slots:  # more state than planned: grow the extent (one-time)
-            g.slots = 1 + len(names)
+            g.layout = self.layout(g.numel, 1 + len(names))
             self.rt.store.allocate(self._extent_key(g), self._span(g, g.slots))
             bigger = alloc_aligned(self._span(g, g.slots))
             bigger[: s.buf.numel()].copy_(s.buf)
@@ -523,7 +578,7 @@ class AidaptivOptimizerSwapper:
                 del state[k]
             state.update(snapshot["state"])
             for n in g.state_names:
-                state.setdefault(n, torch.empty(0, dtype=self.dtype))
+                state.setdefault(n, torch.empty(0, dtype=self.state_dtype(g, n)))
 
     def _release(self, g: _Group, parameter, consumed: bool = False) -> None:
         """Unbind the sub-group's views; ``consumed``: the optimizer stepped on its gradient (drop it)."""
@@ -532,7 +587,7 @@ class AidaptivOptimizerSwapper:
         state = self.optimizer.state.get(parameter, {})
         for n in g.state_names:
             if n in state:
-                state[n].data = torch.empty(0, dtype=self.dtype)
+                state[n].data = torch.empty(0, dtype=self.state_dtype(g, n))
         if g.slice is not None and g.slice.refs:
             self.rt.tier.release(g.slice)
         if self.gradients is not None:
@@ -594,7 +649,7 @@ class AidaptivOptimizerSwapper:
             else:
                 state["step"] = int(value) if typ == "int" else float(value)
         for n in state_names:
-            state[n] = torch.empty(0, dtype=self.dtype)
+            state[n] = torch.empty(0, dtype=self.state_dtype(g, n))
         if state:
             self.optimizer.state[parameter] = state
         else:

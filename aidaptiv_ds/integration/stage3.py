@@ -22,7 +22,6 @@ import weakref
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..io.buffers import round_up
 from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes
 from ..planner.working_set import RankPolicy, RankState, rank_working_set
 from ..planner.residency import StateSizes, plan_residency
@@ -165,9 +164,11 @@ def make_stage3_class(base: type) -> type:
 
         def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
             rt = self._aidaptiv_rt
-            self.optimizer_swapper = sw = AidaptivOptimizerSwapper(rt, self.optimizer,
-                                                                   self.master_weights_and_grads_dtype,
-                                                                   self._aidaptiv_engine_id, phase=self._aidaptiv_phase)
+            moments = {"fp32": torch.float32, "bf16": torch.bfloat16}[rt.cfg.optimizer_state.moments]
+            master = self.master_weights_and_grads_dtype
+            self.optimizer_swapper = sw = AidaptivOptimizerSwapper(
+                rt, self.optimizer, master, self._aidaptiv_engine_id, phase=self._aidaptiv_phase,
+                moment_dtype=moments if moments.itemsize < master.itemsize else master)
             sw._owner = weakref.ref(self)
             self._aidaptiv_plan()
 
@@ -282,32 +283,33 @@ def make_stage3_class(base: type) -> type:
                 psw.adopt_unpacked(self._aidaptiv_module)
             numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
             align = rt.store.alignment
-            slots = 1 + sw.expected_states
             module_params = list(self._aidaptiv_module.parameters()) if self._aidaptiv_module is not None else []
             alias = (psw is not None and sw.dtype == torch.float32
                      and all(p.dtype == torch.float32 for group in self.fp16_groups for p in group))
             accum = self.gradient_accumulation_dtype
             grad_numels, expected, self._aidaptiv_grad_where = self._aidaptiv_grad_layout()
-            grad_slices = [round_up(n * accum.itemsize, align) for n in grad_numels]
-            sizes = StateSizes(param_bytes=sum(p.ds_tensor.ds_numel * p.element_size() for p in module_params
-                                               if getattr(p, "ds_tensor", None) is not None),
-                               grad_bytes=sum(grad_slices),
-                               subgroup_bytes=[n * sw.elsize * slots for n in numels], alias_params=alias,
-                               subgroup_param_bytes=[sum(p.ds_tensor.ds_numel * p.element_size() for p in group)
-                                                     for group in self.fp16_groups],
-                               subgroup_grad_bytes=grad_slices, param_resident_cap=self._aidaptiv_param_cap(module_params))
-            cpu_rank = get_accelerator().device_name() == "cpu"
-            ds_bytes = self._aidaptiv_deepspeed_cpu_bytes(module_params) if cpu_rank else 0
+            subgroup_param_bytes = [sum(p.ds_tensor.ds_numel * p.element_size() for p in group)
+                                    for group in self.fp16_groups]
             # the planner calls the same function with the same records; only the facts come from DeepSpeed's
             # optimizer here ([Note: what each side knows] in planner/working_set.py)
             state = RankState(
                 subgroup_numels=tuple(numels), grad_numels=tuple(grad_numels),
                 largest_partition_numel=max((p.partition_numel() for group in self.fp16_groups for p in group),
                                             default=0),
-                param_bytes=sizes.param_bytes, largest_subgroup_param_bytes=max(sizes.subgroup_param_bytes, default=0),
+                param_bytes=sum(p.ds_tensor.ds_numel * p.element_size() for p in module_params
+                                if getattr(p, "ds_tensor", None) is not None),
+                largest_subgroup_param_bytes=max(subgroup_param_bytes, default=0),
                 staging_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
                 accum_elsize=accum.itemsize, state_elsize=sw.elsize, states=sw.expected_states, alignment=align,
-                alias=alias)
+                alias=alias, moment_elsize=sw.moment_dtype.itemsize)
+            grad_slices = state.grad_slice_bytes()
+            sizes = StateSizes(param_bytes=state.param_bytes, grad_bytes=sum(grad_slices),
+                               subgroup_bytes=[sw.layout(n, 1 + sw.expected_states).prefix_bytes() for n in numels],
+                               alias_params=alias, subgroup_param_bytes=subgroup_param_bytes,
+                               subgroup_grad_bytes=grad_slices,
+                               param_resident_cap=self._aidaptiv_param_cap(module_params))
+            cpu_rank = get_accelerator().device_name() == "cpu"
+            ds_bytes = self._aidaptiv_deepspeed_cpu_bytes(module_params) if cpu_rank else 0
             policy = RankPolicy(
                 cpu_rank=cpu_rank, step_in_backward=rt.cfg.step_in_backward,
                 step_rides_forward=rt.cfg.step_rides_forward, fp16=self.dtype == torch.float16,
@@ -327,7 +329,7 @@ def make_stage3_class(base: type) -> type:
                 rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
                 rt.release_host_memory()  # what the smaller budget evicted goes back to the OS
             clip = float(getattr(self, "clip_grad", 0.0) or 0.0) > 0.0
-            state_bytes = sum(round_up(n * sw.elsize * slots, align) for n in numels)
+            state_bytes = sum(state.opt_slice_bytes(n) for n in numels)
             sw_span_max = largest_opt_slice
             speculate = may_speculate
             while True:
@@ -335,7 +337,7 @@ def make_stage3_class(base: type) -> type:
                 sizes.steps_in_backward = speculate
                 plan = plan_residency(sizes, rt.budget)
                 grads_stored = sum(b for i, b in enumerate(grad_slices) if i not in plan.resident_grad_subgroups)
-                shadows = sum(round_up(numels[i] * sw.elsize * slots, align) for i in range(len(numels))
+                shadows = sum(state.opt_slice_bytes(numels[i]) for i in range(len(numels))
                               if i not in plan.resident_subgroups) if speculate else 0
                 later = shadows + (0 if sizes.grads_transient else grads_stored)  # extents allocated after init
                 if alias:  # the fp32 partitions' first copy is given back once they alias their masters (after
@@ -372,7 +374,7 @@ def make_stage3_class(base: type) -> type:
             sw.holds_master = self._aidaptiv_holds_master
             sw.master_hold_limit = rank_ws.master_hold if speculate else 0
             rt.attach_engine(self._aidaptiv_engine_id, sw, self._aidaptiv_stepper)
-            rt.preflight_checkpoints(sum(n * sw.elsize * slots + 4 * align for n in numels))
+            rt.preflight_checkpoints(sum(n * 4 * (1 + sw.expected_states) + 4 * align for n in numels))
             if psw is not None and plan.params_resident:
                 psw.make_resident()
             self.aidaptiv_plan = plan

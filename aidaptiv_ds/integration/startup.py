@@ -90,7 +90,10 @@ def job_need(n_params: int, ds: dict, budget: int, world: int) -> dict:
 
     pb = _param_bytes(ds)
     sg = int(float((ds.get("zero_optimization") or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
-    sizes = state_sizes_for_rank(n_params, max(world, 1), pb, MOMENT_BYTES["adamw"], max(sg, 1))
+    section = ds.get("aidaptiv") if isinstance(ds.get("aidaptiv"), dict) else {}
+    narrow = (section.get("optimizer_state") or {}).get("moments") == "bf16"  # [Note: moment dtype]
+    sizes = state_sizes_for_rank(n_params, max(world, 1), pb, MOMENT_BYTES["adamw"] // (2 if narrow else 1),
+                                 max(sg, 1))
     alias = sizes.param_bytes if sizes.alias_params else 0  # fp32: read from the master slots
     state = sizes.total - alias
     after = plan_residency(sizes, budget)

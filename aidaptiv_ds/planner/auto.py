@@ -290,18 +290,21 @@ OPTIMIZER_TILE_TEMPORARIES = 4
 OPTIMIZER_KEPT_TILES = 4
 
 
-def optimizer_scratch_bytes(tile_numel: int = OPTIMIZER_TILE_NUMEL, elem_bytes: int = 4) -> int:
+def optimizer_scratch_bytes(tile_numel: int = OPTIMIZER_TILE_NUMEL, elem_bytes: int = 4,
+                            widened_states: int = 0) -> int:
     """Host bytes the tiled optimizer step may take beside its sub-group's slice:
     :data:`OPTIMIZER_TILE_TEMPORARIES` live tile temporaries plus the freed ones the heap keeps between tiles
     (:data:`OPTIMIZER_KEPT_TILES`; ``integration/host_step.py`` [Note: the tiles' temporaries]): 8 x
-    ``tile_numel`` x ``elem_bytes``, 64 MiB for the default fp32 tile. In whichever phase a step runs
-    (inside backward or after).
+    ``tile_numel`` x ``elem_bytes``, 64 MiB for the default fp32 tile; with moments stored narrower than the
+    master weights, each tile's ``widened_states`` moments widened to fp32, twice (live and kept by the heap)
+    ([Note: narrow moments] there). In whichever phase a step runs (inside backward or after).
 
     Args:
         tile_numel: elements per tile; elem_bytes: bytes per element (4: fp32 master weights).
+        widened_states: moments widened per tile (2 for Adam's bf16 moments; 0 when they are fp32).
     """
     tile = max(int(tile_numel), 0) * int(elem_bytes)
-    return (OPTIMIZER_TILE_TEMPORARIES + OPTIMIZER_KEPT_TILES) * tile
+    return (OPTIMIZER_TILE_TEMPORARIES + OPTIMIZER_KEPT_TILES + 2 * max(int(widened_states), 0)) * tile
 
 
 def norm_scratch_bytes(largest_partition_numel: int) -> int:

@@ -116,6 +116,8 @@ from .working_set import RankPolicy, RankState, rank_working_set
 
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MOMENT_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4}
+#: bytes per element of one optimizer state on the tiers, per ``aidaptiv.optimizer_state.moments``
+MOMENT_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 RULE_OF_THUMB_BYTES_PER_PARAM = 20
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 #: DeepSpeed 0.19.8's default of ``stage3_max_live_parameters`` (elements)
@@ -178,6 +180,8 @@ class PlanInput:
         micro_batch / seq_len / grad_accum: per-GPU micro-batch (sequences), tokens per sequence,
             micro-batches per optimizer step.
         dtype: parameter dtype (``bf16``, ``fp16``, ``fp32``); optimizer: one of :data:`MOMENT_BYTES`.
+        moments: the optimizer states' dtype on the tiers (``aidaptiv.optimizer_state.moments``: ``fp32``, or
+            ``bf16`` for Adam/AdamW, half of :data:`MOMENT_BYTES`).
         activation_checkpointing / flash_attention / dropout: see the module docstring, item 2.
         logits_tokens: tokens per micro-batch whose logits the LM head computes (default ``micro_batch x
             seq_len``; fewer where the loss takes logits at the response positions only, the fine-tuning job's
@@ -224,6 +228,7 @@ class PlanInput:
     grad_accum: int = 1
     dtype: str = "bf16"
     optimizer: str = "adamw"
+    moments: str = "fp32"
     activation_checkpointing: bool = True
     flash_attention: bool = True
     dropout: bool = False
@@ -253,6 +258,12 @@ class PlanInput:
         return int(self.n_params if self.n_params is not None else self.shape.n_params)
 
     @property
+    def moment_bytes(self) -> int:
+        """Bytes per parameter of the optimizer states on the tiers (:data:`MOMENT_BYTES`, halved for bf16
+        moments)."""
+        return MOMENT_BYTES[self.optimizer] * MOMENT_ELEMENT_BYTES.get(self.moments, 4) // 4
+
+    @property
     def dp(self) -> int:
         return self.gpus * self.nodes
 
@@ -270,6 +281,9 @@ class PlanInput:
                   ("--dtype", self.dtype, self.dtype in PARAM_BYTES, f"use one of {', '.join(PARAM_BYTES)}"),
                   ("--optimizer", self.optimizer, self.optimizer in MOMENT_BYTES,
                    f"use one of {', '.join(MOMENT_BYTES)}"),
+                  ("--moments", self.moments, self.moments == "fp32" or (self.moments == "bf16" and self.optimizer
+                                                                           in ("adam", "adamw")),
+                   "use fp32, or bf16 with --optimizer adam or adamw"),
                   ("--sub-group-size", self.sub_group_size, self.sub_group_size >= 1, "give 1 or more elements"),
                   ("--params", self.params, self.params >= 1, "give a positive parameter count such as 405e9"),
                   ("--schedule", self.schedule, self.schedule in SCHEDULE_CHOICES,
@@ -504,7 +518,7 @@ def usable_cache_bytes(drives: list[CacheDrive]) -> int:
 def _core(inp: PlanInput) -> dict:
     """The numbers of the three checks (shared by :func:`make_plan` and the change search)."""
     shape, N, dp, ranks = inp.shape, inp.params, inp.dp, inp.gpus
-    pb, mb = PARAM_BYTES[inp.dtype], MOMENT_BYTES[inp.optimizer]
+    pb, mb = PARAM_BYTES[inp.dtype], inp.moment_bytes
     sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_size, cpu_ranks=inp.cpu_ranks)
     slice_numel = shape.largest_slice_params
     if inp.n_params is not None and shape.n_params:
@@ -616,7 +630,7 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
     phases = process_phases(steps_bytes=parts["total"], baseline_bytes=inp.cpu_rank_baseline,
                             largest_tensor_bytes=largest_param * pb,
                             largest_partition_bytes=-(-largest_param // dp) * pb, largest_subgroup_numel=largest_sg,
-                            slot_bytes_per_param=MASTER_BYTES_PER_PARAM + MOMENT_BYTES[inp.optimizer])
+                            slot_bytes_per_param=MASTER_BYTES_PER_PARAM + inp.moment_bytes)
     return {**parts, "steps": parts["total"], "construction": phases["construction"],
             "initialization": phases["initialization"], "total": phases["peak"], "deepspeed": ds,
             "activations": int(activations), "readahead": min(readahead, state.param_bytes)}
@@ -637,7 +651,7 @@ def rank_state(inp: PlanInput) -> RankState:
                      param_bytes=sum(numels) * pb, largest_subgroup_param_bytes=max(numels, default=0) * pb,
                      staging_partition_bytes=-(-slice_numel // dp) * pb, accum_elsize=grad_accum_bytes(inp.dtype),
                      state_elsize=MASTER_BYTES_PER_PARAM, states=MOMENT_BYTES[inp.optimizer] // MASTER_BYTES_PER_PARAM,
-                     alias=inp.dtype == "fp32")
+                     alias=inp.dtype == "fp32", moment_elsize=MOMENT_ELEMENT_BYTES[inp.moments])
 
 
 def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankPolicy:
@@ -894,7 +908,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
     inp.validate()
     c = _core(inp)
     shape, N, dp, ranks, nodes = inp.shape, inp.params, inp.dp, inp.gpus, inp.nodes
-    pb, mb = PARAM_BYTES[inp.dtype], MOMENT_BYTES[inp.optimizer]
+    pb, mb = PARAM_BYTES[inp.dtype], inp.moment_bytes
     sizes: StateSizes = c["sizes"]
     res: ResidencyPlan = c["res"]
     dram: DramBudget = c["dram"]
@@ -1031,5 +1045,5 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
 __all__ = ["CacheDrive", "PlanInput", "CapacityPlan", "DrivePlan", "Verdict", "make_plan", "state_sizes_for_rank",
            "rank_traffic", "schedule_costs", "schedule_report",
            "activation_bytes", "layer_activation_bytes", "training_flops_per_token", "usable_cache_bytes",
-           "store_reserve", "PARAM_BYTES", "MOMENT_BYTES", "RULE_OF_THUMB_BYTES_PER_PARAM",
+           "store_reserve", "PARAM_BYTES", "MOMENT_BYTES", "MOMENT_ELEMENT_BYTES", "RULE_OF_THUMB_BYTES_PER_PARAM",
            "MIN_FREE_BYTES", "FREE_FRACTION"]

@@ -70,8 +70,10 @@ class RankState:
         staging_partition_bytes: the parameter partition the swapper stages beside an accelerator
             (the runtime: its largest partition; the planner: the partition of the largest slice).
         accum_elsize: bytes per element of the gradient accumulation dtype.
-        state_elsize: bytes per element of the master weights and the optimizer states (4: fp32).
+        state_elsize: bytes per element of the master weights (4: fp32).
         states: optimizer states per element (2 for Adam's moments; 0 for an optimizer without state).
+        moment_elsize: bytes per element of each optimizer state (``optimizer_state.moments``: 4 for fp32, 2
+            for bf16; None: ``state_elsize``), the layout of ``tiers/unit.py``.
         alignment: the store's extent alignment (bytes); slices are stored rounded up to it.
         alias: fp32 parameters are read from their master slots (``param_swapper.py``, the alias).
     """
@@ -86,19 +88,26 @@ class RankState:
     states: int = 2
     alignment: int = DEFAULT_ALIGNMENT
     alias: bool = False
+    moment_elsize: int | None = None
 
     @property
     def slots(self) -> int:
         """Slots of a sub-group's slice: the master weights and each optimizer state."""
         return 1 + self.states
 
+    @property
+    def moment_bytes_per_param(self) -> int:
+        """Bytes per element of the optimizer states together (8 for Adam's fp32 moments, 4 in bf16)."""
+        return self.states * (self.state_elsize if self.moment_elsize is None else self.moment_elsize)
+
     def grad_slice_bytes(self) -> list[int]:
         """Each sub-group's gradient accumulation slice as stored (bytes, aligned)."""
         return [round_up(n * self.accum_elsize, self.alignment) for n in self.grad_numels]
 
     def opt_slice_bytes(self, numel: int) -> int:
-        """A sub-group's optimizer slice of ``numel`` elements as stored (master + states, aligned)."""
-        return round_up(numel * self.state_elsize * self.slots, self.alignment)
+        """A sub-group's optimizer slice of ``numel`` elements as stored (master + states, aligned; the slots are
+        packed end to end, ``tiers/unit.py``)."""
+        return round_up(numel * (self.state_elsize + self.moment_bytes_per_param), self.alignment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +184,8 @@ def rank_working_set(state: RankState, policy: RankPolicy) -> RankWorkingSet:
              and not policy.fp16 and not policy.hpz and stateful)
     # parameter bytes kept for a master slot in backward ([Note: master weights from the parameter reads])
     master_hold = master_hold_bytes(largest_sg * state.state_elsize) if state.alias and may_step else 0
-    moments = state.state_elsize * state.states
+    moments = state.moment_bytes_per_param
+    narrow = state.states if moments < state.state_elsize * state.states else 0  # moments widened per tile
     if policy.cpu_rank:  # what a GPU holds is host memory here, by phase
         phases = cpu_rank_working_set(
             readahead_bytes=min(int(policy.readahead_bytes), int(state.param_bytes)),
@@ -184,7 +194,7 @@ def rank_working_set(state: RankState, policy: RankPolicy) -> RankWorkingSet:
             baseline_bytes=policy.baseline_bytes,
             in_backward_slice_bytes=largest_opt_slice if may_step else 0,
             norm_scratch=norm_scratch_bytes(state.largest_partition_numel), master_hold=master_hold,
-            step_scratch=optimizer_scratch_bytes(policy.step_tile_numel, state.state_elsize),
+            step_scratch=optimizer_scratch_bytes(policy.step_tile_numel, state.state_elsize, widened_states=narrow),
             ride_slice_bytes=largest_opt_slice if rides else 0,
             ride_param_bytes=state.largest_subgroup_param_bytes if state.alias else 0)
         return RankWorkingSet(total=phases["total"], overhead=phases["baseline"], grad_window=grad_window,

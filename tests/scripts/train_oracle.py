@@ -90,6 +90,9 @@ def parse():
     ap.add_argument("--resume", action="store_true", help="load the latest checkpoint of --ckpt_dir first")
     ap.add_argument("--no_optimizer_state", action="store_true", help="resume with load_optimizer_states=False")
     ap.add_argument("--cpu_adam", action="store_true", help="DeepSpeedCPUAdam (compiled cpu_adam op) instead of torch AdamW")
+    ap.add_argument("--round_moments", default="", choices=["", "bf16"],
+                    help="test-only reference for aidaptiv.optimizer_state.moments: after every optimizer step, round "
+                         "each per-element optimizer state to this dtype in place (a torch step post-hook)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=None, help="passed by the deepspeed launcher (unused)")
     ap.add_argument("--rank_out", default="", help="test-only: every rank writes DIR/rank<R>.pt")
@@ -221,6 +224,16 @@ def build(a, cfg):
     eng, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                    config=cfg)
     eng._oracle_keep = keep
+    if a.round_moments:
+        torch_opt = eng.optimizer.optimizer
+        narrow = getattr(torch, {"bf16": "bfloat16"}[a.round_moments])
+
+        def _round(opt, args, kwargs):
+            for state in opt.state.values():
+                for v in state.values():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        v.copy_(v.to(narrow))
+        torch_opt.register_step_post_hook(_round)
     return eng
 
 
@@ -454,6 +467,7 @@ def main():
         rt = current_runtime()
         extra = {"plan": getattr(opt, "aidaptiv_plan", None).as_dict(), "budget": rt.budget,
                  "tier_evictions": rt.tier.evictions, "dirty_evictions": rt.tier.dirty_evictions,
+                 "optimizer_steps": dict(rt.counters()["optimizer_steps"]),
                  "swapper": type(next(eng.module.parameters()).nvme_swapper).__name__,
                  "optimizer_swapper": type(opt.optimizer_swapper).__name__,
                  "io_retries": rt.engine.totals().retries, "direct_fallback": dict(rt.engine.fallback_paths),
