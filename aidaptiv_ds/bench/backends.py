@@ -12,6 +12,9 @@ Backends:
 * ``aidaptiv_grads`` (optional, not in the default set): a budget of the fp32 gradients plus 5%, so
   the residency plan keeps exactly the gradients in DRAM (the "<= 14 bytes written per parameter
   once the gradients fit" case);
+* ``aidaptiv0_bf16m`` (optional): ``aidaptiv0`` with Adam's moments kept in bf16
+  (``"optimizer_state": {"moments": "bf16"}``): 8 bytes of optimizer state per parameter instead of 12;
+  opt-in and not bit-identical (its losses differ from ``cpu``'s by the rounding);
 * ``gpu`` (optional): ZeRO-3 without any offload: parameters, gradients and optimizer state on the
   accelerator (DeepSpeed's ``offload_*.device: none``). On a GPU it is the ceiling the offloads are
   measured against (no host memory or drive in the step); on CPU ranks it trains in host memory.
@@ -25,13 +28,14 @@ import copy
 import dataclasses
 
 BACKENDS = ("native", "cpu", "aidaptiv0", "aidaptiv_auto")
-OPTIONAL_BACKENDS = ("aidaptiv_grads", "gpu")
+OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "gpu")
 LABELS = {
     "native": "DeepSpeed native NVMe",
     "cpu": "DeepSpeed CPU offload",
     "aidaptiv0": "aidaptiv_ds, DRAM budget 0",
     "aidaptiv_auto": "aidaptiv_ds, DRAM budget auto",
     "aidaptiv_grads": "aidaptiv_ds, DRAM budget = gradients",
+    "aidaptiv0_bf16m": "aidaptiv_ds, DRAM budget 0, bf16 moments",
     "gpu": "no offload (all on the accelerator)",
 }
 #: The backend every ratio is taken against.
@@ -45,7 +49,8 @@ def dram_budget(backend: str, n_params: int) -> int | str:
     Raises:
         KeyError: ``backend`` is not an aidaptiv_ds backend.
     """
-    return {"aidaptiv0": 0, "aidaptiv_auto": "auto", "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
+    return {"aidaptiv0": 0, "aidaptiv0_bf16m": 0, "aidaptiv_auto": "auto",
+            "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
 
 
 def keeps_no_heap(backend: str) -> bool:
@@ -178,8 +183,10 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
         # ([Note: max_in_cpu] in integration/stage3.py); 0 would keep them on the drives whatever the budget
         zero["offload_param"].pop("max_in_cpu", None)
         budget = dram_budget(backend, n_params)
-        cfg["aidaptiv"] = _merged({"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget},
-                                  s.aidaptiv_extra or {})
+        section = {"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget}
+        if backend == "aidaptiv0_bf16m":
+            section["optimizer_state"] = {"moments": "bf16"}
+        cfg["aidaptiv"] = _merged(section, s.aidaptiv_extra or {})
     return copy.deepcopy(cfg)
 
 
