@@ -245,11 +245,17 @@ def make_stage3_class(base: type) -> type:
             offload = getattr(self, "parameter_offload", None)
             max_live = getattr(offload, "_max_available_parameters_in_numel", 0) or 0
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
+            module = self._aidaptiv_module
+            largest_module = max((sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters(recurse=False))
+                                  for m in module.modules()), default=0) if module is not None else None
             import deepspeed.comm as dist
             return deepspeed_cpu_rank_bytes(max_live, model_numel, self.dtype.itemsize,
                                             int(getattr(self, "reduce_bucket_size", 0) or 0),
                                             self.gradient_accumulation_dtype.itemsize,
-                                            partition_ranks=dist.get_world_size(group=self.dp_process_group))
+                                            partition_ranks=dist.get_world_size(group=self.dp_process_group),
+                                            max_reuse_distance=getattr(offload, "_max_reuse_distance_in_numel", None),
+                                            prefetch_bucket_numel=getattr(offload, "_prefetch_bucket_sz", None),
+                                            largest_module_numel=largest_module)
 
         def _aidaptiv_param_cap(self, module_params) -> int | None:
             """``offload_param.max_in_cpu`` as bytes of this rank's parameter partitions (None: no cap).
