@@ -147,3 +147,31 @@ def test_bf16_moments_resume_exactly(tmp_path):
     for a, b in zip(whole["masters"], resumed["masters"], strict=True):
         assert torch.equal(a, b)
     assert os.path.isdir(ckpt)
+
+
+# ------------------------------------------------------------------------------ the accuracy benchmark
+def test_accuracy_benchmark_reads_the_jobs_summary(tmp_path):
+    """``launch/moments_accuracy.py``'s pieces: each job's config carries the moment dtype, the summary line of
+    ``metrics.jsonl`` is found, and the table compares against fp32 moments."""
+    import json
+
+    from aidaptiv_ds.bench import moments
+
+    cfg = moments.job_config("bf16", str(tmp_path / "c"), 0)
+    assert cfg["aidaptiv"]["optimizer_state"] == {"moments": "bf16"} and cfg["aidaptiv"]["dram_budget"] == 0
+    assert parse_section(cfg["aidaptiv"]).optimizer_state.moments == "bf16"
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = [{"step": 1, "loss": 3.0}, {"eval_loss": 2.9, "step": 2},
+             {"summary": True, "final_eval_loss": 2.9, "eval_loss_before": 3.1, "mean_step_time_s": 1.5,
+              "bytes_written_per_param_per_step": 8.0, "bytes_read_per_param_per_step": 8.0, "steps": 2}]
+    (out / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert moments.summary_of(str(out))["final_eval_loss"] == 2.9
+    rows = [{"moments": m, "final_eval_loss": v, "eval_loss_before": 3.1, "written_b_per_param_step": w,
+             "read_b_per_param_step": w, "s_per_step": 1.0, "relative_diff": abs(v - 2.9) / 2.9}
+            for m, v, w in (("fp32", 2.9, 12.0), ("bf16", 2.929, 8.0))]
+    table = moments.markdown({"rows": rows})
+    assert "| bf16 | 3.1000 → 2.9290 | 1.000% | 8.00 / 8.00 | 1.00 |" in table
+    (out / "metrics.jsonl").write_text(json.dumps(lines[0]) + "\n")
+    with pytest.raises(RuntimeError, match="no summary line"):
+        moments.summary_of(str(out))

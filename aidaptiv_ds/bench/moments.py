@@ -30,7 +30,7 @@ def job_config(moments: str, cache: str, budget: str | int) -> dict:
 
 
 def summary_of(output_dir: str) -> dict:
-    """The summary line of a finished job's ``metrics.jsonl`` (the last line carrying ``final_eval_loss``).
+    """The summary line of a finished job's ``metrics.jsonl`` (the last line with ``"summary": true``).
 
     Raises:
         RuntimeError: the job wrote no summary.
@@ -39,9 +39,8 @@ def summary_of(output_dir: str) -> dict:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         for line in f:
             rec = json.loads(line)
-            s = rec.get("summary", rec)
-            if isinstance(s, dict) and s.get("final_eval_loss") is not None:
-                found = s
+            if rec.get("summary") is True and rec.get("final_eval_loss") is not None:
+                found = rec
     if found is None:
         raise RuntimeError(f"{output_dir}/metrics.jsonl has no summary line with final_eval_loss")
     return found
@@ -79,7 +78,8 @@ def run(model: str, data: str, work: str, *, steps: int = 200, seq: int = 256, b
                      "steps": s.get("steps"),
                      "written_b_per_param_step": s.get("bytes_written_per_param_per_step"),
                      "read_b_per_param_step": s.get("bytes_read_per_param_per_step"),
-                     "s_per_step": s["train_time_s"] / max(int(s.get("steps") or steps), 1), "wall_s": round(wall, 1)})
+                     "s_per_step": s.get("mean_step_time_s"), "wall_s": round(wall, 1),
+                     "dram_budget_bytes": s.get("dram_budget_bytes")})
     ref = next((r for r in rows if r["moments"] == "fp32"), None)
     for r in rows:
         r["relative_diff"] = None if ref is None else abs(r["final_eval_loss"] - ref["final_eval_loss"]) / \
@@ -98,5 +98,5 @@ def markdown(res: dict) -> str:
         rd = r["read_b_per_param_step"]
         lines.append(f"| {r['moments']} | {r['eval_loss_before']:.4f} → {r['final_eval_loss']:.4f} | {rel} | "
                      f"{'n/a' if w is None else f'{w:.2f}'} / {'n/a' if rd is None else f'{rd:.2f}'} | "
-                     f"{r['s_per_step']:.2f} |")
+                     f"{'n/a' if r['s_per_step'] is None else format(r['s_per_step'], '.2f')} |")
     return "\n".join(lines)
