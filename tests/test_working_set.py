@@ -71,7 +71,8 @@ def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, 
         # and the choices: the planner's policy (read-ahead, DeepSpeed's working set, baseline, settings) is the
         # runtime's, given the activations the runtime leaves to the safety margin
         assert cpu_rank_policy(inp, planned, 0) == policy
-        assert engine.optimizer._aidaptiv_rt.budget > 0
+        # "auto" resolved to bytes (how many depends on the memory free now: a busy machine may leave none)
+        assert isinstance(engine.optimizer._aidaptiv_rt.budget, int) and engine.optimizer._aidaptiv_rt.budget >= 0
     finally:
         rt = engine.optimizer._aidaptiv_rt
         engine.destroy()

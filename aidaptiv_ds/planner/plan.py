@@ -551,9 +551,7 @@ def _core(inp: PlanInput) -> dict:
         state = rank_state(inp)
         steps = rank_working_set(state, rank_policy(inp)).total
         largest_sg = max(state.subgroup_numels, default=0)
-        largest_param = max(shape.largest_param_numel, 1)
-        if inp.n_params is not None and shape.n_params:
-            largest_param = int(largest_param * N / shape.n_params)
+        largest_param = _largest_param_numel(inp)
         gpu_host = process_phases(steps_bytes=steps, baseline_bytes=inp.rank_overhead, import_bytes=inp.rank_overhead,
                                   largest_tensor_bytes=largest_param * pb,
                                   largest_partition_bytes=-(-largest_param // dp) * pb,
@@ -565,8 +563,8 @@ def _core(inp: PlanInput) -> dict:
         dram = DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
     else:
         dram = auto
-    # steps inside backward (integration/stage3.py: the same choice and the same preflight)
-    speculate = _may_step_in_backward(inp)
+    # steps inside backward (integration/stage3.py: the same choice, from the same record, and the same preflight)
+    speculate = rank_working_set(rank_state(inp), rank_policy(inp)).may_step_in_backward
     usable = usable_cache_bytes(inp.drives)
     while True:
         sizes.grads_transient = speculate and not inp.gradient_clipping > 0
@@ -588,10 +586,12 @@ def _core(inp: PlanInput) -> dict:
             "dram_need": dram.margin_bytes + ws + (dram.budget_bytes if inp.dram_budget is not None else 0)}
 
 
-def _may_step_in_backward(inp: PlanInput) -> bool:
-    """Steps may run inside backward (``step_in_backward`` not false, not fp16), before the preflight's
-    check for the second copy's room (``integration/stage3.py`` decides the same way)."""
-    return inp.step_in_backward is not False and inp.dtype != "fp16"
+def _largest_param_numel(inp: PlanInput) -> int:
+    """Elements of the model's largest parameter (scaled by ``n_params / shape`` when ``--params`` overrides the
+    count), at least 1."""
+    shape = inp.shape
+    scale = inp.params / shape.n_params if inp.n_params is not None and shape.n_params else 1.0
+    return max(int(max(shape.largest_param_numel, 1) * scale), 1)
 
 
 def grad_accum_bytes(dtype: str) -> int:
@@ -625,16 +625,14 @@ def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> 
 
     Keys: ``baseline``, ``backward``, ``optimizer``, ``deepspeed``, ``activations``, ``readahead``, ``total``.
     """
-    shape, N, dp = inp.shape, inp.params, inp.dp
+    dp = inp.dp
     pb = PARAM_BYTES[inp.dtype]
     state = rank_state(inp)
     policy = cpu_rank_policy(inp, state, activations)
     ds, readahead = policy.deepspeed_bytes, policy.readahead_bytes
     ws = rank_working_set(state, policy)
     parts = ws.phases
-    largest_param = max(shape.largest_param_numel, 1)
-    if inp.n_params is not None and shape.n_params:
-        largest_param = int(largest_param * N / shape.n_params)
+    largest_param = _largest_param_numel(inp)
     largest_sg = max(state.subgroup_numels, default=0)
     phases = process_phases(steps_bytes=parts["total"], baseline_bytes=inp.cpu_rank_baseline,
                             largest_tensor_bytes=largest_param * pb,
@@ -653,7 +651,7 @@ def rank_state(inp: PlanInput) -> RankState:
     shape, N, dp = inp.shape, inp.params, inp.dp
     pb = PARAM_BYTES[inp.dtype]
     scale = N / shape.n_params if inp.n_params is not None and shape.n_params else 1.0
-    largest_param = max(int(max(shape.largest_param_numel, 1) * scale), 1)
+    largest_param = _largest_param_numel(inp)
     numels = tuple(rank_sub_group_numels(inp))  # DeepSpeed's: up to sub_group_size + a partition
     slice_numel = int(shape.largest_slice_params * scale)
     return RankState(subgroup_numels=numels, grad_numels=numels, largest_partition_numel=-(-largest_param // dp),
