@@ -126,6 +126,6 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
             assert numel == 3 * 4160 and mine == (2 * 4160 + 100) * 4 + min(bucket, numel) * 4
         assert seen == [mine]  # nothing held in DRAM yet when the budget is cut: exactly DeepSpeed's share
     finally:
-        rt = engine.optimizer._aidaptiv_rt
+        rt = engine.optimizer._aidaptiv.rt
         engine.destroy()
         rt.close()  # one runtime per process: the next test's cache paths get a fresh one

@@ -373,6 +373,28 @@ def test_cli_json_params(tmp_path):
     assert "llama-3.1-405b" in d["model"]["shape_source"]
 
 
+def test_cli_bf16_moments_halve_the_moments(tmp_path):
+    """``--moments bf16`` (or the ``--deepspeed`` config's ``optimizer_state.moments``): 4 B/param fewer of optimizer
+    state on the tiers, and written per step; a non-Adam optimizer is refused with the fix."""
+    common = ["plan", "--params", "70e9", "--gpus", "4", "--vram", "48GB", "--dram", "256GB", "--cache", "8TB",
+              "--dram-budget", "0", "--json"]
+    rc32, out32 = run_cli(*common)
+    rc16, out16 = run_cli(*common, "--moments", "bf16")
+    d32, d16 = json.loads(out32), json.loads(out16)
+    assert d32["total_state_bytes"] - d16["total_state_bytes"] == 4 * 70 * 10 ** 9
+    assert d32["per_step"]["write_bytes"] - d16["per_step"]["write_bytes"] == pytest.approx(4 * 70e9, rel=0.01)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "aidaptiv": {"optimizer_state": {"moments": "bf16"}}}))
+    rc, out = run_cli(*common, "--deepspeed", str(cfg))
+    assert json.loads(out)["total_state_bytes"] == d16["total_state_bytes"]
+
+def test_cli_refuses_bf16_moments_without_adam(capsys):
+    assert main(["plan", "--params", "1e9", "--gpus", "1", "--vram", "48GB", "--dram", "64GB", "--cache", "1TB",
+                 "--moments", "bf16", "--optimizer", "sgd"]) == 2
+    err = capsys.readouterr().err
+    assert "--moments" in err and "'bf16'" in err and "adamw" in err
+
+
 def test_cli_model_preset_and_cache_path_spec(tmp_path):
     rc, out = run_cli("plan", "--model", "llama-3.1-405b", "--gpus", "2", "--vram", "96GB", "--dram", "512GB",
                       "--cache", f"{tmp_path}:2TB:read=7:write=6:dwpd=100", "--json")

@@ -100,6 +100,6 @@ def test_engine_on_one_rank_never_calls_the_reduce_scatter(tmp_path, monkeypatch
             losses.append(loss.item())
         assert all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0]
     finally:
-        rt = engine.optimizer._aidaptiv_rt
+        rt = engine.optimizer._aidaptiv.rt
         engine.destroy()
         rt.close()  # one runtime per process: the next test's cache paths get a fresh one

@@ -59,7 +59,7 @@ def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, 
     model = LlamaForCausalLM(SHAPE.hf_config())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     try:
-        ran_state, policy, ran = engine.optimizer._aidaptiv_working_set
+        ran_state, policy, ran = engine.optimizer._aidaptiv.working_set
         inp = PlanInput(shape=shape_from_config(SHAPE.hf_config().to_dict(), describe(SHAPE)), gpus=1, vram=0,
                         dram=64 << 30, drives=[CacheDrive(capacity=1 << 40)], cpu_ranks=True, dtype="fp32",
                         **({} if sub_group_size is None else {"sub_group_size": sub_group_size}))
@@ -72,8 +72,8 @@ def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, 
         # runtime's, given the activations the runtime leaves to the safety margin
         assert cpu_rank_policy(inp, planned, 0) == policy
         # "auto" resolved to bytes (how many depends on the memory free now: a busy machine may leave none)
-        assert isinstance(engine.optimizer._aidaptiv_rt.budget, int) and engine.optimizer._aidaptiv_rt.budget >= 0
+        assert isinstance(engine.optimizer._aidaptiv.rt.budget, int) and engine.optimizer._aidaptiv.rt.budget >= 0
     finally:
-        rt = engine.optimizer._aidaptiv_rt
+        rt = engine.optimizer._aidaptiv.rt
         engine.destroy()
         rt.close()

@@ -161,9 +161,9 @@ def register(subparsers) -> None:
                         f"{DEFAULT_MFU})")
     p.add_argument("--dtype", default="bf16", choices=sorted(PARAM_BYTES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(MOMENT_BYTES))
-    p.add_argument("--moments", default="fp32", choices=("fp32", "bf16"),
+    p.add_argument("--moments", default=None, choices=("fp32", "bf16"),
                    help="dtype of the optimizer's moments on the tiers (aidaptiv.optimizer_state.moments; bf16 halves "
-                        "them, Adam/AdamW only; default fp32)")
+                        "them, Adam/AdamW only; default: the --deepspeed config's, else fp32)")
     p.add_argument("--no-activation-checkpointing", action="store_true", help="keep all activations")
     p.add_argument("--no-flash-attention", action="store_true", help="attention scores are materialised (s^2)")
     p.add_argument("--dropout", action="store_true", help="the model uses dropout (masks are stored)")
@@ -259,6 +259,7 @@ def plan_input_from_args(args) -> PlanInput:
         raise ValueError("--dwpd and --tbw both given; give the drive's rating one way (the data sheet states both: "
                          "TBW = DWPD x capacity x 365 x warranty years)")
     endurance = _config_endurance(args.deepspeed) if args.deepspeed else {}
+    moments = args.moments or (_config_moments(args.deepspeed) if args.deepspeed else None) or "fp32"
     defaults = {"read_gbps": args.read_gbps or DEFAULT_READ_GBPS, "write_gbps": args.write_gbps or DEFAULT_WRITE_GBPS,
                 "rated_dwpd": args.dwpd or endurance.get("rated_dwpd") or EnduranceRating.rated_dwpd,
                 "warranty_years": args.warranty_years or endurance.get("warranty_years")
@@ -290,7 +291,7 @@ def plan_input_from_args(args) -> PlanInput:
         shape=shape, n_params=n_params, shape_source=source, gpus=gpus, nodes=args.nodes, vram=vram, dram=dram,
         drives=drives, dram_budget=budget, micro_batch=args.micro_batch, seq_len=args.seq_len,
         grad_accum=args.grad_accum, dtype=args.dtype, optimizer=args.optimizer,
-        moments=args.moments,
+        moments=moments,
         activation_checkpointing=not args.no_activation_checkpointing, flash_attention=not args.no_flash_attention,
         dropout=args.dropout, sub_group_size=int(args.sub_group_size),
         gpu_flops=tflops * 1e12 if tflops else None, schedule=args.schedule, link_gbps=link, gpu_mfu=args.mfu,
@@ -321,6 +322,16 @@ def _config_endurance(path: str) -> dict:
     sec = raw["aidaptiv"].get("endurance") or {}
     cfg = parse_section(raw["aidaptiv"]).endurance  # the section's own checks (keys, values), not the whole config's
     return {k: getattr(cfg, k) for k in ("rated_dwpd", "warranty_years") if k in sec}
+
+
+def _config_moments(path: str) -> str | None:
+    """``aidaptiv.optimizer_state.moments`` of the DeepSpeed config at ``path`` where its section sets it."""
+    from ..integration.config import load_ds_dict, parse_section, section_enabled
+
+    raw = load_ds_dict(path)  # readable: _config_endurance read it first
+    if not section_enabled(raw) or "optimizer_state" not in raw["aidaptiv"]:
+        return None
+    return parse_section(raw["aidaptiv"]).optimizer_state.moments
 
 
 def _days(x: float | None) -> str:

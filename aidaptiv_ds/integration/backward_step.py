@@ -67,7 +67,8 @@ import logging
 import torch
 
 from ..spans import span
-from .phase import EnginePhase, Phase
+from .optimizer_state import AidaptivOptimizerState
+from .phase import Phase
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -377,12 +378,11 @@ class BackwardStepMixin:
     ``backward_epilogue`` (``stage3.py:3050-3068``) bound the backward in which published parameters start
     their sub-groups' reads)."""
 
-    _aidaptiv_stepper: BackwardStepper | None = None
-    _aidaptiv_phase: EnginePhase  # BACKWARD between DeepSpeed's backward_prologue and backward_epilogue
+    _aidaptiv: AidaptivOptimizerState  # the engine's record (optimizer_state.py): its stepper, phase, pipeline
 
     # ---------------------------------------------------------------- called from partition_grads
     def _aidaptiv_gradient_arriving(self, index: int, param) -> None:
-        st = self._aidaptiv_stepper
+        st = self._aidaptiv.stepper
         if st is not None and st.skips(index):
             from .config import AidaptivConfigError
             raise AidaptivConfigError(
@@ -396,20 +396,20 @@ class BackwardStepMixin:
         """The parameter swapper publishes partitions ``ds_ids``: inside the boundary backward, start
         reading their sub-groups' optimizer state (the first use in backward comes before the first
         gradient, which waits for its reduce bucket; read then, the master slot fills from these reads)."""
-        st = self._aidaptiv_stepper
-        if st is None or not (self._aidaptiv_phase.open(Phase.BACKWARD) and self.is_gradient_accumulation_boundary()):
+        st = self._aidaptiv.stepper
+        if st is None or not (self._aidaptiv.phase.open(Phase.BACKWARD) and self.is_gradient_accumulation_boundary()):
             return
-        where = self._aidaptiv_grad_where
+        where = self._aidaptiv.grad_where
         for i in sorted({where[d][0] for d in ds_ids if d in where}, reverse=True):
             st.prefetch(i)
 
     def backward_prologue(self):
         self._aidaptiv_drain()  # updates of sub-groups the forward did not gather
         super().backward_prologue()
-        self._aidaptiv_phase.begin_backward()
+        self._aidaptiv.phase.begin_backward()
 
     def backward_epilogue(self):
-        self._aidaptiv_phase.end_backward()
+        self._aidaptiv.phase.end_backward()
         super().backward_epilogue()
         sw = getattr(self, "optimizer_swapper", None)
         if sw is not None and hasattr(sw, "release_held"):
@@ -419,26 +419,26 @@ class BackwardStepMixin:
         """Inside the boundary backward, sub-group ``index`` is still to be stepped in it: the parameter bytes
         backward leaves before the sub-group has a slice are kept for its master slot
         (:meth:`AidaptivOptimizerSwapper.take_master_bytes`)."""
-        st = self._aidaptiv_stepper
-        return (st is not None and self._aidaptiv_phase.open(Phase.BACKWARD)
+        st = self._aidaptiv.stepper
+        return (st is not None and self._aidaptiv.phase.open(Phase.BACKWARD)
                 and self.is_gradient_accumulation_boundary()
                 and st._waiting(index))
 
     def _aidaptiv_gradient_started(self, index: int) -> None:
-        if self._aidaptiv_stepper is not None:
-            self._aidaptiv_stepper.prefetch(index)
+        if self._aidaptiv.stepper is not None:
+            self._aidaptiv.stepper.prefetch(index)
 
     def _aidaptiv_gradient_final(self, index: int) -> None:
-        st = self._aidaptiv_stepper
+        st = self._aidaptiv.stepper
         if st is not None and st.step_in_backward(index) and index > 0:
             st.prefetch(index - 1)  # the next sub-group backward completes
 
     # ---------------------------------------------------------------- DeepSpeed's step loop
     def _aidaptiv_skips(self, index: int) -> bool:
-        return self._aidaptiv_stepper is not None and self._aidaptiv_stepper.skips(index)
+        return self._aidaptiv.stepper is not None and self._aidaptiv.stepper.skips(index)
 
     def _prepare_sub_group(self, sub_group_id, timer_names):
-        pl = self._aidaptiv_pipeline
+        pl = self._aidaptiv.pipeline
         if pl is not None and timer_names is not None and pl.should_defer(sub_group_id):  # DeepSpeed's step loop
             pl.defer(sub_group_id)
             return
@@ -446,9 +446,9 @@ class BackwardStepMixin:
             super()._prepare_sub_group(sub_group_id, timer_names)
 
     def unscale_and_clip_grads(self, sub_group_id, total_norm):
-        pl = self._aidaptiv_pipeline
-        if pl is not None and self._aidaptiv_stepper is not None and \
-                self._aidaptiv_stepper.subgroups[sub_group_id].state is StepState.DEFERRED:
+        pl = self._aidaptiv.pipeline
+        if pl is not None and self._aidaptiv.stepper is not None and \
+                self._aidaptiv.stepper.subgroups[sub_group_id].state is StepState.DEFERRED:
             pl.record_norm(total_norm)
         if not self._aidaptiv_skips(sub_group_id):
             super().unscale_and_clip_grads(sub_group_id, total_norm)
@@ -492,22 +492,22 @@ class BackwardStepMixin:
 
     def _get_norm_groups(self):
         groups = super()._get_norm_groups()
-        if self._aidaptiv_stepper is not None:
+        if self._aidaptiv.stepper is not None:
             from deepspeed.runtime.utils import combine_grad_norm_groups
-            self._aidaptiv_stepper.settle(combine_grad_norm_groups(groups), self.loss_scale, self.clip_grad)
+            self._aidaptiv.stepper.settle(combine_grad_norm_groups(groups), self.loss_scale, self.clip_grad)
         return groups
 
     def _overflow_clean_up(self, prev_scale):
-        if self._aidaptiv_stepper is not None:
-            self._aidaptiv_stepper.rollback_all()
+        if self._aidaptiv.stepper is not None:
+            self._aidaptiv.stepper.rollback_all()
         super()._overflow_clean_up(prev_scale)
-        if self._aidaptiv_stepper is not None:
-            self._aidaptiv_stepper.end_step(0)
+        if self._aidaptiv.stepper is not None:
+            self._aidaptiv.stepper.end_step(0)
 
     def _post_step(self, timer_names):
-        st = self._aidaptiv_stepper
+        st = self._aidaptiv.stepper
         after = len(self.fp16_groups) - (sum(st.skips(i) for i in range(len(self.fp16_groups))) if st else 0)
-        pl = self._aidaptiv_pipeline
+        pl = self._aidaptiv.pipeline
         if pl is not None and pl.pending and not pl.started:  # the rest of the step rides the next forward
             pl.start(after)
             return
@@ -515,12 +515,10 @@ class BackwardStepMixin:
         if st is not None:
             st.end_step(after)
 
-    _aidaptiv_pipeline = None
-
     def _aidaptiv_drain(self) -> None:
         """Run the optimizer updates still riding the forward (step_pipeline.py, [Note: exactness])."""
-        if self._aidaptiv_pipeline is not None:
-            self._aidaptiv_pipeline.drain()
+        if self._aidaptiv.pipeline is not None:
+            self._aidaptiv.pipeline.drain()
 
     def _pre_step(self):
         self._aidaptiv_drain()  # a step() with nothing between it and the last one

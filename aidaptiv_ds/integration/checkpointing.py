@@ -54,6 +54,7 @@ from ..checkpoint.writer import RankWriter, write_latest, write_manifest
 from ..io.buffers import alloc_aligned
 from ..io.errors import FileWriteError
 from ..io.killpoint import kill_point
+from .optimizer_state import state_of
 from .phase import Phase
 
 log = logging.getLogger("aidaptiv_ds")
@@ -79,7 +80,7 @@ def _kill_point(name: str) -> None:
 
 
 def is_ours(engine) -> bool:
-    return hasattr(getattr(engine, "optimizer", None), "_aidaptiv_rt")
+    return state_of(getattr(engine, "optimizer", None)) is not None
 
 
 def _dist():
@@ -99,11 +100,11 @@ def _fp32_prefix(layout, slots: int) -> bool:
 
 def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWriter:
     """Write this rank's optimizer sub-groups and frozen partitions under ``tag_path``."""
-    rt, sw = opt._aidaptiv_rt, opt.optimizer_swapper
+    rt, sw = opt._aidaptiv.rt, opt.optimizer_swapper
     rt.flush()
     dist = _dist()
     writer = RankWriter(tag_path, dist.get_rank(), dist.get_world_size())
-    names = _names(opt._aidaptiv_module)
+    names = _names(opt._aidaptiv.module)
     subgroups = []
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
         g = sw.groups[str(fp32.ds_id)]
@@ -137,7 +138,7 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
         _kill_point("subgroup")
     frozen = []
     if not exclude_frozen:
-        fz = [(names[id(p)], p) for p in opt._aidaptiv_module.parameters() if not p.requires_grad and
+        fz = [(names[id(p)], p) for p in opt._aidaptiv.module.parameters() if not p.requires_grad and
               getattr(p, "ds_tensor", None) is not None and id(p) in names]
         if fz:
             datas = _read_partitions(rt, [p for _, p in fz])
@@ -184,7 +185,7 @@ def save_bytes(opt, save_dir: str, tag: str, exclude_frozen: bool) -> int:
     copy-on-write clone will share), headers, frozen partitions, the index, and DeepSpeed's files
     (their size in this tag saved before, or in the tag ``latest`` names, plus 1 MiB; else
     :data:`DEEPSPEED_FILES_ESTIMATE`)."""
-    rt, sw = opt._aidaptiv_rt, opt.optimizer_swapper
+    rt, sw = opt._aidaptiv.rt, opt.optimizer_swapper
     align = rt.store.alignment
     clone = _clone_possible(rt, save_dir)
     need, nparams = 0, 0
@@ -195,7 +196,7 @@ def save_bytes(opt, save_dir: str, tag: str, exclude_frozen: bool) -> int:
         need += data + 4 * align  # header (params' names and shapes in the metadata), rounding
         nparams += len(opt.fp16_groups[i])
     if not exclude_frozen:
-        need += sum(p.ds_tensor.ds_numel * p.element_size() for p in opt._aidaptiv_module.parameters()
+        need += sum(p.ds_tensor.ds_numel * p.element_size() for p in opt._aidaptiv.module.parameters()
                     if not p.requires_grad and getattr(p, "ds_tensor", None) is not None)
     need += 64 * 1024 + 512 * nparams  # rank.json
     ds = DEEPSPEED_FILES_ESTIMATE
@@ -220,7 +221,7 @@ def check_space(opt, save_dir: str, tag: str, exclude_frozen: bool) -> None:
         CheckpointSpaceError: naming the directory, the bytes needed and free, the cache paths on
             the same filesystem with what their slabs hold, and dead stores of earlier runs there.
     """
-    rt = opt._aidaptiv_rt
+    rt = opt._aidaptiv.rt
     mine = rank_need(save_dir, save_bytes(opt, save_dir, tag, exclude_frozen), rt.namespace.cache_paths,
                      [s.allocated_bytes() for s in rt.store.slabs])
     ranks = [mine]
@@ -361,7 +362,7 @@ def save_checkpoint(engine, orig, save_dir, tag=None, client_state={}, save_late
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    rt = engine.optimizer._aidaptiv_rt
+    rt = engine.optimizer._aidaptiv.rt
     host = rt.namespace.host
     layout = discover_layout(save_dir, rank, host)
     if layout.whole:
@@ -479,11 +480,11 @@ def _ds_version() -> str:
 # ---------------------------------------------------------------------------------------------- load
 def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) -> None:
     """Fill this rank's sub-groups (re-partitioned for the current world) and rebuild the partitions."""
-    rt, sw = opt._aidaptiv_rt, opt.optimizer_swapper
+    rt, sw = opt._aidaptiv.rt, opt.optimizer_swapper
     rt.flush()
     dist = _dist()
     rank = dist.get_rank()
-    names = _names(opt._aidaptiv_module)
+    names = _names(opt._aidaptiv.module)
     steps = {}
     for idx in reader.ranks:
         for sg in idx["subgroups"]:
@@ -516,12 +517,12 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
                     setattr(opt.loss_scaler, k, v)
     # the low-precision partitions are the masters cast down, as DeepSpeed's reset_swap_buffers does
     psw = opt._aidaptiv_param_swapper()
-    with opt._aidaptiv_phase.during(Phase.LOADING):
+    with opt._aidaptiv.phase.during(Phase.LOADING):
         for i in range(len(opt.fp16_groups)):
             opt._optimizer_states_and_gradient_swap_in(i)
             opt._reassign_or_swap_out_partitioned_parameters(i)
             opt._optimizer_states_and_gradient_swap_out(i)
-    frozen = [(names[id(p)], p) for p in opt._aidaptiv_module.parameters()
+    frozen = [(names[id(p)], p) for p in opt._aidaptiv.module.parameters()
               if not p.requires_grad and getattr(p, "ds_tensor", None) is not None and id(p) in names]
     items = []
     for name, p in frozen:
@@ -587,7 +588,7 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
     engine.optimizer._aidaptiv_drain()  # nothing of the old state may be written after the load
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
-    host = engine.optimizer._aidaptiv_rt.namespace.host
+    host = engine.optimizer._aidaptiv.rt.namespace.host
     views = _views(load_dir, tag, rank, host)
     tag = choose_tag(views, tag)
     if tag is None:

@@ -152,8 +152,6 @@ class GradientPathMixin:
             predivide=self.gradient_predivide_factor,
             averaging_world_size=self._gradient_averaging_world_size(params_to_reduce, 1))
 
-    _aidaptiv_norm_param_groups: list | None = None
-
     def _aidaptiv_group_norms_as_deepspeed(self) -> None:
         """Record the sub-groups DeepSpeed would have made with the config's ``sub_group_size`` where ours
         differ (:func:`~aidaptiv_ds.integration.stage3.auto_sub_group_size`), for :meth:`_get_norm_groups`.
@@ -168,18 +166,18 @@ class GradientPathMixin:
         same per-parameter norms: the same bits as DeepSpeed, whatever our sub-groups. Adam is elementwise, so
         nothing else depends on the grouping.
         """
-        want = getattr(self, "_aidaptiv_ds_sub_group_size", None)
+        want = self._aidaptiv.ds_sub_group_size
         if want is None or int(want) == int(self.sub_group_size):
             return
         import types
         base = self._aidaptiv_deepspeed_class  # DeepSpeed's DeepSpeedZeroOptimizer_Stage3
         proxy = types.SimpleNamespace(sub_group_size=want)
-        self._aidaptiv_norm_param_groups = [sub for group in self.trainable_param_groups
+        self._aidaptiv.norm_param_groups = [sub for group in self.trainable_param_groups
                                             for sub in base._create_fp16_sub_groups(proxy, group["params"])]
 
     def _get_norm_groups(self):
         """DeepSpeed's per-sub-group norms over DeepSpeed's own sub-groups ([Note: norm groups])."""
-        groups = self._aidaptiv_norm_param_groups
+        groups = self._aidaptiv.norm_param_groups
         if groups is None or not self.offload_optimizer:
             return super()._get_norm_groups()
         return [self.complete_grad_norm_calculation_for_cpu_offload(params) for params in groups]
@@ -206,7 +204,7 @@ class GradientPathMixin:
         At the boundary, a sub-group whose gradient became final is stepped now
         (:meth:`BackwardStepMixin._aidaptiv_gradient_final`), and one that starts receiving gradients
         has its optimizer state read ahead."""
-        grads = self._aidaptiv_grads
+        grads = self._aidaptiv.grads
         boundary = self.is_gradient_accumulation_boundary()
         accum = self.gradient_accumulation_dtype
         buffers = []
@@ -215,7 +213,7 @@ class GradientPathMixin:
                 param.grad = None  # this rank's partition of the parameter is padding only
                 continue
             self._offload_boundary_param_ids.add(param.ds_id)
-            i, off = self._aidaptiv_grad_where[param.ds_id]
+            i, off = self._aidaptiv.grad_where[param.ds_id]
             self._aidaptiv_gradient_arriving(i, param)
             g = grads.open(i)
             view = grads.view(g, off, grad_partition.numel())
@@ -236,20 +234,18 @@ class GradientPathMixin:
                 grads.close(i)
         return buffers
 
-    _aidaptiv_norm_scratch: NormScratch | None = None
-
     def _constant_buffered_norm2(self, input, buffer_size=250000000):
         """DeepSpeed's per-partition norm (``stage3.py:1960-1967``); a host partition's fp64 copy goes to
         :class:`NormScratch` (same arithmetic, no fresh buffer per partition)."""
         from deepspeed.runtime.zero.utils import get_norm_dtype
-        if self._aidaptiv_norm_scratch is None:
-            self._aidaptiv_norm_scratch = NormScratch()
-        norm = self._aidaptiv_norm_scratch.norm2(input, buffer_size, get_norm_dtype())
+        if self._aidaptiv.norm_scratch is None:
+            self._aidaptiv.norm_scratch = NormScratch()
+        norm = self._aidaptiv.norm_scratch.norm2(input, buffer_size, get_norm_dtype())
         return super()._constant_buffered_norm2(input, buffer_size) if norm is None else norm
 
     def _aidaptiv_release_norm_scratch(self) -> None:
-        if self._aidaptiv_norm_scratch is not None:
-            self._aidaptiv_norm_scratch.release()
+        if self._aidaptiv.norm_scratch is not None:
+            self._aidaptiv.norm_scratch.release()
 
     def has_overflow(self, partition_gradients=True):
         """fp16: DeepSpeed's overflow check (``stage3.py:3009-3044``) over the gradient store instead of
@@ -257,7 +253,7 @@ class GradientPathMixin:
         if not partition_gradients:
             return super().has_overflow(partition_gradients)
         import deepspeed.comm as dist
-        overflow = get_accelerator().ByteTensor([int(self._aidaptiv_grads.any_nonfinite())])
+        overflow = get_accelerator().ByteTensor([int(self._aidaptiv.grads.any_nonfinite())])
         dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.dp_process_group)
         self._model_parallel_all_reduce(tensor=overflow, op=dist.ReduceOp.MAX)
         return bool(overflow[0].item())
@@ -266,12 +262,12 @@ class GradientPathMixin:
         """Unmanaged gradient accumulation (``managed_gradient_accumulation: false``): every
         ``step()`` is the boundary; the norms come from the accumulated partitions, as DeepSpeed's
         ``_finalize_offload_gradient_accumulation`` (``stage3.py:1467-1482``) takes them."""
-        grads = self._aidaptiv_grads
+        grads = self._aidaptiv.grads
         for group in self.fp16_groups:
             for param in group:
                 if param.ds_id not in self._offload_boundary_param_ids:
                     continue
-                i, off = self._aidaptiv_grad_where[param.ds_id]
+                i, off = self._aidaptiv.grad_where[param.ds_id]
                 g = grads.open(i)
                 t = grads.view(g, off, param.partition_numel())
                 if not get_accelerator().on_accelerator(t):
@@ -287,9 +283,9 @@ class GradientPathMixin:
         if self.is_gradient_accumulation_boundary():
             self._aidaptiv_norms_of_earlier_gradients()
         self._aidaptiv_release_norm_scratch()  # the norms of this backward are taken
-        self._aidaptiv_grads.end_backward()
+        self._aidaptiv.grads.end_backward()
         if self.is_gradient_accumulation_boundary():
-            self._aidaptiv_rt.end_of_step()  # the activations are freed: return them before the step
+            self._aidaptiv.rt.end_of_step()  # the activations are freed: return them before the step
 
     def _aidaptiv_norms_of_earlier_gradients(self) -> None:
         """At the boundary: the norm of every partition that got gradients in earlier micro-steps of
@@ -297,7 +293,7 @@ class GradientPathMixin:
         boundary micro-step (``_offload_grad_partition_at_boundary``), so such a gradient would be
         applied but left out of the clipping norm; here it counts, as it would had it been a zero
         gradient added in the last micro-step."""
-        grads = self._aidaptiv_grads
+        grads = self._aidaptiv.grads
         params = None
         for g in grads.groups:
             late = g.arrived - g.arrived_now
@@ -307,9 +303,9 @@ class GradientPathMixin:
                 params = {p.ds_id: p for group in self.fp16_groups for p in group}
             was_open = g.index in grads._open
             grads.open(g.index)
-            for ds_id in sorted(late, key=lambda d: self._aidaptiv_grad_where[d][1]):
+            for ds_id in sorted(late, key=lambda d: self._aidaptiv.grad_where[d][1]):
                 p = params[ds_id]
-                _, off = self._aidaptiv_grad_where[ds_id]
+                _, off = self._aidaptiv.grad_where[ds_id]
                 view = grads.view(g, off, p.partition_numel())
                 if not get_accelerator().on_accelerator(view):
                     if grads.device_sync is not None:
@@ -324,7 +320,7 @@ class GradientPathMixin:
         gradients are consumed or thrown away."""
         super().reset_cpu_buffers()
         self._aidaptiv_release_norm_scratch()
-        self._aidaptiv_grads.discard_all()
+        self._aidaptiv.grads.discard_all()
 
     def offload_states(self, *args, **kwargs):
         raise AidaptivConfigError(

@@ -45,6 +45,7 @@ from ..torch_env import huge_pages_advice, kernel_huge_page_mode
 from ..units import format_bytes
 from .blas_threads import pin_blas_threads
 from .config import AidaptivConfig
+from .optimizer_state import state_of
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -361,9 +362,10 @@ class Runtime:
             return
         for sw in self.optimizer_swappers:  # optimizer updates still riding the forward (step_pipeline.py)
             opt = getattr(sw, "owner", None)
-            if opt is not None and getattr(opt, "_aidaptiv_pipeline", None) is not None:
+            st = state_of(opt)
+            if st is not None and st.pipeline is not None:
                 try:
-                    opt._aidaptiv_pipeline.drain()
+                    st.pipeline.drain()
                 except Exception as e:  # noqa: BLE001 - a failed update was raised where it ran; close anyway
                     log.warning("aidaptiv_ds: closing with an optimizer update not applied: %s", e)
         self.closed = True

@@ -27,7 +27,7 @@ from ..planner.working_set import RankPolicy, RankState, rank_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
-from .config import AidaptivConfigError, section_enabled, validate
+from .config import section_enabled, validate
 from ..io.errors import StorageFullError
 from .backward_step import BackwardStepMixin, BackwardStepper
 from .grad_path import GradientPathMixin
@@ -36,6 +36,7 @@ from .state_api import StateAPIMixin
 from .step_pipeline import StepPipeline
 from .step_pipeline import forget as forget_pipeline
 from .gradients import GradientStore
+from .optimizer_state import AidaptivOptimizerState
 from .optimizer_swapper import AidaptivOptimizerSwapper
 from .phase import EnginePhase, Phase
 from .runtime import auto_dram_budget, get_runtime
@@ -118,23 +119,23 @@ def make_stage3_class(base: type) -> type:
 
         def __init__(self, *args, **kwargs):
             ds_config = kwargs.get("ds_config")
-            self._aidaptiv_phase = EnginePhase()  # [Note: phases] in phase.py
-            self._aidaptiv_module = kwargs.get("module", args[0] if args else None)
-            self._aidaptiv_cfg = validate(ds_config)
-            self._aidaptiv_rt = get_runtime(self._aidaptiv_cfg)
-            self._aidaptiv_engine_id = next(_ENGINE_IDS)
-            auto = auto_sub_group_size(ds_config, self._aidaptiv_module, self._aidaptiv_rt)
+            cfg = validate(ds_config)
+            # one record of this engine's state (optimizer_state.py), before DeepSpeed's constructor calls back
+            self._aidaptiv = AidaptivOptimizerState(cfg=cfg, rt=get_runtime(cfg), engine_id=next(_ENGINE_IDS),
+                                                    phase=EnginePhase(),  # [Note: phases] in phase.py
+                                                    module=kwargs.get("module", args[0] if args else None))
+            auto = auto_sub_group_size(ds_config, self._aidaptiv.module, self._aidaptiv.rt)
             # the sub-groups DeepSpeed would make: the gradient norm is summed over those ([Note: norm groups])
-            self._aidaptiv_ds_sub_group_size = kwargs.get("sub_group_size")
+            self._aidaptiv.ds_sub_group_size = kwargs.get("sub_group_size")
             if auto is not None and "sub_group_size" in kwargs:
-                if self._aidaptiv_rt.rank == 0:
+                if self._aidaptiv.rt.rank == 0:
                     log.info("aidaptiv_ds: zero_optimization.sub_group_size not set: using %.3g elements instead of "
                              "DeepSpeed's 1e9 (so the optimizer's read, update and write-back of sub-groups overlap "
                              "and its working set stays small); set it in the config to choose", auto)
                 kwargs["sub_group_size"] = auto
             bucket = auto_reduce_bucket_size(ds_config)
             if bucket is not None and int(kwargs.get("reduce_bucket_size", bucket)) > bucket:
-                if self._aidaptiv_rt.rank == 0:
+                if self._aidaptiv.rt.rank == 0:
                     log.info("aidaptiv_ds: zero_optimization.reduce_bucket_size not set on a CPU rank: using %.3g "
                              "elements instead of DeepSpeed's %.3g (its reduce path holds up to three buckets "
                              "of host memory outside the DRAM budget); set it in the config to choose", bucket,
@@ -150,24 +151,24 @@ def make_stage3_class(base: type) -> type:
                 self._aidaptiv_drain()
                 super().destroy()
             finally:
-                if self._aidaptiv_pipeline is not None:
-                    forget_pipeline(self._aidaptiv_pipeline)
-                self._aidaptiv_rt.detach_engine(self._aidaptiv_engine_id)
+                if self._aidaptiv.pipeline is not None:
+                    forget_pipeline(self._aidaptiv.pipeline)
+                self._aidaptiv.rt.detach_engine(self._aidaptiv.engine_id)
 
         def _configure_offloading(self, offload_optimizer_config, offload_param_config):
             """DeepSpeed's, except that ``offload_param.max_in_cpu`` does not move parameter partitions into
             DeepSpeed's own CPU buffers (outside the DRAM budget): it caps the parameter bytes the residency
             plan may keep in DRAM instead ([Note: max_in_cpu])."""
             super()._configure_offloading(offload_optimizer_config, offload_param_config)
-            self._aidaptiv_max_in_cpu = int(self.max_params_in_cpu) if self.params_in_nvme_and_cpu else None
+            self._aidaptiv.max_in_cpu = int(self.max_params_in_cpu) if self.params_in_nvme_and_cpu else None
             self.max_params_in_cpu = 0
 
         def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
-            rt = self._aidaptiv_rt
+            rt = self._aidaptiv.rt
             moments = {"fp32": torch.float32, "bf16": torch.bfloat16}[rt.cfg.optimizer_state.moments]
             master = self.master_weights_and_grads_dtype
             self.optimizer_swapper = sw = AidaptivOptimizerSwapper(
-                rt, self.optimizer, master, self._aidaptiv_engine_id, phase=self._aidaptiv_phase,
+                rt, self.optimizer, master, self._aidaptiv.engine_id, phase=self._aidaptiv.phase,
                 moment_dtype=moments if moments.itemsize < master.itemsize else master)
             sw._owner = weakref.ref(self)
             self._aidaptiv_plan()
@@ -189,14 +190,14 @@ def make_stage3_class(base: type) -> type:
                 if g is None or g.resident or any(getattr(p.ds_tensor, "final_location", None) is None or
                                                   not psw.holds(p.ds_id) for p in params):
                     continue
-                sw.set_alias(g, psw.alias_to_master(params, ExtentView(self._aidaptiv_rt.store, sw._extent_key(g),
+                sw.set_alias(g, psw.alias_to_master(params, ExtentView(self._aidaptiv.rt.store, sw._extent_key(g),
                                                                        g.slot_bytes)))
-            if not getattr(self, "_aidaptiv_listening", False):  # weakly: the swapper outlives engines
-                self._aidaptiv_listening = True
+            if not self._aidaptiv.listening:  # weakly: the swapper outlives engines
+                self._aidaptiv.listening = True
                 psw.drop_listeners.append(_weak_method(sw.take_master_bytes))
                 psw.use_listeners.append(_weak_method(self._aidaptiv_params_used))
             freed = psw.release_dead_chunks()  # the partitions' first copy, written by zero.Init, is not read again
-            if freed and self._aidaptiv_rt.rank == 0:
+            if freed and self._aidaptiv.rt.rank == 0:
                 log.info("aidaptiv_ds: fp32 parameters are read from their master slots; %s of their first copy "
                          "given back to the cache paths", format_bytes(freed))
 
@@ -218,16 +219,16 @@ def make_stage3_class(base: type) -> type:
             psw = self._aidaptiv_param_swapper()  # one per runtime: engines on the same paths share it
             was = psw.phase if psw is not None else None
             if psw is not None:
-                psw.phase = self._aidaptiv_phase
+                psw.phase = self._aidaptiv.phase
             try:
-                with self._aidaptiv_phase.during(Phase.INITIALIZING):
+                with self._aidaptiv.phase.during(Phase.INITIALIZING):
                     super().initialize_optimizer_states()
             finally:
                 if psw is not None:
                     psw.phase = was
             # initialisation streamed every sub-group through host buffers once; give their pages back
             # before DeepSpeed allocates its flat gradient buffer (stage3.py:791) on top of them
-            self._aidaptiv_rt.release_host_memory()
+            self._aidaptiv.rt.release_host_memory()
 
         def _aidaptiv_param_swapper(self):
             for group in self.fp16_groups:
@@ -245,7 +246,7 @@ def make_stage3_class(base: type) -> type:
             offload = getattr(self, "parameter_offload", None)
             max_live = getattr(offload, "_max_available_parameters_in_numel", 0) or 0
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
-            module = self._aidaptiv_module
+            module = self._aidaptiv.module
             largest_module = max((sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters(recurse=False))
                                   for m in module.modules()), default=0) if module is not None else None
             import deepspeed.comm as dist
@@ -267,7 +268,7 @@ def make_stage3_class(base: type) -> type:
             only when they fit in the budget *and* under ``max_in_cpu`` (``max_in_cpu: 0`` keeps them on the
             cache tier whatever the budget). Where a partition lives changes no arithmetic.
             """
-            cap = getattr(self, "_aidaptiv_max_in_cpu", None)
+            cap = self._aidaptiv.max_in_cpu
             if cap is None:
                 return None
             parts = [p for p in module_params if getattr(p, "ds_tensor", None) is not None]
@@ -282,18 +283,18 @@ def make_stage3_class(base: type) -> type:
             Raises:
                 StorageFullError: the cache paths cannot hold the optimizer state and gradients.
             """
-            rt = self._aidaptiv_rt
+            rt = self._aidaptiv.rt
             sw = self.optimizer_swapper
             psw = self._aidaptiv_param_swapper()
             if psw is not None and rt.cfg.from_unpacked:  # before DeepSpeed reads partitions for the masters
-                psw.adopt_unpacked(self._aidaptiv_module)
+                psw.adopt_unpacked(self._aidaptiv.module)
             numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
             align = rt.store.alignment
-            module_params = list(self._aidaptiv_module.parameters()) if self._aidaptiv_module is not None else []
+            module_params = list(self._aidaptiv.module.parameters()) if self._aidaptiv.module is not None else []
             alias = (psw is not None and sw.dtype == torch.float32
                      and all(p.dtype == torch.float32 for group in self.fp16_groups for p in group))
             accum = self.gradient_accumulation_dtype
-            grad_numels, expected, self._aidaptiv_grad_where = self._aidaptiv_grad_layout()
+            grad_numels, expected, self._aidaptiv.grad_where = self._aidaptiv_grad_layout()
             subgroup_param_bytes = [sum(p.ds_tensor.ds_numel * p.element_size() for p in group)
                                     for group in self.fp16_groups]
             # the planner calls the same function with the same records; only the facts come from DeepSpeed's
@@ -325,7 +326,7 @@ def make_stage3_class(base: type) -> type:
                 step_tile_numel=TILE_NUMEL)
             rank_ws = rank_working_set(state, policy)
             # what the budget was cut by, and from what (tests/test_working_set.py compares it with the plan)
-            self._aidaptiv_working_set = (state, policy, rank_ws)
+            self._aidaptiv.working_set = (state, policy, rank_ws)
             grad_window, may_speculate, rides = rank_ws.grad_window, rank_ws.may_step_in_backward, rank_ws.rides
             ws, overhead, pool_bytes = rank_ws.total, rank_ws.overhead, rank_ws.pool_bytes
             in_backward_window = rank_ws.in_backward_window
@@ -368,18 +369,18 @@ def make_stage3_class(base: type) -> type:
             device_sync = None
             if not get_accelerator().is_synchronized_device() and self.reduce_and_partition_stream is not None:
                 device_sync = self.reduce_and_partition_stream.synchronize  # gradient copies run on that stream
-            self._aidaptiv_grads = sw.gradients = GradientStore(
-                rt, self._aidaptiv_engine_id, accum, grad_numels, expected, window_bytes=grad_window,
+            self._aidaptiv.grads = sw.gradients = GradientStore(
+                rt, self._aidaptiv.engine_id, accum, grad_numels, expected, window_bytes=grad_window,
                 resident_bytes=sum(grad_slices[i] for i in plan.resident_grad_subgroups), device_sync=device_sync,
                 resident_subgroups=plan.resident_grad_subgroups)
-            self._aidaptiv_stepper = BackwardStepper(self, enabled=speculate, keep_gradients=clip,
+            self._aidaptiv.stepper = BackwardStepper(self, enabled=speculate, keep_gradients=clip,
                                                      inflight_limit=in_backward_window)
-            self._aidaptiv_pipeline = StepPipeline(self, self._aidaptiv_stepper, enabled=rides)
-            self._aidaptiv_stepper.pipeline = self._aidaptiv_pipeline
-            sw.wanted = self._aidaptiv_stepper.wanted
+            self._aidaptiv.pipeline = StepPipeline(self, self._aidaptiv.stepper, enabled=rides)
+            self._aidaptiv.stepper.pipeline = self._aidaptiv.pipeline
+            sw.wanted = self._aidaptiv.stepper.wanted
             sw.holds_master = self._aidaptiv_holds_master
             sw.master_hold_limit = rank_ws.master_hold if speculate else 0
-            rt.attach_engine(self._aidaptiv_engine_id, sw, self._aidaptiv_stepper)
+            rt.attach_engine(self._aidaptiv.engine_id, sw, self._aidaptiv.stepper)
             rt.preflight_checkpoints(sum(n * 4 * (1 + sw.expected_states) + 4 * align for n in numels))
             if psw is not None and plan.params_resident:
                 psw.make_resident()

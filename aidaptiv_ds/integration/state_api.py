@@ -41,14 +41,14 @@ class StateAPIMixin:
         sub-groups ([Note: the state API]) and mark the optimizer swapper's swap-outs as state writes."""
         params = params if isinstance(params, (list, tuple)) else [params]
         self._aidaptiv_drain()  # updates riding the forward first (step_pipeline.py)
-        self._aidaptiv_phase.check_opens(Phase.STATE_API)  # before a speculative step is undone
-        st = getattr(self, "_aidaptiv_stepper", None)
+        self._aidaptiv.phase.check_opens(Phase.STATE_API)  # before a speculative step is undone
+        st = self._aidaptiv.stepper
         if st is not None:
             groups = sorted({self.grad_position[self.get_param_id(p)][0] for p in params
                              if p.requires_grad and self.get_param_id(p) in self.grad_position})
             for i in groups:
                 st.reopen(i, what)
-        with self._aidaptiv_phase.during(Phase.STATE_API), span("aidaptiv::state_api", lane="optimizer", call=what):
+        with self._aidaptiv.phase.during(Phase.STATE_API), span("aidaptiv::state_api", lane="optimizer", call=what):
             yield
 
     def get_full_hp_param(self, param, optim_state_key=None):

@@ -126,7 +126,7 @@ class StepPipeline:
         opt = self.opt
         self.stepped_after = stepped_after
         self.hyper = {gid: _hyper(group) for gid, group in enumerate(opt.optimizer.param_groups)}
-        where = opt._aidaptiv_grad_where
+        where = opt._aidaptiv.grad_where
         ids = {i for i in self.deferred}
         for ds_id, (i, _) in where.items():
             if i in ids:

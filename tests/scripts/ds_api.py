@@ -350,7 +350,7 @@ def scenario_ride_failure(a, rank):
     from aidaptiv_ds.integration.runtime import current_runtime
     from aidaptiv_ds.integration.step_pipeline import PipelineError
     from aidaptiv_ds.io.syscalls import FaultyIO, rules_from_env
-    pl = eng.optimizer._aidaptiv_pipeline
+    pl = eng.optimizer._aidaptiv.pipeline
     run.checks["updates_deferred"] = pl.pending
     # every read of the optimizer state fails (only it: a parameter read failing first would be a plain
     # StorageIOError, and which read comes first depends on the I/O threads)
