@@ -9,6 +9,7 @@ import types
 import torch
 
 from aidaptiv_ds.integration.optimizer_swapper import AidaptivOptimizerSwapper, _Group
+from aidaptiv_ds.tiers.unit import UnitLayout
 
 
 def _swapper(limit: int, waiting: set[int]) -> AidaptivOptimizerSwapper:
@@ -22,7 +23,8 @@ def _swapper(limit: int, waiting: set[int]) -> AidaptivOptimizerSwapper:
 
 
 def _group(sw, index: int, parts: list[tuple[int, int]]) -> _Group:
-    g = _Group(str(index), numel=sum(n for _, n in parts) // 4, slot_bytes=sum(n for _, n in parts), slots=3,
+    numel = sum(n for _, n in parts) // 4
+    g = _Group(str(index), numel=numel, layout=UnitLayout.packed(numel, [(s, torch.float32) for s in ("m", "s1", "s2")]),
                index=index)
     sw.groups[g.key] = g
     off, entries = 0, []
