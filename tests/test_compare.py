@@ -481,3 +481,93 @@ def test_summary_counts_the_optimizer_step_paths_and_the_steps_redone():
     f = summarize(runs, ["aidaptiv0"], warmup=1)["aidaptiv0"]
     assert f["optimizer_steps"] == {"in_backward": 8, "committed": 4, "redone": 4, "after_backward": 8}
     assert f["steps_redone"] == 1
+
+
+def test_gradient_accumulation_reaches_ds_config_the_header_and_the_targets(capsys):
+    """``--gradient-accumulation N``: DeepSpeed's ``gradient_accumulation_steps`` in every backend's config, the
+    table's header, tokens per optimizer step, targets named per optimizer step; a bad N is refused naming
+    the flag, the value and the fix."""
+    import argparse
+
+    from aidaptiv_ds.bench.backends import OPTIONAL_BACKENDS
+    from aidaptiv_ds.bench.summary import format_table
+    from aidaptiv_ds.cli.compare import configure, settings_from_args
+
+    for b in BACKENDS + OPTIONAL_BACKENDS:
+        assert ds_config(b, TrainSettings(), "/x", 1 << 20)["gradient_accumulation_steps"] == 1
+        assert ds_config(b, TrainSettings(gradient_accumulation=4), "/x", 1 << 20)["gradient_accumulation_steps"] == 4
+    s = TrainSettings(micro_batch=2, seq=32, gradient_accumulation=4)
+    assert s.tokens_per_step == 256 and s.as_dict()["gradient_accumulation"] == 4
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="gradient_accumulation"):
+            TrainSettings(gradient_accumulation=bad)
+
+    p = argparse.ArgumentParser(prog="compare")
+    configure(p)
+    assert settings_from_args(p.parse_args([]), "fp32").gradient_accumulation == 1
+    assert settings_from_args(p.parse_args(["--gradient-accumulation", "8"]), "fp32").gradient_accumulation == 8
+    for bad in ("0", "-2", "2.5", "four"):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(["--gradient-accumulation", bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err  # the flag, the value, the fix
+        assert f"argument --gradient-accumulation: '{bad}' is not an integer >= 1" in err, err
+        assert "e.g. --gradient-accumulation 4" in err
+
+    n = 10 ** 6
+    runs = [_run("native", [9.0, 2.0], write=30 * n, read=30 * n, n=n),
+            _run("aidaptiv0", [9.0, 1.0], write=22 * n, read=20 * n, n=n)]
+    figs = summarize(runs, ["native", "aidaptiv0"], warmup=1, tokens_per_step=s.tokens_per_step)
+    assert figs["aidaptiv0"]["tokens_per_s"] == 256  # tokens of the optimizer step (4 micro-batches) / step
+    names = [t["target"] for t in check_targets(figs, "fp32", gradient_accumulation=4)]
+    assert "bytes written per parameter per optimizer step of 4 micro-batches, budget 0" in names
+    assert "bytes written per parameter per step, budget 0" in [t["target"] for t in check_targets(figs, "fp32")]
+    cfg = {"model": "m", "dtype": "fp32", "seq": 32, "micro_batch": 2, "steps": 3, "warmup": 1, "repeats": 1,
+           "sub_group_size": 10, "backends": ["native", "aidaptiv0"]}
+    head = format_table({"config": dict(cfg, gradient_accumulation=4), "aio": {"status": "x"}, "summary": figs,
+                         "targets": []}).splitlines()[0]
+    assert ("micro-batch 2, gradient accumulation 4, 3 optimizer steps (1 warm-up) of 4 micro-batches each, every "
+            "figure per optimizer step, 1 interleaved repeat(s)") in head
+    assert "gradient accumulation 1, 3 steps (1 warm-up)" in format_table(
+        {"config": cfg, "aio": {"status": "x"}, "summary": figs, "targets": []})  # an older result: no key, 1
+
+
+def test_loss_comparison_is_per_micro_batch():
+    """Under gradient accumulation the loss check compares every micro-batch's loss, not only the step's mean
+    (two micro-batches off by +d and -d leave the mean equal)."""
+    ref, got = _run("cpu", [9.0, 1.0, 1.0]), _run("aidaptiv0", [9.0, 1.0, 1.0])
+    for r, delta in ((ref, 0.0), (got, 0.25)):
+        for st in r["steps"]:
+            st["micro_batch_losses"] = [st["loss"] - 0.5 + delta, st["loss"] + 0.5 - delta]
+    figs = summarize([ref, got], ["cpu", "aidaptiv0"], warmup=1)
+    assert figs["cpu"]["micro_batch_losses"] == [0.5, 1.5, 1.5, 2.5, 2.5, 3.5]
+    assert figs["aidaptiv0"]["losses"] == figs["cpu"]["losses"] == [1.0, 2.0, 3.0]  # the same means
+    assert figs["aidaptiv0"]["loss_max_abs_diff"] == 0.25 and figs["cpu"]["loss_max_abs_diff"] == 0.0
+    plain = summarize([_run("cpu", [9.0, 1.0]), _run("aidaptiv0", [9.0, 1.0], loss=1.5)], ["cpu", "aidaptiv0"], 1)
+    assert plain["aidaptiv0"]["loss_max_abs_diff"] == 0.5  # records without micro-batch losses: the step's loss
+
+
+@pytest.mark.subprocess
+def test_compare_tiny_with_gradient_accumulation(tmp_path):
+    """``--gradient-accumulation 2`` end to end at the tiny size: each optimizer step runs 2 micro-batches
+    (DeepSpeed's own counters agree: one optimizer step per 2), different batches, the same in both
+    backends, and budget 0's losses are CPU offload's bit for bit."""
+    s = TrainSettings(seq=32, sub_group_size=1_000_000, gradient_accumulation=2)
+    res = compare(SMALL, s, backends=["cpu", "aidaptiv0"], steps=2, warmup=1, repeats=1, work_dir=str(tmp_path),
+                  aio="python", timeout_s=300, io_bench_bytes=0)
+    figs = res["summary"]
+    assert all(f["ok"] for f in figs.values()), {b: f.get("errors") for b, f in figs.items()}
+    assert res["config"]["gradient_accumulation"] == 2
+    assert "gradient accumulation 2, 2 optimizer steps (1 warm-up) of 2 micro-batches each" in res["table"]
+    for r in res["runs"]:
+        assert r["ds_config"]["gradient_accumulation_steps"] == 2
+        assert [st["micro_batches"] for st in r["steps"]] == [2, 2]
+        assert [(st["ds_global_steps"], st["ds_micro_steps"]) for st in r["steps"]] == [(1, 2), (2, 4)]
+        for st in r["steps"]:
+            assert len(st["micro_batch_losses"]) == 2 and st["loss"] == sum(st["micro_batch_losses"]) / 2
+    cpu, a0 = figs["cpu"], figs["aidaptiv0"]
+    assert len(set(cpu["micro_batch_losses"])) == 4  # four different batches
+    assert a0["micro_batch_losses"] == cpu["micro_batch_losses"] and a0["losses"] == cpu["losses"]
+    assert a0["loss_max_abs_diff"] == 0.0 and "| identical |" in res["table"]
+    assert a0["cache_written_per_param"] > 4 and a0["tokens_per_s"] > 0  # per optimizer step (64 tokens)
+    json.dumps(res)

@@ -20,7 +20,7 @@ Backends:
   measured against (no host memory or drive in the step); on CPU ranks it trains in host memory.
 
 Shared by all: stage 3, AdamW with ``torch_adam`` (no ``cpu_adam`` compile), the same
-``sub_group_size``, persistence threshold, gradient clipping, micro batch and dtype.
+``sub_group_size``, persistence threshold, gradient clipping, micro batch, gradient accumulation and dtype.
 """
 from __future__ import annotations
 
@@ -70,7 +70,13 @@ class TrainSettings:
 
     Attributes:
         dtype: ``"fp32"`` or ``"bf16"`` (model and partitions; masters and moments are fp32).
-        micro_batch: sequences per step; seq: tokens per sequence.
+        micro_batch: sequences per micro-batch (DeepSpeed's ``train_micro_batch_size_per_gpu``); seq: tokens
+            per sequence.
+        gradient_accumulation: micro-batches per optimizer step (DeepSpeed's ``gradient_accumulation_steps``,
+            >= 1): the worker runs forward, ``engine.backward`` and ``engine.step()`` once per micro-batch, and
+            DeepSpeed steps the optimizer on the last of each ``gradient_accumulation``; every "per step" figure
+            of a comparison is per optimizer step, i.e. ``gradient_accumulation`` micro-batches (tokens per step
+            = ``micro_batch * seq * gradient_accumulation``).
         sub_group_size: optimizer sub-group size in elements (``zero_optimization.sub_group_size``).
         persistence_threshold: ``stage3_param_persistence_threshold`` (elements; 0: every
             parameter is partitioned and offloaded).
@@ -101,6 +107,7 @@ class TrainSettings:
     """
     dtype: str = "fp32"
     micro_batch: int = 1
+    gradient_accumulation: int = 1
     seq: int = 256
     sub_group_size: int = 20_000_000
     persistence_threshold: int = 0
@@ -118,6 +125,17 @@ class TrainSettings:
     max_live_parameters: int | None = None
     activation_checkpointing: bool = False
     aidaptiv_extra: dict | None = None
+
+    def __post_init__(self) -> None:
+        ga = self.gradient_accumulation
+        if isinstance(ga, bool) or not isinstance(ga, int) or ga < 1:
+            raise ValueError(f"gradient_accumulation {ga!r}: must be an integer >= 1 (micro-batches per optimizer "
+                             f"step; 1: no accumulation)")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step: ``micro_batch * seq * gradient_accumulation``."""
+        return int(self.micro_batch) * int(self.seq) * int(self.gradient_accumulation)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -166,7 +184,7 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
                                          pipeline_write=s.native_pipeline)
     cfg: dict = {
         "train_micro_batch_size_per_gpu": int(s.micro_batch),
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": int(s.gradient_accumulation),
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
         "gradient_clipping": float(s.clip),

@@ -19,6 +19,11 @@ bench-io rates, every run (per-step figures) and the per-backend summary with ra
 (:mod:`.summary`). A ``progress`` callback gets the same dict after every run (a comparison stopped
 half-way keeps what it measured), and a ``deadline`` bounds the whole comparison: the run in
 progress is stopped then and the runs not started are recorded as skipped.
+
+A step is an optimizer step throughout: with ``settings.gradient_accumulation`` ``N`` > 1 every backend
+runs ``N`` micro-batches per step (DeepSpeed's ``gradient_accumulation_steps``), all backends the same ones,
+and step time, bytes per parameter per step, I/O wait share, tokens/s and page faults per step are over all
+``N``; the configuration (``config["gradient_accumulation"]``) and the table's header carry ``N``.
 """
 from __future__ import annotations
 
@@ -171,7 +176,8 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
         shape: the model; settings: what every backend shares.
         backends: from :data:`BACKENDS` and :data:`OPTIONAL_BACKENDS` (default: all of
             :data:`BACKENDS`), in the order of the first round.
-        steps: optimizer steps per run; warmup: leading steps of each run left out of the figures.
+        steps: optimizer steps per run, each ``settings.gradient_accumulation`` micro-batches; warmup: leading
+            optimizer steps of each run left out of the figures.
         repeats: runs per backend (interleaved).
         work_dir: where each run's directory and cache path go (the cache path is emptied after each run).
         aio: ``"compiled"`` (DeepSpeed's op for native, if it loads) or ``"python"``.
@@ -260,9 +266,8 @@ def compare(shape: LlamaShape, settings: TrainSettings, *, backends: list[str] |
     }
 
     def result_so_far() -> dict:
-        figs = summarize(runs, backends, warmup, io_rates=io_bench,
-                         tokens_per_step=settings.micro_batch * settings.seq)
-        targets = check_targets(figs, settings.dtype, settings.clip)
+        figs = summarize(runs, backends, warmup, io_rates=io_bench, tokens_per_step=settings.tokens_per_step)
+        targets = check_targets(figs, settings.dtype, settings.clip, settings.gradient_accumulation)
         res = dict(head, io_bench=io_bench, summary=figs, targets=targets, runs=runs)
         res["table"] = format_table(res)
         return res

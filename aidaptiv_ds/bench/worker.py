@@ -20,22 +20,30 @@ timeline into ``timeline-rank0.json`` beside ``RESULT.json``, :mod:`aidaptiv_ds.
 The model is a HF ``LlamaForCausalLM`` built and initialised (HF init, ``torch.manual_seed(seed)``)
 *before* partitioning, then converted with ``deepspeed.zero.Init(module=model)`` (no ``dtype``
 argument: DeepSpeed 0.19.8 on a CPU accelerator would otherwise hand its swapper bf16 for an fp32
-model). Step ``i`` trains on ``randint(vocab, (micro_batch, seq))`` from a generator seeded with
-``seed * 1000 + i``, labels = inputs, so every backend sees the same batches.
+model). A *step* is one optimizer step: ``settings.gradient_accumulation`` (``N``) micro-batches, each
+forward, ``engine.backward`` and ``engine.step()`` (DeepSpeed's convention: it steps the optimizer on the
+last micro-batch of each ``N``). Micro-batch ``j`` of step ``i`` (both from 0) trains on
+``randint(vocab, (micro_batch, seq))`` from a generator seeded with ``seed * 1000 + i * N + j``, labels =
+inputs, so every backend sees the same batches (with ``N`` 1, step ``i``'s batch is seed ``seed * 1000 + i``).
 
 ``RESULT.json`` is rewritten after every phase and step (a killed run leaves what it got to): ``phase``,
 ``ok``, ``error``, ``n_params``, ``setup_s`` (launch to the first step's start), ``first_step_s`` (launch to
-the end of step 1), ``steps`` (per step: ``wall_s``, ``loss``, ``io_wait_s``, ``rt_io_wait_s``, ``cpu_user_s``
-/ ``cpu_sys_s`` / ``minor_faults`` (``getrusage`` of the whole process, every thread: the host work behind the
-step, and the fresh pages it touched), ``proc_read_bytes``, ``proc_write_bytes``, ``cache_read_bytes``,
+the end of step 1), ``steps`` (per optimizer step, every figure over its ``N`` micro-batches: ``wall_s``,
+``loss`` (the mean of the micro-batches' losses), ``micro_batch_losses`` (each micro-batch's, in order),
+``micro_batches`` (micro-batches run), ``ds_global_steps`` / ``ds_micro_steps`` (the engine's own counts of
+optimizer steps and micro-batches after the step: ``i + 1`` and ``(i + 1) * N`` when DeepSpeed accumulated
+as configured), ``io_wait_s``, ``rt_io_wait_s``, ``cpu_user_s`` / ``cpu_sys_s`` / ``minor_faults``
+(``getrusage`` of the whole process, every thread: the host work behind the step, and the fresh pages it
+touched), ``proc_read_bytes``, ``proc_write_bytes``, ``cache_read_bytes``,
 ``cache_written_bytes``, ``dram_tier_bytes`` (aidaptiv_ds's DRAM tier after the step), ``optimizer_steps``
 (aidaptiv_ds: sub-group steps per path in this step, ``StepCounters``), ``master_bytes`` (aidaptiv_ds, fp32:
 the master-weight bytes of steps inside backward taken ``from_params``, of those ``held``, and read on
 ``demand``), ``buffer_pool`` (aidaptiv_ds: the host buffer pool's ``bytes``, the ``peak_bytes`` handed out so
 far, the ``miss_bytes`` of this step it had no room for), ``rss_bytes``, ``peak_rss_bytes`` (peak so far),
-``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of the step: forward, backward, step;
-:class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset before step 1, the maximum of the phases'
-peaks), ``peak_rss_process_bytes`` (the whole process: the setup's peak and the steps', since resetting
+``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of the step: forward, backward, step, each
+the micro-batch whose phase peaked highest; :class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset
+before step 1, the maximum of the phases' peaks), ``peak_rss_process_bytes`` (the whole process: the setup's
+peak and the steps', since resetting
 ``VmHWM`` resets what ``ru_maxrss`` reads too), ``aio`` (native), ``plan`` and ``budget_bytes`` (aidaptiv_ds),
 ``setup_phase_peak_rss_bytes`` / ``setup_phase_end_rss_bytes`` (per setup phase: import, build, partition,
 initialize; :class:`ResultFile`), ``rss_trace`` (``[t_s, rss_bytes, phase]`` samples: :class:`.probes.RssTrace`),
@@ -101,11 +109,13 @@ class ResultFile:
         atomic_write(self.path, json.dumps(self.data, indent=1).encode())
 
 
-def batch(seed: int, step: int, micro: int, seq: int, vocab: int):
-    """The token batch of ``step`` (the same for every backend)."""
+def batch(seed: int, index: int, micro: int, seq: int, vocab: int):
+    """The token batch (``micro`` sequences of ``seq`` tokens) of micro-batch ``index`` of the run, counted
+    from 0 over all optimizer steps (step ``i``'s micro-batch ``j`` is ``i * gradient_accumulation + j``):
+    the same for every backend."""
     import torch
 
-    g = torch.Generator().manual_seed(seed * 1000 + step)
+    g = torch.Generator().manual_seed(seed * 1000 + index)
     return torch.randint(0, vocab, (micro, seq), generator=g)
 
 
@@ -212,10 +222,13 @@ _MASTER_COUNTERS = {"from_params": "master_from_params_bytes", "held": "master_h
                     "demand": "master_demand_bytes"}
 
 
-def _step_record(i: int, wall: float, loss: float, before: dict, after: dict, wait_s: float,
+def _step_record(i: int, wall: float, losses: list[float], before: dict, after: dict, wait_s: float,
                  cpu: tuple[tuple[float, float, int], tuple[float, float, int]]) -> dict:
+    """The record of optimizer step ``i`` (from 0): ``losses`` are its micro-batches' (in order), ``wall`` its
+    seconds, ``before`` / ``after`` the counters around it, ``wait_s`` the I/O wait seconds within it."""
     (u0, s0, f0), (u1, s1, f1) = cpu  # probes.cpu_times() before and after the step
-    return {"step": i + 1, "wall_s": wall, "loss": loss, "io_wait_s": wait_s,
+    return {"step": i + 1, "wall_s": wall, "loss": sum(losses) / len(losses), "micro_batch_losses": list(losses),
+            "micro_batches": len(losses), "io_wait_s": wait_s,
             "cpu_user_s": u1 - u0, "cpu_sys_s": s1 - s0, "minor_faults": f1 - f0,
             "rt_io_wait_s": after["io_wait_s"] - before["io_wait_s"],
             "proc_read_bytes": after["proc_read_bytes"] - before["proc_read_bytes"],
@@ -236,7 +249,9 @@ class PhasePeaks:
     ``VmHWM`` is reset to the current RSS as each phase starts (:func:`.probes.reset_peak_rss`) and read
     as it ends, so each phase's figure is its own high-water mark, and :attr:`peak` their maximum (the
     step's). Where the reset is not allowed (``reset_ok`` False) the figures are peaks since the last
-    successful reset, i.e. upper bounds, and the record says so (``phase_peaks_exact``).
+    successful reset, i.e. upper bounds, and the record says so (``phase_peaks_exact``). A phase closed
+    more than once (one per micro-batch under gradient accumulation) keeps the occurrence that peaked
+    highest: its peak and the RSS it started at (a pair), and the largest swap-buffer peak of any.
     """
 
     def __init__(self, reset_ok: bool) -> None:
@@ -255,10 +270,12 @@ class PhasePeaks:
         """Close ``phase``: record the RSS it started at and its peak, and start the next one."""
         from .probes import peak_rss_bytes, reset_peak_rss, rss_bytes
 
-        self.start[phase] = self._at
-        self.peaks[phase] = max(peak_rss_bytes(), self._at)
+        peak = max(peak_rss_bytes(), self._at)
+        if peak >= self.peaks.get(phase, -1):  # the first occurrence, or one that peaked higher
+            self.start[phase] = self._at
+            self.peaks[phase] = peak
         if self._pool is not None:
-            self.pool_peaks[phase] = self._pool.reset_peak_live()
+            self.pool_peaks[phase] = max(self.pool_peaks.get(phase, 0), self._pool.reset_peak_live())
         self._at = rss_bytes()
         if self.exact:
             reset_peak_rss()
@@ -281,7 +298,8 @@ def _buffer_pool():
 
 
 def run(spec: dict, out: ResultFile) -> None:
-    """Build, partition, train ``spec["steps"]`` steps and record everything into ``out``."""
+    """Build, partition, train ``spec["steps"]`` optimizer steps (each ``gradient_accumulation`` micro-batches)
+    and record everything into ``out``."""
     import torch
 
     from . import probes
@@ -308,29 +326,37 @@ def run(spec: dict, out: ResultFile) -> None:
         tl = enable(engine, steps=spec["timeline"], run_dir=os.path.dirname(os.path.abspath(out.path)))
     prof = None
     steps = int(spec["steps"])
+    ga = int(settings.gradient_accumulation)
     for i in range(steps):
         if spec.get("profile") and i == int(spec.get("profile_after", 2)):
             import cProfile
             prof = cProfile.Profile()
             prof.enable()
-        x = batch(int(spec["seed"]), i, settings.micro_batch, settings.seq, shape.vocab).to(device)
+        # the step's micro-batches, made before its clock starts (a few KiB of token ids each)
+        xs = [batch(int(spec["seed"]), i * ga + j, settings.micro_batch, settings.seq, shape.vocab).to(device)
+              for j in range(ga)]
         if cuda:
             torch.cuda.synchronize(device)
         before, w0 = _counters(), clock.seconds
         phases = PhasePeaks(reset_ok)
         cpu0 = probes.cpu_times()
         t0 = time.perf_counter()
-        loss = engine(input_ids=x, labels=x).loss
-        phases.end("forward")
-        engine.backward(loss)
-        phases.end("backward")
-        engine.step()
-        phases.end("step")
-        loss_v = float(loss.detach().float())
+        losses = []
+        for x in xs:  # DeepSpeed's convention: engine.step() after every micro-batch, the optimizer on the last
+            loss = engine(input_ids=x, labels=x).loss
+            phases.end("forward")
+            engine.backward(loss)
+            phases.end("backward")
+            engine.step()
+            phases.end("step")
+            losses.append(loss.detach().float())
+        losses_v = [float(v) for v in losses]  # after the step: no device sync between its micro-batches
         if cuda:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
-        rec = _step_record(i, wall, loss_v, before, _counters(), clock.seconds - w0, (cpu0, probes.cpu_times()))
+        rec = _step_record(i, wall, losses_v, before, _counters(), clock.seconds - w0, (cpu0, probes.cpu_times()))
+        rec.update(ds_global_steps=int(getattr(engine, "global_steps", -1)),
+                   ds_micro_steps=int(getattr(engine, "micro_steps", -1)))
         steps_peak = max(steps_peak, phases.peak)
         rec.update(rss_bytes=rss_bytes(), peak_rss_bytes=steps_peak, **phases.record(), **probes.gpu_memory(device))
         out.data["steps"].append(rec)

@@ -5,11 +5,13 @@ native NVMe offload (its compiled aio op where it loads), DeepSpeed's CPU offloa
 with DRAM budget 0 and "auto"; the table shows median step time after warm-up, bytes written and
 read per parameter per step, I/O wait share, peak RSS and launch-to-first-step, each with its ratio
 to native, and each backend's overlap efficiency (step / max(compute-only step, I/O time at the
-cache path's measured GB/s)). Examples::
+cache path's measured GB/s)). A step is an optimizer step: with ``--gradient-accumulation N`` it is N
+micro-batches, and every figure per step covers all N. Examples::
 
     aidaptiv-ds compare --params 150M --dtype fp32,bf16 --seq 256 --steps 6 --repeats 2 \\
         --cache /tmp/aidaptiv_compare --json compare.json
     TORCH_EXTENSIONS_DIR=/tmp/aid/torch_ext aidaptiv-ds compare --params 20M --libaio-root /tmp/aid/libaio/root
+    aidaptiv-ds compare --params 150M --gradient-accumulation 4 --backends cpu,aidaptiv0 --aio python
 
 See :mod:`aidaptiv_ds.bench.compare` for the method and :mod:`aidaptiv_ds.bench.summary` for each figure.
 """
@@ -22,6 +24,23 @@ import sys
 import time
 
 from ..units import parse_size
+
+
+def _gradient_accumulation(text: str) -> int:
+    """``--gradient-accumulation``'s value: micro-batches per optimizer step, an integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the flag; the message the value and the fix).
+    """
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an integer >= 1; give the micro-batches per optimizer step, e.g. "
+            f"--gradient-accumulation 4 (1, the default, accumulates nothing)")
+    return n
 
 
 def _size(text: str) -> int:
@@ -60,7 +79,11 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     """Settings every backend shares, and the native aio options."""
     g = p.add_argument_group("training settings (identical for every backend)")
     g.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
-    g.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
+    g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    g.add_argument("--gradient-accumulation", type=_gradient_accumulation, default=1, metavar="N",
+                   help="micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps; default 1): "
+                        "each backend runs N forward/backward/engine.step() per step, and every figure per step "
+                        "(step time, bytes per parameter, I/O wait, tokens/s, page faults) is per optimizer step")
     g.add_argument("--sub-group-size", type=float, default=2e7,
                    help="zero_optimization.sub_group_size in elements (default 2e7)")
     g.add_argument("--gradient-clipping", type=float, default=1.0,
@@ -119,6 +142,7 @@ def settings_from_args(args, dtype: str):
         raise ValueError(f"--gradient-clipping {clip}: must be a finite number >= 0 (0 turns clipping off)")
     extra = _aidaptiv_extra(getattr(args, "aidaptiv_extra", None))
     return TrainSettings(dtype=dtype, micro_batch=args.micro_batch, seq=args.seq, aidaptiv_extra=extra,
+                         gradient_accumulation=int(getattr(args, "gradient_accumulation", 1)),
                          sub_group_size=int(args.sub_group_size), persistence_threshold=int(args.persistence_threshold),
                          max_reuse_distance=int(args.max_reuse_distance),
                          native_pipeline=args.native_pipeline, param_buffer_count=args.param_buffer_count,
