@@ -58,7 +58,7 @@ RULES = [
      "runs a fixed sample)"),
     (r"^launch/gpu_wheels\.sh$", "skip", "downloads wheels and .debs from the package index (network) for the "
      "GPU machine"),
-    (r"^(\.venv-vllm/bin/)?python launch/(compare|large_model|memory_sweep|bench_ttft|bench_zero_inference)\.py ",
+    (r"^(\.venv-vllm/bin/)?python launch/(compare|large_model|memory_sweep|bench_ttft|bench_zero_inference|moments_accuracy)\.py ",
      "skip",
      "a benchmark (minutes to hours, DeepSpeed's aio built) whose figures the README quotes"),
 ]
