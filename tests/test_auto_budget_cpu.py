@@ -28,17 +28,6 @@ def test_the_formula_caps_live_parameters_at_the_model():
     assert deepspeed_cpu_rank_bytes(10**9, 1000, 2, 10, 2, partition_ranks=1) == 2000 + 10 * 2
 
 
-def test_reuse_distance_zero_bounds_the_gathered_parameters():
-    """[Note: reuse distance 0]: DeepSpeed gathers the running module and the prefetch bucket (plus one parameter
-    the prefetch loop runs past it with), whatever max_live allows; any other reuse distance keeps max_live."""
-    big = dict(max_live_numel=10**9, model_numel=4 * 10**9, param_bytes_per_elem=4, reduce_bucket_numel=0,
-               grad_bytes_per_elem=4, partition_ranks=1, prefetch_bucket_numel=5 * 10**7, largest_module_numel=10**8)
-    assert deepspeed_cpu_rank_bytes(**big, max_reuse_distance=0) == (2 * 10**8 + 5 * 10**7) * 4
-    assert deepspeed_cpu_rank_bytes(**big, max_reuse_distance=10**9) == 10**9 * 4
-    assert deepspeed_cpu_rank_bytes(**{**big, "max_live_numel": 10**6}, max_reuse_distance=0) == 10**6 * 4
-    assert deepspeed_cpu_rank_bytes(**{**big, "largest_module_numel": None}, max_reuse_distance=0) == 10**9 * 4
-
-
 def test_reduce_path_copies_by_partition_group():
     assert [reduce_path_copies(n) for n in (1, 2, 8)] == [1, REDUCE_PATH_COPIES, REDUCE_PATH_COPIES]
     with pytest.raises(ValueError, match="partition_ranks=0"):
@@ -82,10 +71,9 @@ def test_deepspeeds_cpu_reduce_path_holds_two_more_buckets(tmp_path):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("max_live,bucket,reuse", [(10**9, 5 * 10**8, None), (4096, 4096, None), (10**9, None, None),
-                                                  (10**9, 5 * 10**8, 0)],
-                         ids=["defaults", "capped", "bucket-unset", "reuse-distance-0"])
-def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch, max_live, bucket, reuse, caplog):
+@pytest.mark.parametrize("max_live,bucket", [(10**9, 5 * 10**8), (4096, 4096), (10**9, None)],
+                         ids=["defaults", "capped", "bucket-unset"])
+def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch, max_live, bucket, caplog):
     """The budget is cut by exactly DeepSpeed's share; a bucket the config sets is kept, one it leaves out runs
     at ``CPU_REDUCE_BUCKET_NUMEL`` on a CPU rank (instead of DeepSpeed's 5e8), and the log says so."""
     import deepspeed
@@ -105,10 +93,9 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
                                       "in_backward": 0, "riding": 0, "total": kw["deepspeed_bytes"]})
     one_rank_env(monkeypatch)
     cfg = nvme_config(tmp_path / "cache", dram_budget="auto", stage3_max_live_parameters=max_live,
-                      **({} if bucket is None else {"reduce_bucket_size": bucket}),
-                      **({} if reuse is None else {"stage3_max_reuse_distance": reuse, "stage3_prefetch_bucket_size": 100}))
+                      **({} if bucket is None else {"reduce_bucket_size": bucket}))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(2 if reuse is None else 3)])
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     with caplog.at_level(logging.INFO, logger="aidaptiv_ds"):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     said = "reduce_bucket_size not set on a CPU rank" in caplog.text
@@ -119,11 +106,8 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
         assert engine.optimizer.reduce_bucket_size == bucket
         numel = sum(p.ds_numel for p in engine.module.parameters())
         mine = engine.optimizer._aidaptiv_deepspeed_cpu_bytes(list(engine.module.parameters()))
-        if reuse is None:
-            assert mine == deepspeed_cpu_rank_bytes(max_live, numel, 4, bucket, 4, partition_ranks=1)
-            assert mine == min(max_live, numel) * 4 + min(bucket, numel) * 4  # one rank: no reduce-scatter copies
-        else:  # three Linear(64, 64) of 64 x 64 + 64 elements: 2 x 4160 + the 100-element prefetch bucket
-            assert numel == 3 * 4160 and mine == (2 * 4160 + 100) * 4 + min(bucket, numel) * 4
+        assert mine == deepspeed_cpu_rank_bytes(max_live, numel, 4, bucket, 4, partition_ranks=1)
+        assert mine == min(max_live, numel) * 4 + min(bucket, numel) * 4  # one rank: no reduce-scatter copies
         assert seen == [mine]  # nothing held in DRAM yet when the budget is cut: exactly DeepSpeed's share
     finally:
         rt = engine.optimizer._aidaptiv.rt

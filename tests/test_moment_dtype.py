@@ -90,6 +90,38 @@ def test_moments_setting_is_checked():
         parse_section({"optimizer_state": {"moments": "int4"}})
 
 
+def test_narrow_moments_refusal_names_what_stops_the_tiled_step():
+    from aidaptiv_ds.integration.host_step import narrow_moments_refusal
+    p = torch.nn.Parameter(torch.zeros(4))
+    assert narrow_moments_refusal(torch.optim.AdamW([p], lr=1e-3)) is None
+    assert "foreach" in narrow_moments_refusal(torch.optim.AdamW([p], lr=1e-3, foreach=True))
+    assert "SGD" in narrow_moments_refusal(torch.optim.SGD([p], lr=1.0))
+    opt = torch.optim.Adam([p], lr=1e-3)
+    h = opt.register_step_post_hook(lambda *a: None)
+    assert "hook" in narrow_moments_refusal(opt)
+    h.remove()
+
+
+@pytest.mark.engine
+def test_engine_refuses_bf16_moments_before_step_one(tmp_path, monkeypatch):
+    """foreach AdamW with bf16 moments: refused in deepspeed.initialize, naming the setting and the fix, before
+    any state exists (not at step 2, after a whole-partition step 1)."""
+    import deepspeed
+
+    import aidaptiv_ds  # noqa: F401  (installs the hooks)
+    from _engine import nvme_config, one_rank_env
+
+    one_rank_env(monkeypatch)
+    cfg = nvme_config(tmp_path / "cache", dram_budget=0)
+    cfg["aidaptiv"]["optimizer_state"] = {"moments": "bf16"}
+    cfg["optimizer"]["params"]["foreach"] = True
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    with pytest.raises(AidaptivConfigError, match=r"moments is \"bf16\", but its param groups set foreach.*Fix"):
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    from aidaptiv_ds.integration import runtime
+    runtime.shutdown()
+
+
 def test_narrow_moments_need_torch_adam():
     p = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(AidaptivConfigError, match=r"moments is 'bfloat16'.*SGD.*torch_adam"):

@@ -51,8 +51,7 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
     and optimizer phases), for the shape and DeepSpeed knobs the sweep's worker runs with; bytes by part."""
     from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL
     from ..planner.model_size import shape_from_config
-    from ..planner.plan import (DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_PREFETCH_BUCKET_SIZE, CacheDrive, PlanInput,
-                                make_plan)
+    from ..planner.plan import DEEPSPEED_MAX_LIVE_PARAMETERS, CacheDrive, PlanInput, make_plan
     hf = shape.hf_config().to_dict()
     inp = PlanInput(shape=shape_from_config(hf, describe(shape)), gpus=1, vram=0, dram=int(ram_bytes or 64 * GiB),
                     drives=[CacheDrive(capacity=1 << 50)], dram_budget=0, micro_batch=settings.micro_batch,
@@ -61,8 +60,6 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
                     sub_group_size=int(settings.sub_group_size), cpu_ranks=True,
                     gradient_clipping=float(settings.clip),
                     max_live_parameters=int(settings.max_live_parameters or DEEPSPEED_MAX_LIVE_PARAMETERS),
-                    max_reuse_distance=int(settings.max_reuse_distance),
-                    prefetch_bucket_size=int(settings.prefetch_bucket_size or DEEPSPEED_PREFETCH_BUCKET_SIZE),
                     reduce_bucket_size=int(settings.reduce_bucket_size or CPU_REDUCE_BUCKET_NUMEL))
     return dict(make_plan(inp).cpu_rank_host)
 

@@ -32,8 +32,6 @@ from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL
 from ..planner.model_size import load_model_shape, nearest_preset
 from ..planner.plan import (
     DEEPSPEED_MAX_LIVE_PARAMETERS,
-    DEEPSPEED_MAX_REUSE_DISTANCE,
-    DEEPSPEED_PREFETCH_BUCKET_SIZE,
     DEFAULT_READ_GBPS,
     DEFAULT_SUB_GROUP_SIZE,
     DEFAULT_WRITE_GBPS,
@@ -186,11 +184,6 @@ def register(subparsers) -> None:
     p.add_argument("--max-live-parameters", type=float, default=DEEPSPEED_MAX_LIVE_PARAMETERS,
                    help="DeepSpeed's stage3_max_live_parameters in elements (default 1e9, DeepSpeed's): host memory "
                         "on CPU ranks")
-    p.add_argument("--max-reuse-distance", type=float, default=DEEPSPEED_MAX_REUSE_DISTANCE,
-                   help="DeepSpeed's stage3_max_reuse_distance in elements (default 1e9, DeepSpeed's): with 0, DeepSpeed "
-                        "gathers only the running module and the prefetch bucket at once (host memory on CPU ranks)")
-    p.add_argument("--prefetch-bucket-size", type=float, default=DEEPSPEED_PREFETCH_BUCKET_SIZE,
-                   help="DeepSpeed's stage3_prefetch_bucket_size in elements (default 5e7, DeepSpeed's)")
     p.add_argument("--reduce-bucket-size", type=float, default=None,
                    help="DeepSpeed's reduce_bucket_size in elements, if your config sets it (host memory on CPU "
                         "ranks: three buckets while one is reduced over several ranks, one on a single rank; left "
@@ -297,8 +290,7 @@ def plan_input_from_args(args) -> PlanInput:
         gpu_flops=tflops * 1e12 if tflops else None, schedule=args.schedule, link_gbps=link, gpu_mfu=args.mfu,
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
         step_time_s=args.step_time, cpu_ranks=cpu_ranks,
-        max_live_parameters=int(args.max_live_parameters), max_reuse_distance=int(args.max_reuse_distance),
-        prefetch_bucket_size=int(args.prefetch_bucket_size),
+        max_live_parameters=int(args.max_live_parameters),
         reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else CPU_REDUCE_BUCKET_NUMEL, gradient_clipping=args.gradient_clipping,
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward],
         logits_tokens=args.logits_tokens, assumed=assumed)

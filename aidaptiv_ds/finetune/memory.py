@@ -43,23 +43,12 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
     if not cpu:
         return {"deepspeed_bytes": 0, "activations_logits_bytes": 0}
     from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes
-    from ..planner.plan import (CPU_LOSS_BYTES_PER_LOGIT, DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_MAX_REUSE_DISTANCE,
-                                DEEPSPEED_PREFETCH_BUCKET_SIZE, activation_bytes)
+    from ..planner.plan import CPU_LOSS_BYTES_PER_LOGIT, DEEPSPEED_MAX_LIVE_PARAMETERS, activation_bytes
 
     zero = ds_config.get("zero_optimization") or {}
     live = int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS)))
     bucket = int(float(zero.get("reduce_bucket_size", CPU_REDUCE_BUCKET_NUMEL)))
-    reuse = int(float(zero.get("stage3_max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE)))
-    prefetch = int(float(zero.get("stage3_prefetch_bucket_size", DEEPSPEED_PREFETCH_BUCKET_SIZE)))
-    largest = None
-    if model_config:
-        try:
-            from ..planner.model_size import shape_from_config
-            largest = shape_from_config(model_config).largest_param_numel
-        except (ValueError, KeyError, TypeError):
-            largest = None
-    ds = deepspeed_cpu_rank_bytes(live, n_params, dtype_bytes, bucket, dtype_bytes, partition_ranks=world,
-                                  max_reuse_distance=reuse, prefetch_bucket_numel=prefetch, largest_module_numel=largest)
+    ds = deepspeed_cpu_rank_bytes(live, n_params, dtype_bytes, bucket, dtype_bytes, partition_ranks=world)
     act = None
     if model_config:
         try:

@@ -144,6 +144,21 @@ def narrow_moments(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> boo
                                for v in state.values())
 
 
+def narrow_moments_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` could not step narrow moments in tiles (checked before the first step, so nothing is
+    created first), or None. The conditions that do not change during training: torch's Adam/AdamW, plain param
+    groups (no ``foreach``/``fused``/``capturable``/``differentiable``), no optimizer step hook."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"the optimizer is {type(optimizer).__module__}.{type(optimizer).__name__}, not torch's Adam or AdamW"
+    bad = [k for g in optimizer.param_groups for k in ("foreach", "fused", "capturable", "differentiable")
+           if g.get(k)]
+    if bad or not all(_plain_group(g) for g in optimizer.param_groups):
+        return f"its param groups set {', '.join(sorted(set(bad))) or 'options torch Adam lacks'}"
+    if _has_step_hooks(optimizer):
+        return "an optimizer step hook is registered"
+    return None
+
+
 def _plain_group(group: dict) -> bool:
     return (not group.get("foreach") and not group.get("fused") and not group.get("capturable")
             and not group.get("differentiable") and "decoupled_weight_decay" in group)

@@ -27,11 +27,11 @@ from ..planner.working_set import RankPolicy, RankState, rank_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..units import format_bytes
-from .config import section_enabled, validate
+from .config import AidaptivConfigError, section_enabled, validate
 from ..io.errors import StorageFullError
 from .backward_step import BackwardStepMixin, BackwardStepper
 from .grad_path import GradientPathMixin
-from .host_step import TILE_NUMEL, HostStepMixin
+from .host_step import TILE_NUMEL, HostStepMixin, narrow_moments_refusal
 from .state_api import StateAPIMixin
 from .step_pipeline import StepPipeline
 from .step_pipeline import forget as forget_pipeline
@@ -165,12 +165,18 @@ def make_stage3_class(base: type) -> type:
 
         def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
             rt = self._aidaptiv.rt
-            moments = {"fp32": torch.float32, "bf16": torch.bfloat16}[rt.cfg.optimizer_state.moments]
+            # this engine's section (a runtime shared with an earlier zero.Init or engine keeps the first config)
+            moments = {"fp32": torch.float32, "bf16": torch.bfloat16}[self._aidaptiv.cfg.optimizer_state.moments]
             master = self.master_weights_and_grads_dtype
             self.optimizer_swapper = sw = AidaptivOptimizerSwapper(
                 rt, self.optimizer, master, self._aidaptiv.engine_id, phase=self._aidaptiv.phase,
                 moment_dtype=moments if moments.itemsize < master.itemsize else master)
             sw._owner = weakref.ref(self)
+            why = narrow_moments_refusal(self.optimizer) if sw.moment_dtype != sw.dtype else None
+            if why is not None:  # before step 1 creates any state ([Note: narrow moments] in host_step.py)
+                raise AidaptivConfigError(
+                    f"aidaptiv.optimizer_state.moments is \"bf16\", but {why}: bf16 moments are stepped only by the "
+                    f"tiled torch Adam/AdamW step. Fix: remove that setting, or set \"moments\": \"fp32\"")
             self._aidaptiv_plan()
 
         def _create_fp32_partitions(self):
@@ -246,17 +252,11 @@ def make_stage3_class(base: type) -> type:
             offload = getattr(self, "parameter_offload", None)
             max_live = getattr(offload, "_max_available_parameters_in_numel", 0) or 0
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
-            module = self._aidaptiv.module
-            largest_module = max((sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters(recurse=False))
-                                  for m in module.modules()), default=0) if module is not None else None
             import deepspeed.comm as dist
             return deepspeed_cpu_rank_bytes(max_live, model_numel, self.dtype.itemsize,
                                             int(getattr(self, "reduce_bucket_size", 0) or 0),
                                             self.gradient_accumulation_dtype.itemsize,
-                                            partition_ranks=dist.get_world_size(group=self.dp_process_group),
-                                            max_reuse_distance=getattr(offload, "_max_reuse_distance_in_numel", None),
-                                            prefetch_bucket_numel=getattr(offload, "_prefetch_bucket_sz", None),
-                                            largest_module_numel=largest_module)
+                                            partition_ranks=dist.get_world_size(group=self.dp_process_group))
 
         def _aidaptiv_param_cap(self, module_params) -> int | None:
             """``offload_param.max_in_cpu`` as bytes of this rank's parameter partitions (None: no cap).

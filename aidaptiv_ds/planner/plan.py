@@ -122,9 +122,6 @@ RULE_OF_THUMB_BYTES_PER_PARAM = 20
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 #: DeepSpeed 0.19.8's default of ``stage3_max_live_parameters`` (elements)
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
-#: DeepSpeed 0.19.8's defaults of ``stage3_max_reuse_distance`` and ``stage3_prefetch_bucket_size`` (elements)
-DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
-DEEPSPEED_PREFETCH_BUCKET_SIZE = 50_000_000
 VRAM_OVERHEAD_BYTES = 2 * GiB
 STRIPE_UNIT = 1 << 20
 DEFAULT_READ_GBPS = 7.0
@@ -198,10 +195,6 @@ class PlanInput:
         max_live_parameters / reduce_bucket_size: DeepSpeed's ``stage3_max_live_parameters`` and
             ``reduce_bucket_size`` (elements), host memory on CPU ranks; defaults: DeepSpeed's 1e9, and the
             2e7-element bucket a CPU rank runs with when the config leaves it out.
-        max_reuse_distance / prefetch_bucket_size: DeepSpeed's ``stage3_max_reuse_distance`` and
-            ``stage3_prefetch_bucket_size`` (elements; defaults DeepSpeed's 1e9 and 5e7): with a reuse distance of
-            0 DeepSpeed gathers at most the running module and the prefetch bucket at once ([Note: reuse
-            distance 0] in :func:`~aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`).
         cpu_ranks: the ranks compute on the CPU (DeepSpeed's CPU accelerator; ``gpus`` then counts
             ranks): what a GPU would hold (gathered parameters, reduce buckets, activations) is host
             memory too; there is no VRAM check (see :func:`cpu_rank_host_bytes`).
@@ -247,8 +240,6 @@ class PlanInput:
     rank_overhead: int = RANK_OVERHEAD_BYTES
     cpu_rank_baseline: int = CPU_RANK_BASELINE_BYTES
     max_live_parameters: int = DEEPSPEED_MAX_LIVE_PARAMETERS
-    max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE
-    prefetch_bucket_size: int = DEEPSPEED_PREFETCH_BUCKET_SIZE
     reduce_bucket_size: int = CPU_REDUCE_BUCKET_NUMEL
     vram_overhead: int = VRAM_OVERHEAD_BYTES
     shape_source: str = "exact"
@@ -666,12 +657,8 @@ def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankP
     window the parameter swapper asks for (2 x the largest partition, ``prefetch_bytes: "auto"``), DeepSpeed's
     working set from ``--max-live-parameters`` and ``--reduce-bucket-size``, and ``activations`` (bytes)."""
     pb = PARAM_BYTES[inp.dtype]
-    scale = inp.params / inp.shape.n_params if inp.n_params is not None and inp.shape.n_params else 1.0
     ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, inp.params, pb, inp.reduce_bucket_size,
-                                  grad_accum_bytes(inp.dtype), partition_ranks=inp.dp,
-                                  max_reuse_distance=inp.max_reuse_distance,
-                                  prefetch_bucket_numel=inp.prefetch_bucket_size,
-                                  largest_module_numel=int(max(inp.shape.largest_param_numel, 1) * scale))
+                                  grad_accum_bytes(inp.dtype), partition_ranks=inp.dp)
     return rank_policy(inp, readahead_bytes=auto_prefetch_bytes(2 * state.largest_partition_numel * pb),
                        deepspeed_bytes=ds, activation_bytes=activations)
 
