@@ -26,8 +26,8 @@ from aidaptiv_ds.tiers.unit import UnitLayout
 def test_layout_packs_typed_slots_end_to_end():
     lay = UnitLayout.packed(1001, [("master", torch.float32), ("m", torch.bfloat16), ("v", torch.bfloat16)])
     assert [(s.offset, s.nbytes) for s in lay.slots] == [(0, 4004), (4004, 2002), (6006, 2002)]
-    assert lay.prefix_bytes(1) == 4004 and lay.prefix_bytes() == 8008 and lay.bytes_per_element() == 8
-    assert lay.uniform_dtype is None
+    assert lay.prefix_bytes(1) == 4004 and lay.prefix_bytes() == 8008  # 8 B per element
+    assert not lay.all_of(torch.float32) and lay.all_of(torch.float32, 1)
     buf = torch.zeros(lay.prefix_bytes(), dtype=torch.uint8)
     rows = torch.randn(3, 1001)
     lay.fill(buf, rows)

@@ -93,11 +93,6 @@ def _names(module) -> dict[int, str]:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def _fp32_prefix(layout, slots: int) -> bool:
-    """The first ``slots`` slots are fp32: the extent's bytes are the checkpoint's fp32 ``[slots, numel]``."""
-    return all(sl.dtype == torch.float32 for sl in layout.slots[:slots])
-
-
 def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWriter:
     """Write this rank's optimizer sub-groups and frozen partitions under ``tag_path``."""
     rt, sw = opt._aidaptiv.rt, opt.optimizer_swapper
@@ -122,7 +117,7 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
         slots = g.valid_slots
         if slots > 1:  # [Note: moment dtype] in optimizer_swapper.py: stored widened to fp32, exactly
             meta["slot_dtypes"] = [str(sl.dtype)[6:] for sl in g.layout.slots[:slots]]
-        as_stored = g.layout.slots[0].dtype == torch.float32 and _fp32_prefix(g.layout, slots)
+        as_stored = g.layout.all_of(torch.float32, slots)  # the extent is the checkpoint's fp32 [slots, numel]
         if g.slice is not None:  # newest bytes in DRAM (resident, cached or dirty)
             data = g.layout.widened(sw.wait_slice(g).buf, slots)
             writer.write_tensors(fname, [("state", data)], {"aidaptiv": meta})
@@ -191,7 +186,7 @@ def save_bytes(opt, save_dir: str, tag: str, exclude_frozen: bool) -> int:
     need, nparams = 0, 0
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
         g = sw.groups[str(fp32.ds_id)]
-        data = 0 if (g.slice is None and clone and _fp32_prefix(g.layout, g.valid_slots)) \
+        data = 0 if (g.slice is None and clone and g.layout.all_of(torch.float32, g.valid_slots)) \
             else g.valid_slots * g.numel * 4  # fp32 [slots, numel]
         need += data + 4 * align  # header (params' names and shapes in the metadata), rounding
         nparams += len(opt.fp16_groups[i])
@@ -507,7 +502,7 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
             n = p.ds_tensor.ds_numel
             flat[:, off:off + n] = reader.read_range(name, rank * n, n)[:slots]
             off += n
-        if not _fp32_prefix(g.layout, slots):
+        if not g.layout.all_of(torch.float32, slots):
             g.layout.fill(buf, flat)  # bf16 moments saved widened come back exactly
         sw.install_subgroup(g, fp32, buf, state_names, steps.get("step") if load_optimizer_states else None)
     if load_optimizer_states:

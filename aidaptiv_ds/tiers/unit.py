@@ -81,11 +81,9 @@ class UnitLayout:
             off += numel * size
         return cls(numel, tuple(slots))
 
-    @property
-    def uniform_dtype(self) -> torch.dtype | None:
-        """The slots' one dtype, or None when they differ (or there are none)."""
-        kinds = {s.dtype for s in self.slots}
-        return next(iter(kinds)) if len(kinds) == 1 else None
+    def all_of(self, dtype: torch.dtype, k: int | None = None) -> bool:
+        """The first ``k`` slots (all when None) are all ``dtype``: their bytes are one ``[k, numel]`` tensor of it."""
+        return all(s.dtype == dtype for s in self.slots[:len(self.slots) if k is None else k])
 
     def prefix_bytes(self, k: int | None = None) -> int:
         """Bytes of the first ``k`` slots (all when None): where slot ``k - 1`` ends; 0 for ``k`` = 0."""
@@ -94,16 +92,10 @@ class UnitLayout:
             raise ValueError(f"a unit of {len(self.slots)} slots has no prefix of {k}")
         return self.slots[k - 1].end if k else 0
 
-    def bytes_per_element(self, k: int | None = None) -> int:
-        """Bytes per element of the first ``k`` slots (all when None), e.g. 4 + 2 + 2 = 8 for an fp32 master
-        with two bf16 moments."""
-        k = len(self.slots) if k is None else k
-        return sum(s.dtype.itemsize for s in self.slots[:k])
-
     def widened(self, buf: torch.Tensor, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The first ``k`` slots as one ``[k, numel]`` tensor of ``dtype``: a view of ``buf`` when they are all
         ``dtype`` already, else a new tensor with each slot converted (exact for a wider ``dtype``)."""
-        if all(s.dtype == dtype for s in self.slots[:k]):
+        if self.all_of(dtype, k):
             return buf[:k * self.numel * dtype.itemsize].view(dtype).reshape(k, self.numel)
         out = torch.empty(k, self.numel, dtype=dtype)
         for j, s in enumerate(self.slots[:k]):
