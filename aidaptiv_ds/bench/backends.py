@@ -15,6 +15,8 @@ Backends:
 * ``aidaptiv0_bf16m`` (optional): ``aidaptiv0`` with Adam's moments kept in bf16
   (``"optimizer_state": {"moments": "bf16"}``): 8 bytes of optimizer state per parameter instead of 12;
   opt-in and not bit-identical (its losses differ from ``cpu``'s by the rounding);
+* ``aidaptiv0_int8m`` (optional): the same with int8 moments (``"moments": "int8"``, block-quantized with
+  torchao's map): 6.03 bytes of optimizer state per parameter; needs torchao;
 * ``gpu`` (optional): ZeRO-3 without any offload: parameters, gradients and optimizer state on the
   accelerator (DeepSpeed's ``offload_*.device: none``). On a GPU it is the ceiling the offloads are
   measured against (no host memory or drive in the step); on CPU ranks it trains in host memory.
@@ -28,7 +30,7 @@ import copy
 import dataclasses
 
 BACKENDS = ("native", "cpu", "aidaptiv0", "aidaptiv_auto")
-OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "gpu")
+OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "aidaptiv0_int8m", "gpu")
 LABELS = {
     "native": "DeepSpeed native NVMe",
     "cpu": "DeepSpeed CPU offload",
@@ -36,8 +38,11 @@ LABELS = {
     "aidaptiv_auto": "aidaptiv_ds, DRAM budget auto",
     "aidaptiv_grads": "aidaptiv_ds, DRAM budget = gradients",
     "aidaptiv0_bf16m": "aidaptiv_ds, DRAM budget 0, bf16 moments",
+    "aidaptiv0_int8m": "aidaptiv_ds, DRAM budget 0, int8 moments",
     "gpu": "no offload (all on the accelerator)",
 }
+#: backends that store Adam's moments narrower than fp32, and how (``aidaptiv.optimizer_state.moments``)
+MOMENT_BACKENDS = {"aidaptiv0_bf16m": "bf16", "aidaptiv0_int8m": "int8"}
 #: The backend every ratio is taken against.
 REFERENCE = "native"
 
@@ -49,7 +54,7 @@ def dram_budget(backend: str, n_params: int) -> int | str:
     Raises:
         KeyError: ``backend`` is not an aidaptiv_ds backend.
     """
-    return {"aidaptiv0": 0, "aidaptiv0_bf16m": 0, "aidaptiv_auto": "auto",
+    return {"aidaptiv0": 0, "aidaptiv0_bf16m": 0, "aidaptiv0_int8m": 0, "aidaptiv_auto": "auto",
             "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
 
 
@@ -202,8 +207,8 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
         zero["offload_param"].pop("max_in_cpu", None)
         budget = dram_budget(backend, n_params)
         section = {"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget}
-        if backend == "aidaptiv0_bf16m":
-            section["optimizer_state"] = {"moments": "bf16"}
+        if backend in MOMENT_BACKENDS:
+            section["optimizer_state"] = {"moments": MOMENT_BACKENDS[backend]}
         cfg["aidaptiv"] = _merged(section, s.aidaptiv_extra or {})
     return copy.deepcopy(cfg)
 

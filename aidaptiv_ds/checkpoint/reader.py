@@ -163,6 +163,19 @@ class CheckpointReader:
             pos += take
         return out
 
+    def packed_unit(self, rank: int, index: int, layout: list) -> torch.Tensor | None:
+        """The bytes of sub-group ``index`` of ``rank`` as its extent stored them (uint8, tensor ``packed``), when
+        that rank is present and saved it with the same slot ``layout`` (the JSON ``packed_layout``: int8 moments,
+        whose codes and scales a dequantize-quantize round trip would not give back exactly); else None."""
+        if rank not in self.rank_ids:
+            return None
+        subgroups = self.ranks[self.rank_ids.index(rank)]["subgroups"]
+        if not 0 <= index < len(subgroups) or subgroups[index].get("packed_layout") != layout:
+            return None
+        path = os.path.join(self.rank_paths[rank], DIRNAME, rank_dirname(rank), subgroups[index]["file"])
+        h = self._open(path)
+        return h.get_tensor("packed") if "packed" in h.keys() else None
+
     def full(self, name: str, slot: int = 0) -> torch.Tensor:
         """The whole parameter ``name`` in its original shape: slot 0 = fp32 master (or the frozen values)."""
         info = self.params[name]

@@ -159,9 +159,10 @@ def register(subparsers) -> None:
                         f"{DEFAULT_MFU})")
     p.add_argument("--dtype", default="bf16", choices=sorted(PARAM_BYTES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(MOMENT_BYTES))
-    p.add_argument("--moments", default=None, choices=("fp32", "bf16"),
-                   help="dtype of the optimizer's moments on the tiers (aidaptiv.optimizer_state.moments; bf16 halves "
-                        "them, Adam/AdamW only; default: the --deepspeed config's, else fp32)")
+    p.add_argument("--moments", default=None, choices=("fp32", "bf16", "int8"),
+                   help="format of the optimizer's moments on the tiers (aidaptiv.optimizer_state.moments; bf16 halves "
+                        "them, int8 quantizes them to 1.016 B each, Adam/AdamW only; default: the --deepspeed config's, "
+                        "else fp32)")
     p.add_argument("--no-activation-checkpointing", action="store_true", help="keep all activations")
     p.add_argument("--no-flash-attention", action="store_true", help="attention scores are materialised (s^2)")
     p.add_argument("--dropout", action="store_true", help="the model uses dropout (masks are stored)")
@@ -431,7 +432,7 @@ def format_plan(p: CapacityPlan, strict: bool = False) -> str:
            f"seq {i['seq_len']}, grad-accum {i['grad_accum']}, {i['dtype']}, {i['optimizer']}, "
            f"checkpointing {'on' if i['activation_checkpointing'] else 'off'}",
            f"state      {_dec(p.total_state_bytes)} = {p.bytes_per_param:.2f} B/param "
-           f"({p.state_bytes_per_param} B/param of training state + activations); "
+           f"({p.state_bytes_per_param:g} B/param of training state + activations); "
            f"rule of thumb 20 B/param = {_dec(p.rule_of_thumb_bytes)}",
            ""]
     if cpu:

@@ -117,10 +117,13 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
         slots = g.valid_slots
         if slots > 1:  # [Note: moment dtype] in optimizer_swapper.py: stored widened to fp32, exactly
             meta["slot_dtypes"] = [str(sl.dtype)[6:] for sl in g.layout.slots[:slots]]
+        packed = _packed_layout(g.layout, slots)
+        if packed:  # int8 moments: their codes and scales beside the dequantized rows, for an exact resume
+            meta["packed_layout"] = packed
         as_stored = g.layout.all_of(torch.float32, slots)  # the extent is the checkpoint's fp32 [slots, numel]
         if g.slice is not None:  # newest bytes in DRAM (resident, cached or dirty)
-            data = g.layout.widened(sw.wait_slice(g).buf, slots)
-            writer.write_tensors(fname, [("state", data)], {"aidaptiv": meta})
+            buf = sw.wait_slice(g).buf
+            writer.write_tensors(fname, _state_tensors(g.layout, buf, slots, packed), {"aidaptiv": meta})
         else:
             key = sw._extent_key(g)
             runs = rt.store.physical_runs(key, 0, sw._span(g, slots))
@@ -128,7 +131,7 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
                                                         {"aidaptiv": meta}, rt.store.alignment):
                 buf = alloc_aligned(sw._span(g, slots))
                 rt.store.read(key, buf, 0).wait()
-                writer.write_tensors(fname, [("state", g.layout.widened(buf, slots))], {"aidaptiv": meta})
+                writer.write_tensors(fname, _state_tensors(g.layout, buf, slots, packed), {"aidaptiv": meta})
         subgroups.append(dict(meta, file=fname, params=layout))
         _kill_point("subgroup")
     frozen = []
@@ -147,6 +150,23 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
     writer.finish({"subgroups": subgroups, "frozen": frozen, "frozen_file": "frozen.safetensors",
                    "loss_scaler": scaler, "param_groups": groups, "optimizer": type(opt.optimizer).__name__})
     return writer
+
+
+def _packed_layout(layout, slots: int) -> list:
+    """The first ``slots`` slots as JSON (name, dtype, offset, numel, block, signed) when one is quantized (int8
+    moments, [Note: quantized slots] in ``tiers/unit.py``), else ``[]``."""
+    if not any(sl.quantized for sl in layout.slots[:slots]):
+        return []
+    return [[sl.name, str(sl.dtype)[6:], sl.offset, sl.numel, sl.block, sl.signed] for sl in layout.slots[:slots]]
+
+
+def _state_tensors(layout, buf: torch.Tensor, slots: int, packed: list) -> list:
+    """A sub-group file's tensors: ``state``, fp32 ``[slots, numel]`` (moments widened or dequantized), and for
+    quantized moments ``packed``, the unit's bytes as stored (uint8; the reader's exact resume)."""
+    out = [("state", layout.widened(buf, slots))]
+    if packed:
+        out.append(("packed", buf[:layout.prefix_bytes(slots)]))
+    return out
 
 
 _CLONES: dict[tuple, bool] = {}  # (save_dir's device, slab path) -> whether a copy-on-write clone works there
@@ -188,6 +208,8 @@ def save_bytes(opt, save_dir: str, tag: str, exclude_frozen: bool) -> int:
         g = sw.groups[str(fp32.ds_id)]
         data = 0 if (g.slice is None and clone and g.layout.all_of(torch.float32, g.valid_slots)) \
             else g.valid_slots * g.numel * 4  # fp32 [slots, numel]
+        if _packed_layout(g.layout, g.valid_slots):  # int8 moments: their bytes as stored too
+            data += g.layout.prefix_bytes(g.valid_slots)
         need += data + 4 * align  # header (params' names and shapes in the metadata), rounding
         nparams += len(opt.fp16_groups[i])
     if not exclude_frozen:
@@ -504,6 +526,11 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
             off += n
         if not g.layout.all_of(torch.float32, slots):
             g.layout.fill(buf, flat)  # bf16 moments saved widened come back exactly
+            packed = _packed_layout(g.layout, slots)
+            raw = reader.packed_unit(rank, i, packed) if packed and reader.world_size == dist.get_world_size() \
+                else None
+            if raw is not None:  # the same ranks and layout: the int8 codes and scales as they were
+                buf[:raw.numel()].copy_(raw)
         sw.install_subgroup(g, fp32, buf, state_names, steps.get("step") if load_optimizer_states else None)
     if load_optimizer_states:
         for idx in reader.ranks[:1]:

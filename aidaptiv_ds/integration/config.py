@@ -125,13 +125,15 @@ class ProfileConfig(_Model):
 class OptimizerStateConfig(_Model):
     """How the optimizer's per-element state is stored on the tiers (``tiers/unit.py``, the sub-group's layout).
 
-    ``moments``: the dtype of Adam's ``exp_avg`` and ``exp_avg_sq``: ``"fp32"`` (default; bit-identical with
-    DeepSpeed's CPU offload) or ``"bf16"`` (opt-in, *not* bit-identical: each moment is rounded to bf16,
-    round-to-nearest-even, after every step; the master weights stay fp32). bf16 moments cut the optimizer
-    state from 12 to 8 bytes per parameter, on the drives and in every transfer. Needs torch's Adam or AdamW
-    (``"torch_adam": true`` in the optimizer's params), stepped in tiles (``integration/host_step.py``).
+    ``moments``: how Adam's ``exp_avg`` and ``exp_avg_sq`` are stored: ``"fp32"`` (default; bit-identical with
+    DeepSpeed's CPU offload), ``"bf16"`` or ``"int8"`` (opt-in, *not* bit-identical; the master weights stay fp32).
+    bf16 rounds each moment to bf16 (round-to-nearest-even) after every step: the optimizer state goes from 12 to 8
+    bytes per parameter, on the drives and in every transfer. int8 quantizes each block of 256 elements with
+    torchao's dynamic map and an fp32 scale (``tiers/blockwise.py``; needs torchao, the ``int8`` extra): 6.03
+    bytes per parameter. Both need torch's Adam or AdamW (``"torch_adam": true`` in the optimizer's params),
+    stepped in tiles (``integration/host_step.py``).
     """
-    moments: Literal["fp32", "bf16"] = "fp32"
+    moments: Literal["fp32", "bf16", "int8"] = "fp32"
 
 
 class AidaptivConfig(_Model):
@@ -288,7 +290,7 @@ _EXAMPLES = {
     "profile": 'an object such as {"steps": "3-4", "dir": "output/run"}',
     "profile.steps": 'a step such as 3, or a range such as "3-4" or [3, 4]',
     "profile.dir": 'a directory such as "output/run"', "profile.modules": '"blocks" or "all"',
-    "optimizer_state": 'an object such as {"moments": "bf16"}', "optimizer_state.moments": '"fp32" or "bf16"',
+    "optimizer_state": 'an object such as {"moments": "bf16"}', "optimizer_state.moments": '"fp32", "bf16" or "int8"',
 }
 
 

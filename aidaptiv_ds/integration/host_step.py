@@ -50,7 +50,8 @@ With ``"optimizer_state": {"moments": "bf16"}`` the optimizer's ``exp_avg``/``ex
 the sub-group's slots (``optimizer_swapper.py`` [Note: moment dtype]). Each tile then widens its moments to
 fp32 (exact), runs the same ``adam`` call on them and rounds them back into the slots (``copy_``:
 round-to-nearest-even): the master update is torch's fp32 arithmetic on moments rounded after the previous
-step. The two widened tiles are 2 x 8 MiB more scratch (the planner's ``widened_states``). Such a state has
+step. With ``"int8"`` the tensors are the codes, and the tile is dequantized from and quantized back into the
+slot (``tiers/blockwise.py``; tiles are whole blocks of 256). The two widened tiles are 2 x 8 MiB more scratch (the planner's ``widened_states``). Such a state has
 no other step: where the tiled path does not apply, :class:`HostStepMixin` raises instead of handing bf16
 moments to DeepSpeed's or torch's whole-partition step.
 
@@ -76,14 +77,18 @@ TILE_NUMEL = OPTIMIZER_TILE_NUMEL
 
 
 def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
-                    tile_numel: int | None = None) -> bool:
+                    tile_numel: int | None = None, slots: dict | None = None) -> bool:
     """One Adam/AdamW step of ``param`` (the only tensor of ``group``) in tiles of ``tile_numel`` elements.
 
     Args:
         optimizer: a ``torch.optim.Adam`` or ``torch.optim.AdamW`` whose ``group`` holds ``param`` alone.
         group: the param group (``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``...).
         param: a flat fp32 CPU tensor with ``param.grad`` set (a sub-group's partition, shape ``(n,)``).
-        tile_numel: elements per tile (> 0; default :data:`TILE_NUMEL`, read at the call).
+        tile_numel: elements per tile (> 0; default :data:`TILE_NUMEL`, read at the call; rounded down to whole
+            blocks of a quantized slot).
+        slots: ``{state name: (Slot, buf)}`` of states stored in another format (``tiers/unit.py``; the swapper's
+            ``moment_slots``): each tile is read from and written to the slot ([Note: narrow moments]). Needed for
+            int8 moments, whose state tensors are the codes; bf16 moments are widened from their tensors without it.
 
     Returns:
         True when the step ran here (tiled); False when it did not and nothing was changed, so the caller
@@ -118,23 +123,38 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
         if any(t.shape != param.shape or t.dtype not in (torch.float32,) + NARROW_MOMENT_DTYPES
                for t in tensors[2:]):
             return False
+        names = {id(v): k for k, v in optimizer.state[param].items() if torch.is_tensor(v)}
+        codecs = [(slots or {}).get(names.get(id(t))) for t in tensors[2:]]
+        if any(t.dtype == torch.uint8 and c is None for t, c in zip(tensors[2:], codecs)):
+            return False  # int8 codes without their slot: nothing to decode them with
+        block = max([c[0].block for c in codecs if c is not None] + [1])
+        tile_numel = max(block, tile_numel // block * block)  # [Note: tiles and blocks] in tiers/blockwise.py
         n, last = param.numel(), step
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
             for a in range(0, n, tile_numel):
                 sl = [t[a:a + tile_numel] for t in tensors]
-                states = [t.float() if t.dtype != torch.float32 else t for t in sl[2:]]  # [Note: narrow moments]
+                states = [_read_tile(t, c, a) for t, c in zip(sl[2:], codecs)]  # [Note: narrow moments]
                 last = step.clone()
                 adam([sl[0]], [sl[1]], [states[0]], [states[1]], states[2:], [last], **kw)
-                for t, w in zip(sl[2:], states):
-                    if t is not w:
+                for t, c, w in zip(sl[2:], codecs, states):
+                    if c is not None:
+                        c[0].write(c[1], w, a)
+                    elif t is not w:
                         t.copy_(w)
             step.copy_(last)
     optimizer._opt_called = True  # what torch's lr_scheduler step wrapper records (its order warning)
     return True
 
 
-#: moment dtypes the tiled step widens per tile ([Note: narrow moments])
-NARROW_MOMENT_DTYPES = (torch.bfloat16,)
+def _read_tile(t: torch.Tensor, codec, start: int) -> torch.Tensor:
+    """A tile of a state as fp32: decoded from its slot (``codec``: ``(Slot, buf)``), widened, or ``t`` itself."""
+    if codec is not None:
+        return codec[0].read(codec[1], start, t.numel())
+    return t.float() if t.dtype != torch.float32 else t
+
+
+#: moment dtypes the tiled step widens or decodes per tile ([Note: narrow moments]; uint8: int8 codes)
+NARROW_MOMENT_DTYPES = (torch.bfloat16, torch.uint8)
 
 
 def narrow_moments(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
@@ -186,8 +206,10 @@ class HostStepMixin:
         gid = self.sub_group_to_group_id[sub_group_id]
         group = self.optimizer.param_groups[gid]
         group["params"] = [fp32_param]  # DeepSpeed's protocol (stage3.py:1252-1254)
+        sw = getattr(self, "optimizer_swapper", None)
+        slots = sw.moment_slots(sub_group_id) if hasattr(sw, "moment_slots") else None
         try:
-            if not tiled_adam_step(self.optimizer, group, fp32_param):
+            if not tiled_adam_step(self.optimizer, group, fp32_param, slots=slots):
                 self._aidaptiv_refuse_narrow(sub_group_id, fp32_param)
                 return super()._optimizer_step(sub_group_id)
         finally:
@@ -199,7 +221,7 @@ class HostStepMixin:
         moments]): nothing has changed yet."""
         if narrow_moments(self.optimizer, param):
             raise AidaptivConfigError(
-                f"aidaptiv_ds: optimizer sub-group {sub_group_id} keeps its moments in bf16 "
+                f"aidaptiv_ds: optimizer sub-group {sub_group_id} keeps its moments in bf16 or int8 "
                 f"(aidaptiv.optimizer_state.moments), which only the tiled torch Adam/AdamW step supports, and this "
                 f"step cannot run tiled (an optimizer step hook, a grad scaler, foreach/fused/capturable, or a "
                 f"sub-group off the host). Fix: set \"moments\": \"fp32\", or remove what stops the tiled step")

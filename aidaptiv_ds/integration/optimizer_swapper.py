@@ -35,7 +35,7 @@ from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..planner.residency import ResidencyPlan
 from ..spans import spanned
 from ..tiers.host_tier import Slice
-from ..tiers.unit import UnitLayout
+from ..tiers.unit import MOMENT_FORMATS, MomentFormat, UnitLayout
 from ..errors import AidaptivConfigError
 from .errors import DeepSpeedContractError
 from .gradients import GradientStore
@@ -100,11 +100,12 @@ class AidaptivOptimizerSwapper:
         dtype: master-weight dtype (fp32 unless DeepSpeed runs bf16 master weights).
         engine_id: distinguishes the sub-group keys of several engines in one process.
         phase: the engine's phase record (a fresh one, ``TRAINING``, when not given).
-        moment_dtype: dtype of Adam's two moments on the tiers (default: ``dtype``); see [Note: moment dtype].
+        moments: how Adam's two moments are stored on the tiers (a :class:`~aidaptiv_ds.tiers.unit.MomentFormat`
+            or its name, ``"fp32"``/``"bf16"``/``"int8"``; default: plain ``dtype``); see [Note: moment dtype].
 
     Raises:
-        AidaptivConfigError: ``moment_dtype`` differs from ``dtype`` and the optimizer is not torch's Adam or
-            AdamW (:func:`moment_layout_ok`), or is wider than ``dtype``.
+        AidaptivConfigError: the moments are stored narrower than ``dtype`` and the optimizer is not torch's
+            Adam or AdamW (:func:`moment_layout_ok`), or they are wider than ``dtype``.
 
     [Note: moment dtype]
     With ``"optimizer_state": {"moments": "bf16"}`` Adam's ``exp_avg`` and ``exp_avg_sq`` are bf16 slots
@@ -115,16 +116,26 @@ class AidaptivOptimizerSwapper:
     moments, and the default stays fp32. The first step's moments are created by torch in fp32 and rounded
     into the slots when the step ends (``_adopt_states``). Checkpoints store them widened to fp32 (exact), so
     a resume in bf16 continues bit-exactly and a checkpoint can be resumed with either setting.
+
+    With ``"int8"`` each moment slot holds uint8 codes and an fp32 scale per block of 256 (``tiers/blockwise.py``,
+    [Note: quantized slots] in ``tiers/unit.py``): 2.03 bytes per parameter for both. The optimizer's
+    ``exp_avg``/``exp_avg_sq`` are views of the codes between steps; the tiled step dequantizes each tile, steps it
+    and quantizes it back (:meth:`moment_slots` hands it the slots). Adam's state names sort as ``exp_avg``,
+    ``exp_avg_sq``: the first slot takes the signed map, the second (never negative) the unsigned one. A checkpoint
+    keeps the codes beside the dequantized fp32 rows, so a resume on the same ranks continues bit-exactly.
     """
 
     def __init__(self, runtime: Runtime, optimizer, dtype: torch.dtype, engine_id: int,
-                 phase: EnginePhase | None = None, moment_dtype: torch.dtype | None = None) -> None:
+                 phase: EnginePhase | None = None, moments: MomentFormat | str | None = None) -> None:
         self.rt = runtime
         self.optimizer = optimizer
         self._owner = None  # weakref to the Stage-3 optimizer that built this swapper (set by it)
         self.dtype = dtype
         self.elsize = dtype.itemsize
-        self.moment_dtype = dtype if moment_dtype is None else moment_dtype
+        if isinstance(moments, str):
+            moments = MOMENT_FORMATS[moments]
+        #: how Adam's moments are stored (plain ``dtype`` unless ``optimizer_state.moments`` narrows them)
+        self.moments = moments if moments is not None else MomentFormat(str(dtype)[6:], dtype)
         self.engine_id = engine_id
         self.groups: dict[str, _Group] = {}
         self.order: list[str] = []
@@ -132,10 +143,10 @@ class AidaptivOptimizerSwapper:
         #: the engine's phase ([Note: phases] in ``phase.py``; the Stage-3 subclass passes its own)
         self.phase = phase if phase is not None else EnginePhase()
         self.expected_states = expected_state_slots(optimizer)
-        if self.moment_dtype != dtype:
-            if self.moment_dtype.itemsize > dtype.itemsize or not moment_layout_ok(optimizer):
+        if self.narrow:
+            if self.moments.bytes_per_element > dtype.itemsize or not moment_layout_ok(optimizer):
                 raise AidaptivConfigError(
-                    f"aidaptiv.optimizer_state.moments is {str(self.moment_dtype)[6:]!r}, but the optimizer is "
+                    f"aidaptiv.optimizer_state.moments is {self.moments.name!r}, but the optimizer is "
                     f"{type(optimizer).__module__}.{type(optimizer).__name__} with {str(dtype)[6:]} master weights; "
                     f"narrow moments need torch's Adam or AdamW (stepped in tiles that widen them). Fix: set "
                     f"\"torch_adam\": true in the optimizer's params (with \"type\": \"Adam\" or \"AdamW\"), or "
@@ -173,12 +184,39 @@ class AidaptivOptimizerSwapper:
     def _shadow_key(self, g: _Group) -> str:
         return f"opt{self.engine_id}/{g.key}~"
 
+    @property
+    def narrow(self) -> bool:
+        """The moments are stored in another format than the master weights (bf16 or int8)."""
+        return self.moments.dtype != self.dtype or self.moments.block > 0
+
+    @property
+    def moment_dtype(self) -> torch.dtype:
+        """The dtype of the moments' slots as the optimizer sees them (uint8: int8 codes)."""
+        return self.moments.dtype
+
     def layout(self, numel: int, slots: int) -> UnitLayout:
         """A sub-group's layout: the master in :attr:`dtype`, then ``slots - 1`` states, the first
-        :attr:`expected_states` (Adam's moments) in :attr:`moment_dtype`, any further ones in :attr:`dtype`."""
-        specs = [("master", self.dtype)] + [(f"state{j}", self.moment_dtype if j <= self.expected_states
-                                              else self.dtype) for j in range(1, slots)]
+        :attr:`expected_states` (Adam's moments) in :attr:`moments` (``state1`` signed, ``state2`` unsigned
+        when quantized: ``exp_avg`` and ``exp_avg_sq``), any further ones in :attr:`dtype`."""
+        specs = [("master", self.dtype)] + [self.moments.spec(f"state{j}", signed=j == 1) if j <= self.expected_states
+                                            else (f"state{j}", self.dtype) for j in range(1, slots)]
         return UnitLayout.packed(numel, specs)
+
+    def moment_slots(self, index: int) -> dict:
+        """``{state name: (Slot, buf)}`` of the sub-group created ``index``-th while its slice is in DRAM, for its
+        states stored in another format than the master (the tiled step decodes and encodes them tile by tile);
+        empty otherwise."""
+        if not self.narrow or not 0 <= index < len(self.order):
+            return {}
+        g = self.groups[self.order[index]]
+        if g.slice is None:
+            return {}
+        out = {}
+        for j, name in enumerate(g.state_names, start=1):
+            sl = g.layout.slots[j]
+            if sl.quantized or sl.dtype != self.dtype:
+                out[name] = (sl, g.slice.buf)
+        return out
 
     def state_dtype(self, g: _Group, name: str) -> torch.dtype:
         """The dtype of the slot holding state ``name`` of ``g``."""
@@ -496,9 +534,8 @@ class AidaptivOptimizerSwapper:
                 state[n].data = self._slot(g, s, j)
         for j, n in enumerate(names, start=1):
             if n in new:
-                view = self._slot(g, s, j)
-                view.copy_(state[n].data.reshape(-1))
-                state[n].data = view
+                g.layout.slots[j].write(s.buf, state[n].data.reshape(-1))  # rounded or quantized when narrow
+                state[n].data = self._slot(g, s, j)
         g.state_names = names
         return s
 

@@ -26,6 +26,8 @@ from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes
 from ..planner.working_set import RankPolicy, RankState, rank_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
+from ..tiers.blockwise import quantizer_available
+from ..tiers.unit import MOMENT_FORMATS
 from ..units import format_bytes
 from .config import AidaptivConfigError, section_enabled, validate
 from ..io.errors import StorageFullError
@@ -166,17 +168,20 @@ def make_stage3_class(base: type) -> type:
         def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
             rt = self._aidaptiv.rt
             # this engine's section (a runtime shared with an earlier zero.Init or engine keeps the first config)
-            moments = {"fp32": torch.float32, "bf16": torch.bfloat16}[self._aidaptiv.cfg.optimizer_state.moments]
+            moments = MOMENT_FORMATS[self._aidaptiv.cfg.optimizer_state.moments]
             master = self.master_weights_and_grads_dtype
             self.optimizer_swapper = sw = AidaptivOptimizerSwapper(
                 rt, self.optimizer, master, self._aidaptiv.engine_id, phase=self._aidaptiv.phase,
-                moment_dtype=moments if moments.itemsize < master.itemsize else master)
+                moments=moments if moments.bytes_per_element < master.itemsize else None)
             sw._owner = weakref.ref(self)
-            why = narrow_moments_refusal(self.optimizer) if sw.moment_dtype != sw.dtype else None
+            why = narrow_moments_refusal(self.optimizer) if sw.narrow else None
             if why is not None:  # before step 1 creates any state ([Note: narrow moments] in host_step.py)
                 raise AidaptivConfigError(
-                    f"aidaptiv.optimizer_state.moments is \"bf16\", but {why}: bf16 moments are stepped only by the "
-                    f"tiled torch Adam/AdamW step. Fix: remove that setting, or set \"moments\": \"fp32\"")
+                    f"aidaptiv.optimizer_state.moments is \"{moments.name}\", but {why}: {moments.name} moments are "
+                    f"stepped only by the tiled torch Adam/AdamW step. Fix: remove that setting, or set \"moments\": "
+                    f"\"fp32\"")
+            if moments.block:
+                quantizer_available()  # torchao imports (else the fix is named) before any state exists
             self._aidaptiv_plan()
 
         def _create_fp32_partitions(self):
@@ -308,7 +313,7 @@ def make_stage3_class(base: type) -> type:
                 largest_subgroup_param_bytes=max(subgroup_param_bytes, default=0),
                 staging_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
                 accum_elsize=accum.itemsize, state_elsize=sw.elsize, states=sw.expected_states, alignment=align,
-                alias=alias, moment_elsize=sw.moment_dtype.itemsize)
+                alias=alias, moments=sw.moments.name if sw.narrow else None)
             grad_slices = state.grad_slice_bytes()
             sizes = StateSizes(param_bytes=state.param_bytes, grad_bytes=sum(grad_slices),
                                subgroup_bytes=[sw.layout(n, 1 + sw.expected_states).prefix_bytes() for n in numels],

@@ -71,6 +71,7 @@ host's), so what the plan promises is what the runtime does:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..errors import AidaptivConfigError
 from ..units import GiB, parse_size
@@ -185,7 +186,8 @@ def resolve_dram_budget(value: str | int | float, working_set_bytes: int = 0, *,
                       local_ranks=max(int(local_ranks), 1))
 
 
-def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel: int, moment_bytes_per_param: int,
+def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel: int,
+                     moment_bytes_per_param: int | float,
                      local_ranks: int = 1, rank_overhead_bytes: int = RANK_OVERHEAD_BYTES,
                      grad_window_bytes: int = 0, master_hold_bytes: int = 0) -> int:
     """Host memory (bytes) the local ranks need besides the DRAM budget (formula in the module docstring).
@@ -199,7 +201,8 @@ def host_working_set(largest_slice_partition_bytes: int, largest_subgroup_numel:
             (:class:`aidaptiv_ds.integration.gradients.GradientStore` ``window_bytes``).
         master_hold_bytes: parameter bytes kept for a master slot inside backward (:func:`master_hold_bytes`).
     """
-    per_sg = largest_subgroup_numel * (MASTER_BYTES_PER_PARAM + moment_bytes_per_param + GRAD_BYTES_PER_PARAM)
+    per_sg = math.ceil(largest_subgroup_numel
+                       * (MASTER_BYTES_PER_PARAM + moment_bytes_per_param + GRAD_BYTES_PER_PARAM))
     per_rank = (rank_overhead_bytes + PARAM_STAGING_SLICES * largest_slice_partition_bytes
                 + OPTIMIZER_PIPELINE_DEPTH * per_sg + int(grad_window_bytes) + int(master_hold_bytes))
     return int(local_ranks) * int(per_rank)
@@ -320,7 +323,7 @@ def norm_scratch_bytes(largest_partition_numel: int) -> int:
 
 
 def process_phases(*, steps_bytes: int, baseline_bytes: int, largest_tensor_bytes: int,
-                   largest_partition_bytes: int, largest_subgroup_numel: int, slot_bytes_per_param: int,
+                   largest_partition_bytes: int, largest_subgroup_numel: int, slot_bytes_per_param: int | float,
                    import_bytes: int = IMPORT_BASELINE_BYTES, tensor_on_host: bool = True) -> dict:
     """A rank's host memory (bytes) in each phase of the process, and the peak over them (issue 34):
 
@@ -348,8 +351,8 @@ def process_phases(*, steps_bytes: int, baseline_bytes: int, largest_tensor_byte
     """
     construction = int(import_bytes) + (int(largest_tensor_bytes) if tensor_on_host else 0) \
         + 2 * int(largest_partition_bytes)
-    initialization = int(baseline_bytes) + int(largest_subgroup_numel) * (2 * MASTER_BYTES_PER_PARAM
-                                                                        + int(slot_bytes_per_param)) \
+    initialization = int(baseline_bytes) + math.ceil(int(largest_subgroup_numel) * (2 * MASTER_BYTES_PER_PARAM
+                                                                                  + slot_bytes_per_param)) \
         + 2 * int(largest_partition_bytes)
     steps = int(steps_bytes)
     return {"construction": construction, "initialization": initialization, "steps": steps,
@@ -382,7 +385,7 @@ def deepspeed_sub_group_numels(partition_numels: list[int], sub_group_size: int)
 
 
 def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepspeed_bytes: int,
-                         activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int,
+                         activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int | float,
                          baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0,
                          norm_scratch: int = 0, master_hold: int = 0, step_scratch: int = 0,
                          ride_slice_bytes: int = 0, ride_param_bytes: int = 0) -> dict:
@@ -418,7 +421,7 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
     backward = (int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
                 + int(norm_scratch) + int(master_hold))
     in_flight = sorted((int(n) for n in subgroup_numels), reverse=True)[:OPTIMIZER_PIPELINE_DEPTH]
-    optimizer = sum(in_flight) * (MASTER_BYTES_PER_PARAM + int(moment_bytes_per_param) + GRAD_BYTES_PER_PARAM)
+    optimizer = math.ceil(sum(in_flight) * (MASTER_BYTES_PER_PARAM + moment_bytes_per_param + GRAD_BYTES_PER_PARAM))
     window = in_backward_window_bytes(in_backward_slice_bytes)
     scratch = int(step_scratch)
     optimizer += scratch

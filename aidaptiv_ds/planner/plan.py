@@ -80,6 +80,7 @@ from ..errors import AidaptivConfigError
 from ..jsonsafe import finite
 from ..store.ledger import SECONDS_PER_DAY, EnduranceRating, projection
 from ..store.striping import StripeLayout
+from ..tiers.unit import MOMENT_FORMATS
 from ..units import GiB, format_bytes
 from .auto import (
     CPU_RANK_BASELINE_BYTES,
@@ -116,8 +117,9 @@ from .working_set import RankPolicy, RankState, rank_working_set
 
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MOMENT_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4}
-#: bytes per element of one optimizer state on the tiers, per ``aidaptiv.optimizer_state.moments``
-MOMENT_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
+#: bytes per element of one optimizer state on the tiers, per ``aidaptiv.optimizer_state.moments`` (int8: the
+#: code and its share of the block's fp32 scale, ``tiers/blockwise.py``)
+MOMENT_ELEMENT_BYTES = {k: f.bytes_per_element for k, f in MOMENT_FORMATS.items()}
 RULE_OF_THUMB_BYTES_PER_PARAM = 20
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 #: DeepSpeed 0.19.8's default of ``stage3_max_live_parameters`` (elements)
@@ -180,8 +182,8 @@ class PlanInput:
         micro_batch / seq_len / grad_accum: per-GPU micro-batch (sequences), tokens per sequence,
             micro-batches per optimizer step.
         dtype: parameter dtype (``bf16``, ``fp16``, ``fp32``); optimizer: one of :data:`MOMENT_BYTES`.
-        moments: the optimizer states' dtype on the tiers (``aidaptiv.optimizer_state.moments``: ``fp32``, or
-            ``bf16`` for Adam/AdamW, half of :data:`MOMENT_BYTES`).
+        moments: the optimizer states' format on the tiers (``aidaptiv.optimizer_state.moments``: ``fp32``, or
+            for Adam/AdamW ``bf16`` (half of :data:`MOMENT_BYTES`) or ``int8`` (block-quantized, 1.016 B each).
         activation_checkpointing / flash_attention / dropout: see the module docstring, item 2.
         logits_tokens: tokens per micro-batch whose logits the LM head computes (default ``micro_batch x
             seq_len``; fewer where the loss takes logits at the response positions only, the fine-tuning job's
@@ -258,10 +260,11 @@ class PlanInput:
         return int(self.n_params if self.n_params is not None else self.shape.n_params)
 
     @property
-    def moment_bytes(self) -> int:
+    def moment_bytes(self) -> int | float:
         """Bytes per parameter of the optimizer states on the tiers (:data:`MOMENT_BYTES`, halved for bf16
-        moments)."""
-        return MOMENT_BYTES[self.optimizer] * MOMENT_ELEMENT_BYTES.get(self.moments, 4) // 4
+        moments, 2.03 for Adam's int8 moments with their scales)."""
+        b = MOMENT_BYTES[self.optimizer] * MOMENT_ELEMENT_BYTES.get(self.moments, 4) / 4
+        return int(b) if b == int(b) else b
 
     @property
     def dp(self) -> int:
@@ -281,9 +284,9 @@ class PlanInput:
                   ("--dtype", self.dtype, self.dtype in PARAM_BYTES, f"use one of {', '.join(PARAM_BYTES)}"),
                   ("--optimizer", self.optimizer, self.optimizer in MOMENT_BYTES,
                    f"use one of {', '.join(MOMENT_BYTES)}"),
-                  ("--moments", self.moments, self.moments == "fp32" or (self.moments == "bf16" and self.optimizer
-                                                                           in ("adam", "adamw")),
-                   "use fp32, or bf16 with --optimizer adam or adamw"),
+                  ("--moments", self.moments, self.moments == "fp32" or (self.moments in MOMENT_FORMATS
+                                                                           and self.optimizer in ("adam", "adamw")),
+                   "use fp32, or bf16 or int8 with --optimizer adam or adamw"),
                   ("--sub-group-size", self.sub_group_size, self.sub_group_size >= 1, "give 1 or more elements"),
                   ("--params", self.params, self.params >= 1, "give a positive parameter count such as 405e9"),
                   ("--schedule", self.schedule, self.schedule in SCHEDULE_CHOICES,
@@ -303,7 +306,7 @@ class PlanInput:
                 raise AidaptivConfigError(f"{flag}: {value!r} does not make a plan; fix: {fix}")
 
 
-def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes: int,
+def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes: int | float,
                          sub_group_size: int, cpu_ranks: bool = False) -> StateSizes:
     """One rank's :class:`StateSizes`: its partition ``ceil(N / dp)`` in bytes per tensor kind.
 
@@ -319,7 +322,8 @@ def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes:
     groups = [sub_group_size] * full + ([rest] if rest else [])
     per = MASTER_BYTES_PER_PARAM + moment_bytes
     return StateSizes(param_bytes=numel * param_bytes, grad_bytes=numel * param_bytes,
-                      subgroup_bytes=[g * per for g in groups], alias_params=param_bytes == MASTER_BYTES_PER_PARAM,
+                      subgroup_bytes=[math.ceil(g * per) for g in groups],
+                      alias_params=param_bytes == MASTER_BYTES_PER_PARAM,
                       subgroup_param_bytes=[g * param_bytes for g in groups],
                       subgroup_grad_bytes=[g * param_bytes for g in groups])
 
@@ -471,7 +475,7 @@ class CapacityPlan:
     dp: int
     local_ranks: int
     bytes_per_param: float
-    state_bytes_per_param: int
+    state_bytes_per_param: int | float
     total_state_bytes: int
     rule_of_thumb_bytes: int
     tiers: dict
@@ -649,7 +653,7 @@ def rank_state(inp: PlanInput) -> RankState:
                      param_bytes=sum(numels) * pb, largest_subgroup_param_bytes=max(numels, default=0) * pb,
                      staging_partition_bytes=-(-slice_numel // dp) * pb, accum_elsize=grad_accum_bytes(inp.dtype),
                      state_elsize=MASTER_BYTES_PER_PARAM, states=MOMENT_BYTES[inp.optimizer] // MASTER_BYTES_PER_PARAM,
-                     alias=inp.dtype == "fp32", moment_elsize=MOMENT_ELEMENT_BYTES[inp.moments])
+                     alias=inp.dtype == "fp32", moments=None if inp.moments == "fp32" else inp.moments)
 
 
 def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankPolicy:
@@ -912,7 +916,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
     dram: DramBudget = c["dram"]
     numel = sizes.param_bytes // pb
     per_elem_opt = MASTER_BYTES_PER_PARAM + mb
-    res_sg_numel = sum(sizes.subgroup_bytes[i] for i in res.resident_subgroups) // per_elem_opt
+    res_sg_numel = int(sum(sizes.subgroup_bytes[i] for i in res.resident_subgroups) // per_elem_opt)
     all_ranks = dp
 
     def split(resident: int, total: int) -> dict:
@@ -926,7 +930,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
                       sum(b for i, b in enumerate(sizes.grad_slices()) if i not in res.resident_grad_subgroups)
                       * all_ranks},
         "master_weights": split(res_sg_numel * MASTER_BYTES_PER_PARAM, numel * MASTER_BYTES_PER_PARAM),
-        "moments": split(res_sg_numel * mb, numel * mb),
+        "moments": split(math.ceil(res_sg_numel * mb), math.ceil(numel * mb)),
         "activations": {"vram": c["act"]["total"] * dp, "dram": 0, "cache": 0},
     }
     if inp.cpu_ranks:  # no GPU: activations are host memory

@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..io.buffers import PAGE_BYTES, round_up
+from ..tiers.unit import MOMENT_FORMATS, MomentFormat, UnitLayout
 from .auto import (
     CPU_RANK_BASELINE_BYTES,
     OPTIMIZER_PIPELINE_DEPTH,
@@ -72,8 +75,9 @@ class RankState:
         accum_elsize: bytes per element of the gradient accumulation dtype.
         state_elsize: bytes per element of the master weights (4: fp32).
         states: optimizer states per element (2 for Adam's moments; 0 for an optimizer without state).
-        moment_elsize: bytes per element of each optimizer state (``optimizer_state.moments``: 4 for fp32, 2
-            for bf16; None: ``state_elsize``), the layout of ``tiers/unit.py``.
+        moments: how Adam's moments are stored (``optimizer_state.moments``: ``"bf16"``, ``"int8"``; None: as
+            the master weights), a name of :data:`~aidaptiv_ds.tiers.unit.MOMENT_FORMATS`; the slices are laid
+            out as ``tiers/unit.py`` lays them out (:meth:`opt_slice_bytes`).
         alignment: the store's extent alignment (bytes); slices are stored rounded up to it.
         alias: fp32 parameters are read from their master slots (``param_swapper.py``, the alias).
     """
@@ -88,7 +92,7 @@ class RankState:
     states: int = 2
     alignment: int = DEFAULT_ALIGNMENT
     alias: bool = False
-    moment_elsize: int | None = None
+    moments: str | None = None
 
     @property
     def slots(self) -> int:
@@ -96,9 +100,16 @@ class RankState:
         return 1 + self.states
 
     @property
-    def moment_bytes_per_param(self) -> int:
-        """Bytes per element of the optimizer states together (8 for Adam's fp32 moments, 4 in bf16)."""
-        return self.states * (self.state_elsize if self.moment_elsize is None else self.moment_elsize)
+    def moment_format(self) -> MomentFormat | None:
+        """The moments' format (None: stored as the master weights)."""
+        return None if self.moments is None else MOMENT_FORMATS[self.moments]
+
+    @property
+    def moment_bytes_per_param(self) -> float:
+        """Bytes per element of the optimizer states together (8 for Adam's fp32 moments, 4 in bf16, 2.03 in
+        int8 with the blocks' scales)."""
+        fmt = self.moment_format
+        return self.states * (self.state_elsize if fmt is None else fmt.bytes_per_element)
 
     def grad_slice_bytes(self) -> list[int]:
         """Each sub-group's gradient accumulation slice as stored (bytes, aligned)."""
@@ -107,7 +118,12 @@ class RankState:
     def opt_slice_bytes(self, numel: int) -> int:
         """A sub-group's optimizer slice of ``numel`` elements as stored (master + states, aligned; the slots are
         packed end to end, ``tiers/unit.py``)."""
-        return round_up(numel * (self.state_elsize + self.moment_bytes_per_param), self.alignment)
+        fmt = self.moment_format
+        if fmt is None:
+            return round_up(numel * self.state_elsize * self.slots, self.alignment)
+        master = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[self.state_elsize]
+        specs = [("master", master)] + [fmt.spec(f"state{j}", signed=j == 1) for j in range(1, self.slots)]
+        return round_up(UnitLayout.packed(numel, specs).prefix_bytes(), self.alignment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +201,9 @@ def rank_working_set(state: RankState, policy: RankPolicy) -> RankWorkingSet:
     # parameter bytes kept for a master slot in backward ([Note: master weights from the parameter reads])
     master_hold = master_hold_bytes(largest_sg * state.state_elsize) if state.alias and may_step else 0
     moments = state.moment_bytes_per_param
-    narrow = state.states if moments < state.state_elsize * state.states else 0  # moments widened per tile
+    fmt = state.moment_format
+    # moments widened per tile; a quantized tile also has its scaled values and code indices beside it
+    narrow = 0 if moments >= state.state_elsize * state.states else state.states * (2 if fmt and fmt.block else 1)
     if policy.cpu_rank:  # what a GPU holds is host memory here, by phase
         phases = cpu_rank_working_set(
             readahead_bytes=min(int(policy.readahead_bytes), int(state.param_bytes)),

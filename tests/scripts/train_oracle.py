@@ -90,9 +90,10 @@ def parse():
     ap.add_argument("--resume", action="store_true", help="load the latest checkpoint of --ckpt_dir first")
     ap.add_argument("--no_optimizer_state", action="store_true", help="resume with load_optimizer_states=False")
     ap.add_argument("--cpu_adam", action="store_true", help="DeepSpeedCPUAdam (compiled cpu_adam op) instead of torch AdamW")
-    ap.add_argument("--round_moments", default="", choices=["", "bf16"],
+    ap.add_argument("--round_moments", default="", choices=["", "bf16", "int8"],
                     help="test-only reference for aidaptiv.optimizer_state.moments: after every optimizer step, round "
-                         "each per-element optimizer state to this dtype in place (a torch step post-hook)")
+                         "the stepped sub-group's moments to this format in place (a torch step post-hook; int8: "
+                         "quantized and dequantized block-wise, exp_avg signed, exp_avg_sq unsigned)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=None, help="passed by the deepspeed launcher (unused)")
     ap.add_argument("--rank_out", default="", help="test-only: every rank writes DIR/rank<R>.pt")
@@ -226,13 +227,23 @@ def build(a, cfg):
     eng._oracle_keep = keep
     if a.round_moments:
         torch_opt = eng.optimizer.optimizer
-        narrow = getattr(torch, {"bf16": "bfloat16"}[a.round_moments])
 
-        def _round(opt, args, kwargs):
-            for state in opt.state.values():
-                for v in state.values():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        v.copy_(v.to(narrow))
+        def _round(opt, args, kwargs):  # DeepSpeed steps one sub-group at a time: the params of the groups now
+            from aidaptiv_ds.tiers import blockwise
+            for p in [p for g in opt.param_groups for p in g["params"]]:
+                state = opt.state.get(p, {})
+                for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                    v = state.get(k)
+                    if v is None:
+                        continue
+                    if a.round_moments == "bf16":
+                        v.copy_(v.to(torch.bfloat16))
+                    else:
+                        flat = v.reshape(-1)
+                        codes = torch.empty(flat.numel(), dtype=torch.uint8)
+                        scales = torch.empty(blockwise.n_blocks(flat.numel()))
+                        blockwise.quantize(flat, codes, scales, signed)
+                        blockwise.dequantize(codes, scales, signed, out=flat)
         torch_opt.register_step_post_hook(_round)
     return eng
 
