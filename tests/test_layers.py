@@ -192,3 +192,30 @@ def test_the_checks_see_each_kind_of_violation(tmp_path):
     assert ds == ["aidaptiv_ds/bench/aio.py:4: imports deepspeed.ops.op_builder.builder (in f)",
                   "aidaptiv_ds/cli/doctor.py:5: imports deepspeed (in other)",
                   "aidaptiv_ds/io/engine.py:3: imports deepspeed.runtime.engine (in f)"], ds
+
+
+#: fields of ``tiers.host_tier.Slice`` that only ``HostTier`` changes, under its lock (issue 39)
+SLICE_FIELDS = {"refs", "dirty", "prefetched", "writing", "ready", "on_drop", "writeback", "members", "nbytes", "buf",
+                "last_use"}
+#: (file, attribute) assignments outside tiers/ that are not a Slice's: other records with a field of that name
+NOT_SLICE = {("aidaptiv_ds/inference/block_store.py", "last_use")}
+
+
+def test_only_the_tier_writes_a_slices_fields():
+    """A slice's flags decide eviction and write-back; an owner that flips one without the tier's lock races the
+    budget check (issue 39). Owners ask the tier instead (``mark_dirty``, ``mark_used``, ``set_members``,
+    ``drop``); assignments to those field names on anything but ``self`` outside ``tiers/`` are refused."""
+    bad = []
+    for path in _sources():
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith("aidaptiv_ds/tiers/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if (isinstance(t, ast.Attribute) and t.attr in SLICE_FIELDS
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                        and (rel, t.attr) not in NOT_SLICE):
+                    bad.append(f"{rel}:{node.lineno}: {ast.unparse(t)} = ...")
+    assert not bad, "\n".join(bad)

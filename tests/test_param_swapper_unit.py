@@ -235,9 +235,9 @@ def test_a_read_ahead_slice_no_partition_reads_is_evicted_at_budget_0():
     s = Slice(("p", "r", 0, 0), torch.zeros(2048, dtype=torch.uint8), members=(1, 2), kind="param", prefetched=True)
     a.host = b.host = s
     tier.add(s)
-    a.detach_host()
+    a.detach_host(tier)
     tier.enforce_budget()
     assert tier.held_bytes == 2048 and s.prefetched  # partition 2 will still read it
-    b.detach_host()
+    b.detach_host(tier)
     tier.enforce_budget()
     assert tier.held_bytes == 0 and not s.prefetched

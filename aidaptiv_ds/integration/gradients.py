@@ -227,7 +227,7 @@ class GradientStore:
             with self.rt.io_wait:
                 s.wait_ready()
             self._pin(g)
-            s.dirty = True  # about to change: the drive's copy is stale from here
+            self.rt.tier.mark_dirty(s)  # about to change: the drive's copy is stale from here
             g.on_drive = False
         if index in self._open:
             self._open.move_to_end(index)
@@ -304,8 +304,7 @@ class GradientStore:
         """The optimizer step took sub-group ``index`` 's gradient: drop it without writing (``EMPTY``)."""
         g = self._open.pop(index, None) or self.groups[index]
         s = g.slice
-        if s is not None:  # out of the tier first: releasing our reference must not evict it as dirty (a write)
-            s.dirty = False
+        if s is not None:  # out of the tier first (clean): releasing our reference must not evict it as dirty
             self.rt.tier.drop(s)
         g.pinned = False  # the reference went with the slice
         g.slice = None

@@ -95,7 +95,7 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
         steps the usual way (see the module docstring for when).
     """
     tile_numel = int(TILE_NUMEL if tile_numel is None else tile_numel)
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not _plain_group(group):
+    if not is_torch_adam(optimizer) or not _plain_group(group):
         return False
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
         return False
@@ -168,7 +168,7 @@ def narrow_moments_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     """Why ``optimizer`` could not step narrow moments in tiles (checked before the first step, so nothing is
     created first), or None. The conditions that do not change during training: torch's Adam/AdamW, plain param
     groups (no ``foreach``/``fused``/``capturable``/``differentiable``), no optimizer step hook."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+    if not is_torch_adam(optimizer):
         return f"the optimizer is {type(optimizer).__module__}.{type(optimizer).__name__}, not torch's Adam or AdamW"
     bad = [k for g in optimizer.param_groups for k in ("foreach", "fused", "capturable", "differentiable")
            if g.get(k)]
@@ -177,6 +177,12 @@ def narrow_moments_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     if _has_step_hooks(optimizer):
         return "an optimizer step hook is registered"
     return None
+
+
+def is_torch_adam(optimizer) -> bool:
+    """``optimizer`` is torch's own Adam or AdamW (not a subclass): the only optimizer the tiled step runs, and so
+    the only one whose moments may be stored narrower than fp32."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
 
 
 def _plain_group(group: dict) -> bool:

@@ -39,6 +39,7 @@ from ..tiers.unit import MOMENT_FORMATS, MomentFormat, UnitLayout
 from ..errors import AidaptivConfigError
 from .errors import DeepSpeedContractError
 from .gradients import GradientStore
+from .host_step import is_torch_adam
 from .phase import EnginePhase, Phase
 from .runtime import Runtime
 
@@ -52,13 +53,6 @@ def expected_state_slots(optimizer) -> int:
     """Per-element state tensors the optimizer will create (2 for Adam-type, else 0: grown on demand)."""
     name = type(optimizer).__name__
     return 2 if any(name == n or name.endswith(n) for n in _TWO_STATE) else 0
-
-
-def moment_layout_ok(optimizer) -> bool:
-    """Whether ``optimizer``'s moments may be stored narrower than its master weights: torch's own Adam or
-    AdamW (not a subclass), whose step the host runs in tiles that widen each tile of the moments to fp32
-    (``host_step.py``, [Note: narrow moments])."""
-    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
 
 
 @dataclasses.dataclass
@@ -105,7 +99,7 @@ class AidaptivOptimizerSwapper:
 
     Raises:
         AidaptivConfigError: the moments are stored narrower than ``dtype`` and the optimizer is not torch's
-            Adam or AdamW (:func:`moment_layout_ok`), or they are wider than ``dtype``.
+            Adam or AdamW (``host_step.is_torch_adam``), or they are wider than ``dtype``.
 
     [Note: moment dtype]
     With ``"optimizer_state": {"moments": "bf16"}`` Adam's ``exp_avg`` and ``exp_avg_sq`` are bf16 slots
@@ -144,7 +138,7 @@ class AidaptivOptimizerSwapper:
         self.phase = phase if phase is not None else EnginePhase()
         self.expected_states = expected_state_slots(optimizer)
         if self.narrow:
-            if self.moments.bytes_per_element > dtype.itemsize or not moment_layout_ok(optimizer):
+            if self.moments.bytes_per_element > dtype.itemsize or not is_torch_adam(optimizer):
                 raise AidaptivConfigError(
                     f"aidaptiv.optimizer_state.moments is {self.moments.name!r}, but the optimizer is "
                     f"{type(optimizer).__module__}.{type(optimizer).__name__} with {str(dtype)[6:]} master weights; "
@@ -603,8 +597,7 @@ class AidaptivOptimizerSwapper:
         if g.slice is not None:
             while g.slice is not None and g.slice.refs:
                 self.rt.tier.release(g.slice)
-            if g.slice is not None:
-                g.slice.dirty = False  # its bytes are the rejected state: never written below
+            if g.slice is not None:  # its bytes are the rejected state: never written below
                 self.rt.tier.drop(g.slice)
         g.state_names = list(snapshot["names"])
         if snapshot["state"] is None:

@@ -35,7 +35,7 @@ from ..io.buffers import REGISTRY, alloc_aligned
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..io.futures import wait_all
 from ..store.packed import PackedRegion
-from ..tiers.host_tier import Slice
+from ..tiers.host_tier import HostTier, Slice
 from ..errors import AidaptivConfigError
 from ..spans import spanned
 from .errors import DeepSpeedContractError
@@ -131,7 +131,7 @@ class PartitionRecord:
         partitioned and the model then replaced by the tied input embedding)."""
         return self.owner is None or self.owner() is not None
 
-    def detach_host(self) -> None:
+    def detach_host(self, tier: HostTier) -> None:
         """Stop using the host slice (its bytes are no longer this partition's current ones).
 
         [Note: a slice no partition reads] A slice read ahead (or the master copies the step left for the next
@@ -143,9 +143,9 @@ class PartitionRecord:
         """
         old, self.host = self.host, None
         if old is not None:
-            old.members = tuple(m for m in old.members if m != self.ds_id)
+            tier.set_members(old, [m for m in old.members if m != self.ds_id])
             if not old.members:
-                old.prefetched = False
+                tier.mark_used(old)
 
 
 class AidaptivParamSwapper:
@@ -581,12 +581,12 @@ class AidaptivParamSwapper:
                 rec.home = loc
                 rec.loc = loc = _Loc(region, region.append(loc.nbytes, align=loc.elsize), loc.numel, loc.dtype,
                                      loc.elsize)
-                rec.detach_host()
+                rec.detach_host(self.rt.tier)
             elif rec.home is not None and not edit:  # the step rewrote it from its master: one copy again
                 rec.loc, rec.home = rec.home, None
                 loc = rec.loc
             if loc.aliased:  # the same bytes reach the drive with the master's write-back: drop old copies
-                rec.detach_host()
+                rec.detach_host(self.rt.tier)
                 self.aliased_skipped_bytes += loc.nbytes
                 if keep and self.keep_master_copies:
                     copies[p.ds_id] = t
@@ -594,7 +594,7 @@ class AidaptivParamSwapper:
             if loc.readonly:  # keep the unpacked copy: the new bytes get a place of their own
                 region = self._region(loc.dtype)
                 rec.loc = _Loc(region, region.append(loc.nbytes, align=loc.elsize), loc.numel, loc.dtype, loc.elsize)
-                rec.detach_host()
+                rec.detach_host(self.rt.tier)
             s = rec.host
             if s is not None and s.resident:
                 self._view(s, p.ds_id).copy_(t.reshape(-1))
@@ -614,7 +614,7 @@ class AidaptivParamSwapper:
             fut, staging, skip = region.write(start, end - start, fill, priority=WRITE_BACK)
             futs.append(fut)
             for i in run:
-                self._parts[i].detach_host()
+                self._parts[i].detach_host(self.rt.tier)
             if keep:
                 s = Slice(("p", region.name, start - skip, next(self._seq)), staging, members=run, kind="param",
                           on_drop=self._on_drop)
@@ -701,7 +701,7 @@ class AidaptivParamSwapper:
                                 f"{p.ds_numel} ({str(p.dtype)[6:]})")
             else:
                 rec = self._parts[p.ds_id]
-                rec.detach_host()
+                rec.detach_host(self.rt.tier)
                 rec.loc = _Loc(region, e["start"], e["partition_numel"], dtype, elsize, readonly=True)
                 rec.unadopted = False
                 adopted += e["partition_numel"] * elsize
@@ -744,7 +744,7 @@ class AidaptivParamSwapper:
             if rec is None or rec.loc.dtype != torch.float32:
                 raise DeepSpeedContractError(f"aidaptiv_ds: parameter ds_id={p.ds_id} cannot alias an fp32 master slot")
             loc = rec.loc
-            rec.detach_host()
+            rec.detach_host(self.rt.tier)
             rec.loc = _Loc(view, off, loc.numel, loc.dtype, loc.elsize, aliased=True)
             rec.home = None
             rec.unadopted = False
@@ -820,6 +820,6 @@ class AidaptivParamSwapper:
             with self.rt.io_wait:
                 s.wait_ready()
             out.append(self._view(s, i).clone())
-            s.prefetched = False
+            self.rt.tier.mark_used(s)
         self.rt.tier.enforce_budget()
         return out

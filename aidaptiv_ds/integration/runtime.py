@@ -191,8 +191,7 @@ class Runtime:
         for s in [s for s in self.tier.slices() if s.key[:2] in (("opt", engine_id), ("grad", engine_id))]:
             while s.refs:
                 self.tier.release(s)
-            s.dirty = False  # the engine's state goes away with it: never written
-            self.tier.drop(s)
+            self.tier.drop(s)  # the engine's state goes away with it: never written
         self.tier.wait_writes()
         for key in [k for k in self.store.keys() if k.split("/")[0] in (f"opt{engine_id}", f"grad{engine_id}")]:
             self.store.free(key)

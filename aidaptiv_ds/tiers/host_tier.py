@@ -178,8 +178,20 @@ class HostTier:
                 self.enforce_budget()
 
     def mark_dirty(self, s: Slice) -> None:
+        """The slice's bytes differ (or are about to) from the copy below: it is written before it may go."""
         with self._lock:
             s.dirty = True
+
+    def mark_used(self, s: Slice) -> None:
+        """A read-ahead slice was used without a reference (its bytes copied out): it is cached from now on, and
+        the next budget check may evict it."""
+        with self._lock:
+            s.prefetched = False
+
+    def set_members(self, s: Slice, members) -> None:
+        """The ids whose next use ranks ``s`` for eviction (an owner stopped using part of it)."""
+        with self._lock:
+            s.members = tuple(members)
 
     # ------------------------------------------------------------------ write-back
     def write_back(self, s: Slice) -> IOFuture | None:
@@ -308,8 +320,10 @@ class HostTier:
             self._remove(s)
 
     def drop(self, s: Slice) -> None:
-        """Remove ``s`` without writing (its bytes are stale or no longer needed)."""
+        """Remove ``s`` without writing (its bytes are stale or no longer needed): a dirty slice is marked clean,
+        so a reference still held to it can never write it later."""
         with self._lock:
+            s.dirty = False
             if s.writing is not None:
                 s.writing.wait()
                 s.writing = None
