@@ -222,3 +222,32 @@ def test_one_access_order_per_tier():
         HostTier(budget=0, order=AccessOrder(), policy=EvictionPolicy(AccessOrder()))
     order = AccessOrder()
     assert HostTier(budget=0, order=order, policy=EvictionPolicy(order)).order is order
+
+
+def test_owners_are_told_of_a_drop_after_the_tiers_lock():
+    """[Note: callbacks after the lock]: ``on_drop`` runs once the outermost operation released the lock (another
+    thread can take it from inside the callback), in removal order, and before the operation returns."""
+    import threading
+
+    from aidaptiv_ds.tiers.host_tier import HostTier, Slice
+
+    tier = HostTier(budget=0)
+    seen = []
+
+    def dropped(s):
+        def other():  # another thread can take the tier's lock now: the callback does not hold it
+            got = tier._lock.acquire(timeout=5)
+            seen.append((s.key, got))
+            if got:
+                tier._lock.release()
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+
+    for k in ("a", "b"):
+        tier.add(Slice(k, torch.zeros(64, dtype=torch.uint8), kind="param", on_drop=dropped, prefetched=True))
+    assert seen == []
+    for s in tier.slices():
+        tier.mark_used(s)
+    tier.enforce_budget()  # evicts both inside one operation
+    assert seen == [("a", True), ("b", True)]

@@ -21,6 +21,7 @@ by ``writeback_limit``: past it, issuing waits for the oldest write to finish.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Hashable
@@ -99,6 +100,8 @@ class HostTier:
         self._writes: collections.deque[tuple[int, IOFuture, Slice | None]] = collections.deque()
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
+        self._depth = 0  # nesting of the operation holding the lock ([Note: callbacks after the lock])
+        self._gone: list[Slice] = []  # slices removed during it, whose owners are told when it ends
         self.held_bytes = 0
         self.peak_bytes = 0
         self.budgeted_peak_bytes = 0  # the most resident + cached bytes held after a budget check
@@ -107,10 +110,40 @@ class HostTier:
         self.hits = 0
         self.misses = 0
 
+    # [Note: callbacks after the lock]
+    # A slice's ``on_drop`` is its owner's code (a swapper unmapping the slice, handing its bytes to another owner:
+    # the parameter swapper's drop listeners copy master bytes into an optimizer sub-group). Run under the tier's
+    # lock it could call back into the tier halfway through an eviction loop, or block every other user of the
+    # tier on the owner's work. So removal only records the slice, and the owners are told, in removal order, when
+    # the outermost tier operation has released the lock; every operation returns after that, so its caller sees
+    # the owners' maps already updated. A callback's error is raised after every other callback ran.
+    @contextlib.contextmanager
+    def _op(self):
+        """The tier's lock for one operation; afterwards, the ``on_drop`` of each slice removed during it."""
+        gone: list[Slice] = []
+        try:
+            with self._lock:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                    if self._depth == 0:
+                        gone, self._gone = self._gone, []
+        finally:  # also when the operation raised: the slices are gone either way
+            err = None
+            for s in gone:
+                try:
+                    s.on_drop(s)
+                except BaseException as e:  # noqa: BLE001 - every owner is told; the first error is raised
+                    err = err or e
+            if err is not None:
+                raise err
+
     # ------------------------------------------------------------------ lookup
     def get(self, key: Hashable) -> Slice | None:
         """The slice under ``key`` (counts a hit or a miss)."""
-        with self._lock:
+        with self._op():
             s = self._slices.get(key)
             if s is None:
                 self.misses += 1
@@ -120,15 +153,15 @@ class HostTier:
             return s
 
     def peek(self, key: Hashable) -> Slice | None:
-        with self._lock:
+        with self._op():
             return self._slices.get(key)
 
     def __contains__(self, key: Hashable) -> bool:
-        with self._lock:
+        with self._op():
             return key in self._slices
 
     def slices(self) -> list[Slice]:
-        with self._lock:
+        with self._op():
             return list(self._slices.values())
 
     # ------------------------------------------------------------------ booking
@@ -151,7 +184,7 @@ class HostTier:
         Raises:
             KeyError: a slice with that key is already in the tier.
         """
-        with self._lock:
+        with self._op():
             if s.key in self._slices:
                 raise KeyError(f"slice {s.key!r} already in the host tier")
             s.last_use = next(self._clock)
@@ -163,14 +196,14 @@ class HostTier:
 
     def acquire(self, s: Slice) -> None:
         """Take a compute reference (the slice cannot be evicted until :meth:`release`)."""
-        with self._lock:
+        with self._op():
             s.refs += 1
             s.prefetched = False
             s.last_use = next(self._clock)
 
     def release(self, s: Slice) -> None:
         """Drop a compute reference; an unreferenced slice becomes cached and may be evicted."""
-        with self._lock:
+        with self._op():
             if s.refs <= 0:
                 raise RuntimeError(f"slice {s.key!r} released more often than acquired")
             s.refs -= 1
@@ -179,24 +212,24 @@ class HostTier:
 
     def mark_dirty(self, s: Slice) -> None:
         """The slice's bytes differ (or are about to) from the copy below: it is written before it may go."""
-        with self._lock:
+        with self._op():
             s.dirty = True
 
     def mark_used(self, s: Slice) -> None:
         """A read-ahead slice was used without a reference (its bytes copied out): it is cached from now on, and
         the next budget check may evict it."""
-        with self._lock:
+        with self._op():
             s.prefetched = False
 
     def set_members(self, s: Slice, members) -> None:
         """The ids whose next use ranks ``s`` for eviction (an owner stopped using part of it)."""
-        with self._lock:
+        with self._op():
             s.members = tuple(members)
 
     # ------------------------------------------------------------------ write-back
     def write_back(self, s: Slice) -> IOFuture | None:
         """Write ``s`` below if dirty (at most ``writeback_limit`` bytes in flight); return the future."""
-        with self._lock:
+        with self._op():
             if not s.dirty:
                 return s.writing
             if s.writing is not None:  # an older write of this slice is still running
@@ -212,7 +245,7 @@ class HostTier:
     def working_bytes(self, kind: str) -> int:
         """Bytes of ``kind`` slices in working memory: referenced, prefetched and unused, or being
         written back (not resident, not cached)."""
-        with self._lock:
+        with self._op():
             return sum(s.nbytes for s in self._slices.values()
                        if s.kind == kind and not s.resident and not self._cached(s))
 
@@ -221,7 +254,7 @@ class HostTier:
         (a written slice nobody references becomes cached). Returns True when a write completed since
         the last check (waited for here, or found finished), False when none was in flight or done: a
         caller looping ``while not fits and wait_oldest_write()`` then re-checks after each eviction."""
-        with self._lock:
+        with self._op():
             reaped = self._reap_writes()
             if not self._writes:  # nothing to wait for; a write reaped earlier may have left a cached slice
                 held = self.resident_bytes() + self.cached_bytes()
@@ -233,7 +266,7 @@ class HostTier:
 
     def reserve_write(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more of write-back fit under ``writeback_limit`` (oldest writes first)."""
-        with self._lock:
+        with self._op():
             self._reap_writes()
             while self._writes and self._pending_write_bytes() + nbytes > self.writeback_limit:
                 self._writes[0][1].wait()
@@ -242,14 +275,14 @@ class HostTier:
     def add_writing(self, s: Slice, fut: IOFuture) -> Slice:
         """Insert a clean slice whose bytes are being written below by ``fut`` (booked as working
         memory until the write completes; the caller reserved the bytes with :meth:`reserve_write`)."""
-        with self._lock:
+        with self._op():
             s.writing = fut
             self._writes.append((s.nbytes, fut, s))
             return self.add(s)
 
     def track_write(self, fut: IOFuture, nbytes: int) -> None:
         """Count a write that no slice keeps (its staging buffer is the future's keep-alive)."""
-        with self._lock:
+        with self._op():
             self._writes.append((int(nbytes), fut, None))
 
     def _pending_write_bytes(self) -> int:
@@ -268,7 +301,7 @@ class HostTier:
 
     def wait_writes(self) -> None:
         """Wait for every write-back in flight (raises the first error)."""
-        with self._lock:
+        with self._op():
             while self._writes:
                 self._writes[0][1].wait()
                 self._reap_writes()
@@ -276,7 +309,7 @@ class HostTier:
 
     def flush(self) -> None:
         """Write back every dirty slice (resident ones included) and wait for all writes."""
-        with self._lock:
+        with self._op():
             for s in list(self._slices.values()):
                 if s.dirty:
                     self.write_back(s)
@@ -285,7 +318,7 @@ class HostTier:
     # ------------------------------------------------------------------ eviction
     def enforce_budget(self) -> None:
         """Evict cached slices while resident + cached bytes exceed the budget."""
-        with self._lock:
+        with self._op():
             self._reap_writes()
             over = self.resident_bytes() + self.cached_bytes() - self.budget
             while over > 0:
@@ -299,14 +332,14 @@ class HostTier:
 
     def budgeted_bytes(self) -> int:
         """Bytes the budget books now: resident and cached slices (``held_bytes`` less working memory)."""
-        with self._lock:
+        with self._op():
             return sum(s.nbytes for s in self._slices.values() if s.resident or self._cached(s))
 
     def evict(self, s: Slice) -> None:
         """Remove an unreferenced slice. A dirty one is written back first, without waiting: it stays
         (as working memory, bounded by ``writeback_limit``) until its write completes, then goes as a
         clean slice at the next budget check."""
-        with self._lock:
+        with self._op():
             if s.refs:
                 raise RuntimeError(f"slice {s.key!r} is in use and cannot be evicted")
             if s.dirty:
@@ -322,7 +355,7 @@ class HostTier:
     def drop(self, s: Slice) -> None:
         """Remove ``s`` without writing (its bytes are stale or no longer needed): a dirty slice is marked clean,
         so a reference still held to it can never write it later."""
-        with self._lock:
+        with self._op():
             s.dirty = False
             if s.writing is not None:
                 s.writing.wait()
@@ -334,10 +367,10 @@ class HostTier:
             del self._slices[s.key]
             self.held_bytes -= s.nbytes
             if s.on_drop is not None:
-                s.on_drop(s)
+                self._gone.append(s)  # told after the lock ([Note: callbacks after the lock])
 
     def clear(self) -> None:
         """Drop everything without writing (after :meth:`flush` when the data matters)."""
-        with self._lock:
+        with self._op():
             for s in list(self._slices.values()):
                 self.drop(s)
