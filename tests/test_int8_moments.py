@@ -174,3 +174,53 @@ def test_int8_moments_resume_exactly(tmp_path):
     for a, b in zip(whole["masters"], resumed["masters"], strict=True):
         assert torch.equal(a, b)
     assert os.path.isdir(ckpt)
+
+
+# ----------------------------------------------------------------------------------- the public state API
+@pytest.mark.engine
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_state_api_reads_and_writes_narrow_moments_as_fp32(tmp_path, monkeypatch, fmt):
+    """``safe_get/set_full_optimizer_state`` and the local variants on bf16 / int8 moments: the getter returns the
+    moment decoded to fp32 (not the bf16 slot or the uint8 codes), and a setter's values come back rounded or
+    quantized within the codec's error ([Note: narrow moments in the state API])."""
+    import deepspeed
+    from deepspeed.utils import (safe_get_full_optimizer_state, safe_get_local_optimizer_state,
+                                 safe_set_full_optimizer_state)
+
+    import aidaptiv_ds  # noqa: F401  (installs the hooks)
+    from _engine import nvme_config, one_rank_env
+    from aidaptiv_ds.integration.state_readout import flat_optimizer_state
+
+    one_rank_env(monkeypatch)
+    cfg = nvme_config(tmp_path / "cache", dram_budget=0)
+    cfg["aidaptiv"]["optimizer_state"] = {"moments": fmt}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.Linear(40, 48))
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for _ in range(2):
+        loss = eng(torch.randn(4, 48)).pow(2).mean()
+        eng.backward(loss)
+        eng.step()
+    p = model[1].weight
+    m = safe_get_full_optimizer_state(p, "exp_avg")
+    v = safe_get_full_optimizer_state(p, "exp_avg_sq")
+    assert m.dtype == v.dtype == torch.float32 and m.shape == p.ds_shape
+    assert (v >= 0).all() and 0 < m.abs().max() < 1e-2 and v.max() < 1e-3  # moments, not codes (0..255)
+    local = safe_get_local_optimizer_state(p, "exp_avg")
+    assert local.dtype == torch.float32 and torch.equal(local.reshape(-1)[:p.ds_numel], m.reshape(-1))
+    flat = flat_optimizer_state(eng.optimizer)
+    assert flat["exp_avg"].abs().max() < 1e-2  # the readout decodes too
+    x = torch.randn(p.ds_shape) * 1e-3
+    safe_set_full_optimizer_state(p, x, "exp_avg")
+    back = safe_get_full_optimizer_state(p, "exp_avg")
+    if fmt == "bf16":
+        assert torch.equal(back, x.bfloat16().float())
+    else:
+        assert (back - x).abs().max() <= 0.02 * x.abs().max() and not torch.equal(back, x)
+    loss = eng(torch.randn(4, 48)).pow(2).mean()  # and training goes on from it
+    eng.backward(loss)
+    eng.step()
+    assert torch.isfinite(safe_get_full_optimizer_state(p, "exp_avg")).all()
+    eng.destroy()
+    from aidaptiv_ds.integration import runtime
+    runtime.shutdown()

@@ -45,6 +45,8 @@ class AidaptivOptimizerState:
         norm_param_groups: the parameter groups the gradient norm is summed over (DeepSpeed's sub-groups).
         norm_scratch: reused scratch of the gradient norm (``grad_norms.py``).
         listening: the parameter swapper's drop and use listeners are registered for this engine.
+        narrow_edits: sub-group index -> ``[(Slot, buf, first element, fp32 rows)]`` a state-API setter changed,
+            encoded into the slots at the sub-group's swap-out ([Note: narrow moments in the state API]).
     """
     cfg: AidaptivConfig
     rt: Runtime
@@ -61,6 +63,7 @@ class AidaptivOptimizerState:
     norm_param_groups: list | None = None
     norm_scratch: NormScratch | None = None
     listening: bool = False
+    narrow_edits: dict = dataclasses.field(default_factory=dict)
 
 
 def state_of(optimizer: Any) -> AidaptivOptimizerState | None:

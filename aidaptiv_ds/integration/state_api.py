@@ -19,6 +19,15 @@ speculation consumes its gradient only when clipping is off, and not in the firs
 the state API was used in the process; a call that meets a consumed gradient raises
 :class:`~aidaptiv_ds.integration.errors.GradientConsumedError` before anything changes.
 
+[Note: narrow moments in the state API]
+With ``optimizer_state.moments`` ``"bf16"`` or ``"int8"`` the optimizer's ``exp_avg``/``exp_avg_sq`` are bf16
+or uint8-code views of the sub-group's slots, and DeepSpeed's getters would hand those out as they are (the
+codes as numbers) and its setters would ``copy_`` fp32 values into them. So for a moment stored narrow,
+:meth:`StateAPIMixin._get_fp32_opt_state_partition` returns the parameter's range decoded to fp32
+(``tiers/unit.py`` ``Slot.read``; for int8 the whole blocks around it), and a setter's edit of it is encoded
+back into the slot before the sub-group is swapped out (rounded, or re-quantized block by block: the blocks the
+range touches, neighbours' elements included, get new scales).
+
 The swap-out that ends a setter (``set_full_hp_param`` writes the sub-group back with
 ``_optimizer_states_and_gradient_swap_out``, the gradient setters with ``_writeback_swap_state``) writes the
 changed state back but is not an optimizer step: the gradient stays for the step
@@ -50,6 +59,33 @@ class StateAPIMixin:
                 st.reopen(i, what)
         with self._aidaptiv.phase.during(Phase.STATE_API), span("aidaptiv::state_api", lane="optimizer", call=what):
             yield
+
+    def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
+        """DeepSpeed's (``stage3.py:3150``), but a moment stored narrow comes back as fp32 ([Note: narrow moments
+        in the state API]): ``(fp32 tensor of the parameter's partition, sub-group index)``."""
+        sw = self.optimizer_swapper
+        if optim_state_key is None or not getattr(sw, "narrow", False):
+            return super()._get_fp32_opt_state_partition(param, release_swap_buffers, optim_state_key)
+        group_idx, offset, numel = self.grad_position[self.get_param_id(param)]
+        part, _ = super()._get_fp32_opt_state_partition(param, False, optim_state_key)
+        slot, buf = sw.moment_slots(group_idx).get(optim_state_key, (None, None))
+        if slot is None:  # kept in the master dtype (a state past Adam's two moments)
+            wide = part
+        else:
+            block = max(slot.block, 1)
+            lo, hi = offset // block * block, min(-(-(offset + numel) // block) * block, slot.numel)
+            rows = slot.read(buf, lo, hi - lo)
+            wide = rows[offset - lo:offset - lo + numel]
+            if not release_swap_buffers:  # a setter: encoded back before the swap-out
+                self._aidaptiv.narrow_edits.setdefault(group_idx, []).append((slot, buf, lo, rows))
+        if release_swap_buffers and self._swappable_optimizer_subgroup(group_idx):
+            self._release_swap_buffers(group_idx)
+        return wide, group_idx
+
+    def _optimizer_states_and_gradient_swap_out(self, sub_group_id, timer_names=None):
+        for slot, buf, lo, rows in self._aidaptiv.narrow_edits.pop(sub_group_id, ()):  # [Note: narrow moments
+            slot.write(buf, rows, lo)                                                # in the state API]
+        return super()._optimizer_states_and_gradient_swap_out(sub_group_id, timer_names)
 
     def get_full_hp_param(self, param, optim_state_key=None):
         with self._aidaptiv_state_access(param, "get_full_hp_param (safe_get_full_fp32_param/optimizer_state)"):

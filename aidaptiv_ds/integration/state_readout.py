@@ -33,8 +33,12 @@ def flat_optimizer_state(opt) -> dict:
             opt._optimizer_states_and_gradient_swap_in(i)
         masters.append(fp32.detach().float().clone())
         state = opt.optimizer.state.get(fp32, {})
+        narrow = getattr(getattr(opt, "optimizer_swapper", None), "moment_slots", lambda i: {})(i)
         for out, key in ((m1, "exp_avg"), (m2, "exp_avg_sq")):
-            if key in state:
+            if key in narrow:  # bf16 or int8 moments: decoded from their slot (tiers/unit.py)
+                slot, buf = narrow[key]
+                out.append(slot.read(buf).clone())
+            elif key in state:
                 out.append(state[key].detach().float().clone())
         if swapped:
             opt._release_swap_buffers(i)
