@@ -693,3 +693,16 @@ def test_write_back_of_one_rank_does_not_starve_another_ranks_reads(tmp_path, ti
     if timing:
         assert p90 <= 5 * base + 0.025, (base, sorted(loaded["lat"]))
         assert own["writes_done_at_read"] <= 16 and own["read_s"] < own["writes_s"] / 2
+
+
+def test_int8_moments_world_size_2(tmp_path_factory):
+    """int8 moments on two ranks (issue 39): each rank's sub-groups quantized in their own blocks, bit-identical
+    with DeepSpeed's CPU offload whose stepped moments go through the same codec (``--round_moments int8``),
+    with HF's clipping 1.0 and GA 2."""
+    pytest.importorskip("torchao", reason="int8 moments quantize with torchao")
+    args = ["--model", "llama", "--ga", "2", "--steps", "3", "--clip", "1.0", "--lr", "1e-2", "--budget", "0"]
+    ref = oracle(2, args + ["--round_moments", "int8"], str(tmp_path_factory.getbasetemp()))
+    got = train(2, "aidaptiv", args + ["--extra", '{"optimizer_state": {"moments": "int8"}}'],
+                str(tmp_path_factory.mktemp("int8ws2")))
+    assert_identical(ref, got)
+    assert ref["ranks"][0]["losses"] != ref["ranks"][1]["losses"]
