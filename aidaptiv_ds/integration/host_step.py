@@ -16,18 +16,9 @@ temporaries small (8 MiB each) and the passes over a tile close together in time
 
 [Note: the tile size]
 Each tile costs about a dozen ATen calls (dispatch and an OpenMP fork/join each), so small tiles pay in
-overhead what they save in memory traffic. Measured inside the 148M fp32 training step (launch/compare.py,
-2026-12-04, ``_optimizer_step`` timed per sub-group of 20M elements, steps 3-5, one run per size; ms per
-step for the six sub-groups):
-
-| tile elements             | 128K | 256K | 1M  | 2M  | 4M  | whole (DeepSpeed's call) |
-|---------------------------|------|------|-----|-----|-----|--------------------------|
-| budget ``auto`` (heap kept) | 818  | 530  | 344 | 301 | 303 | 465                      |
-| budget 0 (fresh memory)   | 831  | 599  | 380 | 343 | 439 | 515                      |
-
-So tiles of 2M elements: 1.5x faster than the whole step at either heap policy, 2.4-2.7x faster than the
-128K tiles this shipped with (which an idle single-process micro-benchmark had favoured, 33 against 67 ms
-per 20M elements, and which made ``auto`` 1.37x DeepSpeed's CPU offload in the step).
+overhead what they save in memory traffic. Tiles of 2M elements were fastest inside the 148M fp32 training
+step, 1.5x faster than the whole-partition step at either heap policy (the timings of 128K to 4M elements:
+``docs/profiling.md``, "The optimizer step's tile size").
 
 [Note: the tiles' temporaries]
 Each tile allocates and frees its two temporaries (8 MiB) again. Where they are fresh mappings, each tile
