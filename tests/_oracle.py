@@ -111,6 +111,21 @@ def assert_identical(ref: dict, got: dict) -> None:
     assert not diff, "\n".join(diff)
 
 
+def assert_resume_exact(args: list[str], tmp_path, save_after: int = 2) -> None:
+    """Train ``args`` on our backend whole, and again saving a checkpoint after ``save_after`` steps and resuming
+    from it in a new process: the resumed losses, parameters and fp32 masters equal the whole run's, bit for bit."""
+    whole = run("aidaptiv", args, str(tmp_path / "whole"))
+    ckpt = str(tmp_path / "ckpt")
+    run("aidaptiv", args + ["--ckpt_dir", ckpt, "--save_after", str(save_after)], str(tmp_path / "first"))
+    resumed = run("aidaptiv", args + ["--ckpt_dir", ckpt, "--resume"], str(tmp_path / "second"))
+    assert resumed["losses"] == whole["losses"][save_after:]
+    for name, t in whole["params"].items():
+        assert torch.equal(t, resumed["params"][name]), name
+    for a, b in zip(whole["masters"], resumed["masters"], strict=True):
+        assert torch.equal(a, b)
+    assert os.path.isdir(ckpt)
+
+
 def written_per_param_per_step(res: dict, skip: int = 1) -> float:
     """Cache-tier bytes written per parameter per optimizer step, steps after the first ``skip``."""
     steps = res["io"][skip:]

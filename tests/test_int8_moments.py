@@ -8,12 +8,11 @@ checked against torchao's own quantizer.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from _oracle import assert_identical, oracle, run, written_per_param_per_step
+from _oracle import assert_identical, assert_resume_exact, oracle, run, written_per_param_per_step
 from aidaptiv_ds.integration.host_step import tiled_adam_step
 from aidaptiv_ds.planner.working_set import RankState
 from aidaptiv_ds.tiers import blockwise
@@ -164,16 +163,7 @@ def test_int8_moments_resume_exactly(tmp_path):
     (a dequantize-quantize round trip would not: the signed map has no -1)."""
     args = ["--model", "llama", "--steps", "4", "--clip", "1.0", "--budget", "0", "--extra", INT8,
             "--sub_group_size", "2e5"]
-    whole = run("aidaptiv", args, str(tmp_path / "whole"))
-    ckpt = str(tmp_path / "ckpt")
-    run("aidaptiv", args + ["--ckpt_dir", ckpt, "--save_after", "2"], str(tmp_path / "first"))
-    resumed = run("aidaptiv", args + ["--ckpt_dir", ckpt, "--resume"], str(tmp_path / "second"))
-    assert resumed["losses"] == whole["losses"][2:]
-    for name, t in whole["params"].items():
-        assert torch.equal(t, resumed["params"][name]), name
-    for a, b in zip(whole["masters"], resumed["masters"], strict=True):
-        assert torch.equal(a, b)
-    assert os.path.isdir(ckpt)
+    assert_resume_exact(args, tmp_path)
 
 
 # ----------------------------------------------------------------------------------- the public state API

@@ -7,13 +7,12 @@ two must agree bit for bit. fp32 moments stay the default and keep the plain ora
 """
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
 import torch
 
-from _oracle import assert_identical, oracle, run, written_per_param_per_step
+from _oracle import assert_identical, assert_resume_exact, oracle, run, written_per_param_per_step
 from aidaptiv_ds.errors import AidaptivConfigError
 from aidaptiv_ds.integration.config import parse_section
 from aidaptiv_ds.integration.host_step import tiled_adam_step
@@ -171,16 +170,7 @@ def test_engine_with_bf16_moments_matches_rounded_oracle(tmp_path, case):
 def test_bf16_moments_resume_exactly(tmp_path):
     """A checkpoint stores the bf16 moments widened to fp32 (exact), so a resume goes on bit for bit."""
     args = ["--model", "llama", "--steps", "4", "--clip", "1.0", "--budget", "0", "--extra", BF16]
-    whole = run("aidaptiv", args, str(tmp_path / "whole"))
-    ckpt = str(tmp_path / "ckpt")
-    run("aidaptiv", args + ["--ckpt_dir", ckpt, "--save_after", "2"], str(tmp_path / "first"))
-    resumed = run("aidaptiv", args + ["--ckpt_dir", ckpt, "--resume"], str(tmp_path / "second"))
-    assert resumed["losses"] == whole["losses"][2:]
-    for name, t in whole["params"].items():
-        assert torch.equal(t, resumed["params"][name]), name
-    for a, b in zip(whole["masters"], resumed["masters"], strict=True):
-        assert torch.equal(a, b)
-    assert os.path.isdir(ckpt)
+    assert_resume_exact(args, tmp_path)
 
 
 # ------------------------------------------------------------------------------ the accuracy benchmark
