@@ -221,7 +221,11 @@ def pytest_configure(config):
 #: node id -> the default-run test that covers the same behaviour (see the module docstring)
 SLOW_VARIANTS = {
     "tests/test_moment_dtype.py::test_engine_with_bf16_moments_matches_rounded_oracle[clip0-dram]":
-        "test_engine_with_bf16_moments_matches_rounded_oracle[clip1-ga2] (the same layout and step; here in DRAM)",
+        "test_engine_with_bf16_moments_matches_rounded_oracle[bf16-model-riding] (the same layout and step; here in "
+        "DRAM)",
+    "tests/test_moment_dtype.py::test_engine_with_bf16_moments_matches_rounded_oracle[clip1-ga2]":
+        "test_int8_moments.py::test_engine_with_int8_moments_matches_round_tripped_oracle (narrow slots stepped "
+        "through the same tiles, clipping 1.0, GA 2, redone steps) and [bf16-model-riding] (the bf16 slots)",
     "tests/test_checkpoint.py::test_a_save_dir_per_rank_saves_parts_and_resumes_bit_identical":
         "tests/test_two_nodes.py (the same with two nodes in network namespaces; this one runs where those "
         "cannot be made)",
