@@ -251,3 +251,34 @@ def test_owners_are_told_of_a_drop_after_the_tiers_lock():
         tier.mark_used(s)
     tier.enforce_budget()  # evicts both inside one operation
     assert seen == [("a", True), ("b", True)]
+
+
+def test_a_slices_life_is_its_state_and_the_tier_refuses_a_gone_slice():
+    """[Note: a slice's life]: the state follows add, acquire, release, a dirty eviction's write and the budget;
+    acquiring or dirtying a slice that left the tier is an owner's bug and raises, naming the state."""
+    from aidaptiv_ds.io.futures import IOFuture
+    from aidaptiv_ds.tiers.host_tier import HostTier, Slice, SliceState
+
+    writes = []
+
+    def writeback(s):
+        fut = IOFuture(64, 1)
+        writes.append(fut)
+        return fut
+
+    tier = HostTier(budget=0)
+    s = Slice("a", torch.zeros(64, dtype=torch.uint8), kind="opt", writeback=writeback, prefetched=True)
+    assert s.state is SliceState.NEW
+    tier.add(s)
+    assert s.state is SliceState.PREFETCHED
+    tier.acquire(s)
+    assert s.state is SliceState.IN_USE
+    tier.mark_dirty(s)
+    tier.release(s)  # over the budget of 0: a dirty eviction writes it, and it stays until written
+    assert s.state is SliceState.WRITING and len(writes) == 1
+    writes[0]._chunk_done()  # the write completes
+    tier.enforce_budget()
+    assert s.state is SliceState.GONE
+    for op in (tier.acquire, tier.mark_dirty):
+        with pytest.raises(RuntimeError, match=r"slice 'a', which is gone: no longer in the host tier"):
+            op(s)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import itertools
 import threading
 from collections.abc import Callable, Hashable
@@ -30,6 +31,26 @@ import torch
 
 from ..io.futures import IOFuture
 from .eviction import AccessOrder, EvictionPolicy
+
+
+class SliceState(enum.Enum):
+    """Where a slice is in its life ([Note: a slice's life]); :attr:`Slice.state` derives it from the slice's
+    fields, which only :class:`HostTier` changes."""
+    NEW = "new"  # built, not in a tier yet
+    READING = "reading"  # in the tier, its read still filling ``buf``
+    IN_USE = "in_use"  # referenced by compute (never evicted)
+    PREFETCHED = "prefetched"  # read ahead of use, not used yet (working memory)
+    WRITING = "writing"  # unreferenced, its write-back in flight (working memory)
+    RESIDENT = "resident"  # planned to stay in DRAM
+    CACHED = "cached"  # unreferenced, kept while the budget allows
+    GONE = "gone"  # left the tier (evicted or dropped); its owner was told (``on_drop``)
+
+
+#: [Note: a slice's life] NEW -add-> READING / PREFETCHED / CACHED / RESIDENT / WRITING; acquire -> IN_USE,
+#: release -> CACHED (or WRITING, PREFETCHED...); evict or drop -> GONE (a GONE slice may be added again).
+#: ``acquire``, ``mark_dirty`` and ``write_back`` of a slice that left the tier are bugs of its owner (a write of
+#: bytes nobody will read, or a reference the budget does not see) and raise. A NEW slice may be referenced or
+#: marked before it is added (so that adding it at a budget of 0 does not evict it at once).
 
 
 class Slice:
@@ -50,7 +71,7 @@ class Slice:
     """
 
     __slots__ = ("key", "buf", "nbytes", "members", "resident", "refs", "dirty", "ready", "writing", "prefetched",
-                 "writeback", "on_drop", "last_use", "kind")
+                 "writeback", "on_drop", "last_use", "kind", "in_tier", "was_in_tier")
 
     def __init__(self, key: Hashable, buf: torch.Tensor, nbytes: int | None = None, members=None,
                  resident: bool = False, kind: str = "", writeback: Callable | None = None,
@@ -70,6 +91,23 @@ class Slice:
         self.on_drop = on_drop
         self.last_use = 0
         self.kind = kind
+        self.in_tier = False
+        self.was_in_tier = False
+
+    @property
+    def state(self) -> SliceState:
+        """The slice's :class:`SliceState` now (a read that completed counts as done)."""
+        if not self.in_tier:
+            return SliceState.GONE if self.was_in_tier else SliceState.NEW
+        if self.refs:
+            return SliceState.IN_USE
+        if self.ready is not None and not self.ready.done():
+            return SliceState.READING
+        if self.writing is not None:
+            return SliceState.WRITING
+        if self.prefetched:
+            return SliceState.PREFETCHED
+        return SliceState.RESIDENT if self.resident else SliceState.CACHED
 
     def wait_ready(self) -> None:
         """Block until the slice's read (if any) completed; raise its error."""
@@ -189,14 +227,25 @@ class HostTier:
                 raise KeyError(f"slice {s.key!r} already in the host tier")
             s.last_use = next(self._clock)
             self._slices[s.key] = s
+            s.in_tier = s.was_in_tier = True
             self.held_bytes += s.nbytes
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             self.enforce_budget()
             return s
 
+    def _refuse_gone(self, s: Slice, op: str) -> None:
+        if s.state is SliceState.GONE:
+            raise RuntimeError(f"{op} of slice {s.key!r}, which is {s.state.value}: no longer in the host tier "
+                               f"([Note: a slice's life])")
+
     def acquire(self, s: Slice) -> None:
-        """Take a compute reference (the slice cannot be evicted until :meth:`release`)."""
+        """Take a compute reference (the slice cannot be evicted until :meth:`release`).
+
+        Raises:
+            RuntimeError: ``s`` left the tier (evicted or dropped).
+        """
         with self._op():
+            self._refuse_gone(s, "acquire")
             s.refs += 1
             s.prefetched = False
             s.last_use = next(self._clock)
@@ -211,8 +260,13 @@ class HostTier:
                 self.enforce_budget()
 
     def mark_dirty(self, s: Slice) -> None:
-        """The slice's bytes differ (or are about to) from the copy below: it is written before it may go."""
+        """The slice's bytes differ (or are about to) from the copy below: it is written before it may go.
+
+        Raises:
+            RuntimeError: ``s`` left the tier (its bytes would never be written).
+        """
         with self._op():
+            self._refuse_gone(s, "mark_dirty")
             s.dirty = True
 
     def mark_used(self, s: Slice) -> None:
@@ -232,6 +286,7 @@ class HostTier:
         with self._op():
             if not s.dirty:
                 return s.writing
+            self._refuse_gone(s, "write_back")
             if s.writing is not None:  # an older write of this slice is still running
                 s.writing.wait()
                 s.writing = None
@@ -365,6 +420,7 @@ class HostTier:
     def _remove(self, s: Slice) -> None:
         if self._slices.get(s.key) is s:
             del self._slices[s.key]
+            s.in_tier = False
             self.held_bytes -= s.nbytes
             if s.on_drop is not None:
                 self._gone.append(s)  # told after the lock ([Note: callbacks after the lock])
