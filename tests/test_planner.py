@@ -387,6 +387,10 @@ def test_cli_bf16_moments_halve_the_moments(tmp_path):
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "aidaptiv": {"optimizer_state": {"moments": "bf16"}}}))
     rc, out = run_cli(*common, "--deepspeed", str(cfg))
     assert json.loads(out)["total_state_bytes"] == d16["total_state_bytes"]
+    rc8, out8 = run_cli(*common, "--moments", "int8")  # codes and one fp32 scale per 256: 2.03 B/param
+    d8 = json.loads(out8)
+    assert d32["total_state_bytes"] - d8["total_state_bytes"] == pytest.approx((8 - 2.03125) * 70e9, rel=1e-6)
+    assert d32["per_step"]["write_bytes"] - d8["per_step"]["write_bytes"] == pytest.approx(5.97 * 70e9, rel=0.01)
 
 def test_cli_refuses_bf16_moments_without_adam(capsys):
     assert main(["plan", "--params", "1e9", "--gpus", "1", "--vram", "48GB", "--dram", "64GB", "--cache", "1TB",
