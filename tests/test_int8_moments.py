@@ -91,14 +91,13 @@ def test_quantized_slots_pack_codes_then_scales():
 
 
 def test_rank_state_counts_int8_moments_as_the_swapper_lays_them_out():
-    from aidaptiv_ds.integration.optimizer_swapper import AidaptivOptimizerSwapper
+    from aidaptiv_ds.integration.optimizer_swapper import SubgroupFormat
     st = RankState(subgroup_numels=(100_003,), grad_numels=(100_003,), largest_partition_numel=1000,
                    param_bytes=400_012, largest_subgroup_param_bytes=400_012, staging_partition_bytes=0,
                    accum_elsize=4, alignment=4096, moments="int8")
     assert st.moment_bytes_per_param == pytest.approx(2.03125)
-    sw = AidaptivOptimizerSwapper.__new__(AidaptivOptimizerSwapper)
-    sw.dtype, sw.moments, sw.expected_states = torch.float32, MOMENT_FORMATS["int8"], 2
-    exact = sw.layout(100_003, 3).prefix_bytes()
+    fmt = SubgroupFormat(torch.float32, MOMENT_FORMATS["int8"], 2)  # the swapper's layout
+    exact = fmt.layout(100_003, 3).prefix_bytes()
     assert st.opt_slice_bytes(100_003) == -(-exact // 4096) * 4096 and exact < 100_003 * 6.04
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -53,6 +54,75 @@ def expected_state_slots(optimizer) -> int:
     """Per-element state tensors the optimizer will create (2 for Adam-type, else 0: grown on demand)."""
     name = type(optimizer).__name__
     return 2 if any(name == n or name.endswith(n) for n in _TWO_STATE) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SubgroupFormat:
+    """How a sub-group's extent is laid out: the master weights' dtype, the moments' format and how many
+    per-element states the optimizer keeps. Known before any sub-group exists, so the plan is made from it
+    before the swapper is built (``stage3.py``).
+
+    Raises (at construction):
+        AidaptivConfigError: the moments are stored narrower than the master and the optimizer is not torch's
+            Adam or AdamW (``host_step.is_torch_adam``), or they are wider than the master.
+    """
+    dtype: torch.dtype
+    moments: MomentFormat
+    expected_states: int
+
+    @classmethod
+    def of(cls, optimizer, dtype: torch.dtype, moments: MomentFormat | str | None = None) -> SubgroupFormat:
+        """The format for ``optimizer`` with ``dtype`` masters and ``moments`` (a format, its name, or None:
+        plain ``dtype``), checked ([Note: moment dtype])."""
+        if isinstance(moments, str):
+            moments = MOMENT_FORMATS[moments]
+        fmt = cls(dtype, moments if moments is not None else MomentFormat(str(dtype)[6:], dtype),
+                  expected_state_slots(optimizer))
+        if fmt.narrow and (fmt.moments.bytes_per_element > dtype.itemsize or not is_torch_adam(optimizer)):
+            raise AidaptivConfigError(
+                f"aidaptiv.optimizer_state.moments is {fmt.moments.name!r}, but the optimizer is "
+                f"{type(optimizer).__module__}.{type(optimizer).__name__} with {str(dtype)[6:]} master weights; "
+                f"narrow moments need torch's Adam or AdamW (stepped in tiles that widen them). Fix: set "
+                f"\"torch_adam\": true in the optimizer's params (with \"type\": \"Adam\" or \"AdamW\"), or "
+                f"\"moments\": \"fp32\"")
+        return fmt
+
+    @property
+    def elsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def narrow(self) -> bool:
+        """The moments are stored in another format than the master weights (bf16 or int8)."""
+        return self.moments.dtype != self.dtype or self.moments.block > 0
+
+    def layout(self, numel: int, slots: int) -> UnitLayout:
+        """A sub-group's layout: the master in :attr:`dtype`, then ``slots - 1`` states, the first
+        :attr:`expected_states` (Adam's moments) in :attr:`moments` (``state1`` signed, ``state2`` unsigned
+        when quantized: ``exp_avg`` and ``exp_avg_sq``), any further ones in :attr:`dtype`."""
+        specs = [("master", self.dtype)] + [self.moments.spec(f"state{j}", signed=j == 1) if j <= self.expected_states
+                                            else (f"state{j}", self.dtype) for j in range(1, slots)]
+        return UnitLayout.packed(numel, specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapperLinks:
+    """What the swapper works with besides DeepSpeed's calls, fixed when the engine's plan is made and handed to
+    the swapper at its construction (``stage3.py`` ``_aidaptiv_plan``).
+
+    Attributes:
+        plan: which sub-groups stay in DRAM (indexed in creation order); None: none.
+        gradients: the gradient store (each sub-group's fp32 gradient); None: DeepSpeed binds its own.
+        wanted: ``fn(index) -> bool``: the sub-group is still to be stepped (worth reading ahead); None: all.
+        holds_master: ``fn(index) -> bool``: keep a dropped partition's bytes for that sub-group's master slot
+            ([Note: master weights from the parameter reads]); None: never.
+        master_hold_limit: bytes of parameter slices kept alive for that at most.
+    """
+    plan: ResidencyPlan | None = None
+    gradients: GradientStore | None = None
+    wanted: Callable[[int], bool] | None = None
+    holds_master: Callable[[int], bool] | None = None
+    master_hold_limit: int = 0
 
 
 @dataclasses.dataclass
@@ -120,42 +190,36 @@ class AidaptivOptimizerSwapper:
     """
 
     def __init__(self, runtime: Runtime, optimizer, dtype: torch.dtype, engine_id: int,
-                 phase: EnginePhase | None = None, moments: MomentFormat | str | None = None) -> None:
+                 phase: EnginePhase | None = None, moments: MomentFormat | str | None = None,
+                 links: SwapperLinks | None = None, owner=None) -> None:
         self.rt = runtime
         self.optimizer = optimizer
-        self._owner = None  # weakref to the Stage-3 optimizer that built this swapper (set by it)
+        self._owner = owner  # weakref to the Stage-3 optimizer that built this swapper
+        #: the extent layout (master dtype, moments' format, states), checked ([Note: moment dtype])
+        self.format = SubgroupFormat.of(optimizer, dtype, moments)
         self.dtype = dtype
         self.elsize = dtype.itemsize
-        if isinstance(moments, str):
-            moments = MOMENT_FORMATS[moments]
         #: how Adam's moments are stored (plain ``dtype`` unless ``optimizer_state.moments`` narrows them)
-        self.moments = moments if moments is not None else MomentFormat(str(dtype)[6:], dtype)
+        self.moments = self.format.moments
+        self.expected_states = self.format.expected_states
         self.engine_id = engine_id
         self.groups: dict[str, _Group] = {}
         self.order: list[str] = []
-        self.plan: ResidencyPlan | None = None
         #: the engine's phase ([Note: phases] in ``phase.py``; the Stage-3 subclass passes its own)
         self.phase = phase if phase is not None else EnginePhase()
-        self.expected_states = expected_state_slots(optimizer)
-        if self.narrow:
-            if self.moments.bytes_per_element > dtype.itemsize or not is_torch_adam(optimizer):
-                raise AidaptivConfigError(
-                    f"aidaptiv.optimizer_state.moments is {self.moments.name!r}, but the optimizer is "
-                    f"{type(optimizer).__module__}.{type(optimizer).__name__} with {str(dtype)[6:]} master weights; "
-                    f"narrow moments need torch's Adam or AdamW (stepped in tiles that widen them). Fix: set "
-                    f"\"torch_adam\": true in the optimizer's params (with \"type\": \"Adam\" or \"AdamW\"), or "
-                    f"\"moments\": \"fp32\"")
-        self.gradients: GradientStore | None = None  # set by the Stage-3 subclass before initialisation
-        self.wanted = None  # fn(index) -> bool: the sub-group is still to be stepped (worth reading ahead)
+        links = links if links is not None else SwapperLinks()
+        self.plan = links.plan
+        self.gradients = links.gradients
+        self.wanted = links.wanted
         self._pending_owner: dict[int, _Group] = {}  # ds_id -> the sub-group whose master slot awaits its bytes
         self.master_copied_bytes = 0  # master bytes filled from parameter slices instead of read
         self.master_demand_bytes = 0  # master bytes read on demand because no parameter slice had them
         self.master_held_bytes = 0  # of the copied bytes, those kept from a dropped slice until the slice came
         # [Note: master weights from the parameter reads]: which sub-group's master slot a partition is
-        # read from; whether a sub-group waits for its slice (set by the Stage-3 subclass); the hold's bound
+        # read from; whether a sub-group waits for its slice; the hold's bound
         self._alias_owner: dict[int, _Group] = {}
-        self.holds_master = None  # fn(index) -> bool: keep a dropped partition's bytes for that sub-group
-        self.master_hold_limit = 0  # bytes of parameter slices kept alive for that at most
+        self.holds_master = links.holds_master
+        self.master_hold_limit = int(links.master_hold_limit)
         self._held_storage: dict[int, list[int]] = {}  # storage address -> [bytes, holds]
         self.swap_folder = os.path.join(runtime.namespace.rank_dir(0), f"optimizer{engine_id}")
         os.makedirs(self.swap_folder, exist_ok=True)
@@ -181,7 +245,7 @@ class AidaptivOptimizerSwapper:
     @property
     def narrow(self) -> bool:
         """The moments are stored in another format than the master weights (bf16 or int8)."""
-        return self.moments.dtype != self.dtype or self.moments.block > 0
+        return self.format.narrow
 
     @property
     def moment_dtype(self) -> torch.dtype:
@@ -189,12 +253,8 @@ class AidaptivOptimizerSwapper:
         return self.moments.dtype
 
     def layout(self, numel: int, slots: int) -> UnitLayout:
-        """A sub-group's layout: the master in :attr:`dtype`, then ``slots - 1`` states, the first
-        :attr:`expected_states` (Adam's moments) in :attr:`moments` (``state1`` signed, ``state2`` unsigned
-        when quantized: ``exp_avg`` and ``exp_avg_sq``), any further ones in :attr:`dtype`."""
-        specs = [("master", self.dtype)] + [self.moments.spec(f"state{j}", signed=j == 1) if j <= self.expected_states
-                                            else (f"state{j}", self.dtype) for j in range(1, slots)]
-        return UnitLayout.packed(numel, specs)
+        """A sub-group's layout (:meth:`SubgroupFormat.layout`)."""
+        return self.format.layout(numel, slots)
 
     def moment_slots(self, index: int) -> dict:
         """``{state name: (Slot, buf)}`` of the sub-group created ``index``-th while its slice is in DRAM, for its

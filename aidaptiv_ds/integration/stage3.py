@@ -39,7 +39,7 @@ from .step_pipeline import StepPipeline
 from .step_pipeline import forget as forget_pipeline
 from .gradients import GradientStore
 from .optimizer_state import AidaptivOptimizerState
-from .optimizer_swapper import AidaptivOptimizerSwapper
+from .optimizer_swapper import AidaptivOptimizerSwapper, SubgroupFormat, SwapperLinks
 from .phase import EnginePhase, Phase
 from .runtime import auto_dram_budget, get_runtime
 
@@ -170,11 +170,9 @@ def make_stage3_class(base: type) -> type:
             # this engine's section (a runtime shared with an earlier zero.Init or engine keeps the first config)
             moments = MOMENT_FORMATS[self._aidaptiv.cfg.optimizer_state.moments]
             master = self.master_weights_and_grads_dtype
-            self.optimizer_swapper = sw = AidaptivOptimizerSwapper(
-                rt, self.optimizer, master, self._aidaptiv.engine_id, phase=self._aidaptiv.phase,
-                moments=moments if moments.bytes_per_element < master.itemsize else None)
-            sw._owner = weakref.ref(self)
-            why = narrow_moments_refusal(self.optimizer) if sw.narrow else None
+            fmt = SubgroupFormat.of(self.optimizer, master,
+                                    moments if moments.bytes_per_element < master.itemsize else None)
+            why = narrow_moments_refusal(self.optimizer) if fmt.narrow else None
             if why is not None:  # before step 1 creates any state ([Note: narrow moments] in host_step.py)
                 raise AidaptivConfigError(
                     f"aidaptiv.optimizer_state.moments is \"{moments.name}\", but {why}: {moments.name} moments are "
@@ -182,7 +180,12 @@ def make_stage3_class(base: type) -> type:
                     f"\"fp32\"")
             if moments.block:
                 quantizer_available()  # torchao imports (else the fix is named) before any state exists
-            self._aidaptiv_plan()
+            links = self._aidaptiv_plan(fmt)
+            # the swapper is built with what it works with (the plan, the gradient store, the stepper's choices)
+            self.optimizer_swapper = sw = AidaptivOptimizerSwapper(
+                rt, self.optimizer, master, self._aidaptiv.engine_id, phase=self._aidaptiv.phase,
+                moments=fmt.moments, links=links, owner=weakref.ref(self))
+            rt.attach_engine(self._aidaptiv.engine_id, sw, self._aidaptiv.stepper)
 
         def _create_fp32_partitions(self):
             super()._create_fp32_partitions()
@@ -281,15 +284,17 @@ def make_stage3_class(base: type) -> type:
             nbytes = sum(int(p.ds_tensor.ds_numel) * p.element_size() for p in parts)
             return nbytes if cap >= numel else cap * (nbytes // max(numel, 1))
 
-        def _aidaptiv_plan(self) -> None:
+        def _aidaptiv_plan(self, sw: SubgroupFormat) -> SwapperLinks:
             """Choose what stays in DRAM, build the gradient store, preflight the store for the rest,
-            load resident parameters.
+            load resident parameters; returns what the optimizer swapper is built with.
+
+            Args:
+                sw: the sub-groups' layout (the optimizer swapper's, before it exists).
 
             Raises:
                 StorageFullError: the cache paths cannot hold the optimizer state and gradients.
             """
             rt = self._aidaptiv.rt
-            sw = self.optimizer_swapper
             psw = self._aidaptiv_param_swapper()
             if psw is not None and rt.cfg.from_unpacked:  # before DeepSpeed reads partitions for the masters
                 psw.adopt_unpacked(self._aidaptiv.module)
@@ -369,12 +374,11 @@ def make_stage3_class(base: type) -> type:
                     if rt.rank == 0:
                         log.warning("aidaptiv_ds: the cache paths lack room for a second copy of the optimizer "
                                     "state, so optimizer steps run after backward (step_in_backward: \"auto\")")
-            sw.plan = plan
             rt.settle_host_memory_reuse(ws - overhead, plan.cache_bytes, pool_bytes)
             device_sync = None
             if not get_accelerator().is_synchronized_device() and self.reduce_and_partition_stream is not None:
                 device_sync = self.reduce_and_partition_stream.synchronize  # gradient copies run on that stream
-            self._aidaptiv.grads = sw.gradients = GradientStore(
+            self._aidaptiv.grads = grad_store = GradientStore(
                 rt, self._aidaptiv.engine_id, accum, grad_numels, expected, window_bytes=grad_window,
                 resident_bytes=sum(grad_slices[i] for i in plan.resident_grad_subgroups), device_sync=device_sync,
                 resident_subgroups=plan.resident_grad_subgroups)
@@ -382,10 +386,6 @@ def make_stage3_class(base: type) -> type:
                                                      inflight_limit=in_backward_window)
             self._aidaptiv.pipeline = StepPipeline(self, self._aidaptiv.stepper, enabled=rides)
             self._aidaptiv.stepper.pipeline = self._aidaptiv.pipeline
-            sw.wanted = self._aidaptiv.stepper.wanted
-            sw.holds_master = self._aidaptiv_holds_master
-            sw.master_hold_limit = rank_ws.master_hold if speculate else 0
-            rt.attach_engine(self._aidaptiv.engine_id, sw, self._aidaptiv.stepper)
             rt.preflight_checkpoints(sum(n * 4 * (1 + sw.expected_states) + 4 * align for n in numels))
             if psw is not None and plan.params_resident:
                 psw.make_resident()
@@ -399,6 +399,9 @@ def make_stage3_class(base: type) -> type:
                          grads, "in DRAM" if plan.params_resident else "on the cache tier", len(plan.resident_subgroups),
                          len(numels), "inside backward (speculative" + (", redone when clipping)" if clip else ")")
                          if speculate else "after backward", format_bytes(plan.write_bytes_per_step))
+            return SwapperLinks(plan=plan, gradients=grad_store, wanted=self._aidaptiv.stepper.wanted,
+                                holds_master=self._aidaptiv_holds_master,
+                                master_hold_limit=rank_ws.master_hold if speculate else 0)
 
     AidaptivZeroOptimizer_Stage3.__qualname__ = "AidaptivZeroOptimizer_Stage3"
     return AidaptivZeroOptimizer_Stage3

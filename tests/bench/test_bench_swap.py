@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from aidaptiv_ds.integration.gradients import GradientStore
-from aidaptiv_ds.integration.optimizer_swapper import AidaptivOptimizerSwapper
+from aidaptiv_ds.integration.optimizer_swapper import AidaptivOptimizerSwapper, SwapperLinks
 from aidaptiv_ds.integration.param_swapper import AidaptivParamSwapper
 from aidaptiv_ds.io import alloc_aligned
 from aidaptiv_ds.io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
@@ -171,9 +171,9 @@ def test_optimizer_pipeline(benchmark, runtime, timing, path):
     if path == "swapper":
         params = _fp32_params(GROUPS)
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
-        sw = AidaptivOptimizerSwapper(runtime, opt, torch.float32, engine_id=0)
         # gradients through the tiers, as the Stage-3 subclass sets them up (budget 0: all written)
-        sw.gradients = GradientStore(runtime, 0, torch.float32, [numel] * GROUPS, [1] * GROUPS)
+        sw = AidaptivOptimizerSwapper(runtime, opt, torch.float32, engine_id=0, links=SwapperLinks(
+            gradients=GradientStore(runtime, 0, torch.float32, [numel] * GROUPS, [1] * GROUPS)))
         sw.initialize_parameters(params, masters)
 
         def store_grads():
