@@ -233,6 +233,7 @@ def test_malformed_deepspeed_combinations_are_refused_clearly(cache, data):
     ({"io": {"threads_per_drive": "four"}}, "aidaptiv.io.threads_per_drive"),
     ({"run_name": 7}, "aidaptiv.run_name"),
     ({"endurance": []}, "aidaptiv.endurance"),
+    ({"cache_paths": "\n"}, "aidaptiv.cache_paths"),  # the example list once spelled the newline out raw
 ])
 def test_examples_found_by_the_fuzz(section, key):
     """Inputs that once crashed or read badly, kept as fixed regression cases."""

@@ -219,7 +219,7 @@ class AidaptivConfig(_Model):
         if v is None:
             return None
         if isinstance(v, str):
-            raise ValueError(f"{SECTION}.cache_paths: {v!r} is a string; give a list, e.g. [\"{v}\"]")
+            raise ValueError(f"{SECTION}.cache_paths: {v!r} is a string; give a list, e.g. {json.dumps([v], ensure_ascii=False)}")
         if not isinstance(v, list) or not v or not all(isinstance(p, str) and p for p in v):
             raise ValueError(f"{SECTION}.cache_paths: {v!r} must be a non-empty list of directory paths, "
                              f"e.g. [\"/mnt/cache0\", \"/mnt/cache1\"]")
@@ -510,7 +510,7 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig, training: bool | None = N
         p = sec.get("nvme_path")
         if p is not None and not (isinstance(p, str) and p.strip()):
             problems.append(f"zero_optimization.{which}.nvme_path is {_short(p)}; it must be one directory path as "
-                            f"a string. Fix: \"nvme_path\": \"{path_hint}\" (list several drives in "
+                            f"a string. Fix: \"nvme_path\": {json.dumps(path_hint, ensure_ascii=False)} (list several drives in "
                             f"aidaptiv.cache_paths)")
     training = trains(ds, training)
     devices = {which: _device(sec.get("device", "none")) for which, sec in sections.items()}
@@ -518,7 +518,7 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig, training: bool | None = N
         if dev not in _DEVICES:
             problems.append(f"zero_optimization.{which}.device is {_short(sections[which].get('device'))}; DeepSpeed "
                             f"offloads to \"nvme\", \"cpu\" or \"none\". Fix: \"device\": \"nvme\" (with "
-                            f"\"nvme_path\": \"{path_hint}\")")
+                            f"\"nvme_path\": {json.dumps(path_hint, ensure_ascii=False)})")
     if "max_in_cpu" in op and not (_number(op["max_in_cpu"]) and math.isfinite(op["max_in_cpu"])
                                    and 0 <= op["max_in_cpu"] < 2 ** 63):
         problems.append(f"zero_optimization.offload_param.max_in_cpu is {_short(op['max_in_cpu'])}; it must be a "
@@ -528,7 +528,7 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig, training: bool | None = N
         if devices["offload_param"] != "nvme":
             problems.append(f"zero_optimization.offload_param.device is {_short(devices['offload_param'])} and this "
                             f"engine has no optimizer (ZeRO-Inference), so aidaptiv_ds would have nothing to serve. Fix: "
-                            f"set\n      \"offload_param\": {{\"device\": \"nvme\", \"nvme_path\": \"{path_hint}\"}}")
+                            f"set\n      \"offload_param\": {{\"device\": \"nvme\", \"nvme_path\": {json.dumps(path_hint, ensure_ascii=False)}}}")
         return problems
     if devices["offload_optimizer"] != "nvme":
         where = ("the parameters are on nvme but the optimizer state is not: aidaptiv_ds serves the optimizer state "
@@ -536,7 +536,7 @@ def _deepspeed_problems(ds: dict, cfg: AidaptivConfig, training: bool | None = N
                  else "nothing is offloaded to nvme, so aidaptiv_ds would have nothing to serve")
         problems.append(f"zero_optimization.offload_optimizer.device is {_short(devices['offload_optimizer'])}; "
                         f"{where}. Fix: set\n      \"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": "
-                        f"\"{path_hint}\"}}\n    or remove the \"aidaptiv\" section to run DeepSpeed's own offload")
+                        f"{json.dumps(path_hint, ensure_ascii=False)}}}\n    or remove the \"aidaptiv\" section to run DeepSpeed's own offload")
     if "ratio" in oo and not (_number(oo["ratio"]) and oo["ratio"] == 1):
         problems.append(f"zero_optimization.offload_optimizer.ratio is {_short(oo['ratio'])}; partial optimizer "
                         f"offload is CPU-only in DeepSpeed. Fix: remove \"ratio\" (aidaptiv.dram_budget keeps "
