@@ -695,6 +695,7 @@ def test_write_back_of_one_rank_does_not_starve_another_ranks_reads(tmp_path, ti
         assert own["writes_done_at_read"] <= 16 and own["read_s"] < own["writes_s"] / 2
 
 
+@pytest.mark.slow  # CI time: the 1-rank int8 oracle and the fp32 2-rank oracle run in the fast tier
 def test_int8_moments_world_size_2(tmp_path_factory):
     """int8 moments on two ranks (issue 39): each rank's sub-groups quantized in their own blocks, bit-identical
     with DeepSpeed's CPU offload whose stepped moments go through the same codec (``--round_moments int8``),
