@@ -795,17 +795,21 @@ class AidaptivParamSwapper:
                 holes.append([off, n])
         return sum(max(n - slack, 0) for _, n in holes)
 
-    def release_dead_chunks(self) -> int:
+    def release_dead_chunks(self, in_use=None) -> int:
         """Give the chunks of our regions that no partition uses any more back to the store; returns
         the bytes (4 B per fp32 parameter after :meth:`alias_to_master`).
 
         A parameter the model let go of (an output embedding that weight tying replaced) can sit in a reference
-        cycle until the collector runs, and until then its partition counts as live; so the collector runs first.
-        When it runs on its own depends on every allocation of the process: with torchao importable (transformers
-        imports it), the 260K stories Llama's last ``zero.Init`` parameter was still uncollected here and kept a
-        4 MiB chunk of the store (``tests/test_plan_vs_measurement.py``).
+        cycle until the collector runs, and until then its partition counts as live; so the collector runs first
+        where a partition still counts as live without being one of ``in_use`` (ds_ids: the engine's module's
+        parameters; None: always). When it runs on its own depends on every allocation of the process: with torchao
+        importable (transformers imports it), the 260K stories Llama's last ``zero.Init`` parameter was still
+        uncollected here and kept a 4 MiB chunk of the store (``tests/test_plan_vs_measurement.py``). A collection
+        costs about 0.2 s in a process with torch, DeepSpeed and transformers loaded, so it is not run otherwise.
         """
-        gc.collect()
+        used = None if in_use is None else set(in_use)
+        if used is None or any(r.ds_id not in used and r.alive() for r in self._parts.values()):
+            gc.collect()
         return sum(self._regions[d].release_chunks(c) for d, c in self._dead_chunks(set()).items())
 
     def write_partitions(self, items: list) -> None:

@@ -210,7 +210,10 @@ def make_stage3_class(base: type) -> type:
                 self._aidaptiv.listening = True
                 psw.drop_listeners.append(_weak_method(sw.take_master_bytes))
                 psw.use_listeners.append(_weak_method(self._aidaptiv_params_used))
-            freed = psw.release_dead_chunks()  # the partitions' first copy, written by zero.Init, is not read again
+            # the partitions' first copy, written by zero.Init, is not read again
+            freed = psw.release_dead_chunks(in_use=[p.ds_id for p in self._aidaptiv.module.parameters()
+                                                    if hasattr(p, "ds_id")] if self._aidaptiv.module is not None
+                                            else None)
             if freed and self._aidaptiv.rt.rank == 0:
                 log.info("aidaptiv_ds: fp32 parameters are read from their master slots; %s of their first copy "
                          "given back to the cache paths", format_bytes(freed))
