@@ -36,7 +36,7 @@ from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..planner.residency import ResidencyPlan
 from ..spans import spanned
 from ..tiers.host_tier import Slice
-from ..tiers.unit import MOMENT_FORMATS, MomentFormat, UnitLayout
+from ..tiers.unit import MOMENT_FORMATS, MomentFormat, UnitLayout, optimizer_layout
 from ..errors import AidaptivConfigError
 from .errors import DeepSpeedContractError
 from .gradients import GradientStore
@@ -97,12 +97,9 @@ class SubgroupFormat:
         return self.moments.dtype != self.dtype or self.moments.block > 0
 
     def layout(self, numel: int, slots: int) -> UnitLayout:
-        """A sub-group's layout: the master in :attr:`dtype`, then ``slots - 1`` states, the first
-        :attr:`expected_states` (Adam's moments) in :attr:`moments` (``state1`` signed, ``state2`` unsigned
-        when quantized: ``exp_avg`` and ``exp_avg_sq``), any further ones in :attr:`dtype`."""
-        specs = [("master", self.dtype)] + [self.moments.spec(f"state{j}", signed=j == 1) if j <= self.expected_states
-                                            else (f"state{j}", self.dtype) for j in range(1, slots)]
-        return UnitLayout.packed(numel, specs)
+        """A sub-group's layout (:func:`~aidaptiv_ds.tiers.unit.optimizer_layout`; :attr:`expected_states` of the
+        slots are Adam's moments)."""
+        return optimizer_layout(numel, self.dtype, self.moments, slots, self.expected_states)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,17 +188,15 @@ class AidaptivOptimizerSwapper:
 
     def __init__(self, runtime: Runtime, optimizer, dtype: torch.dtype, engine_id: int,
                  phase: EnginePhase | None = None, moments: MomentFormat | str | None = None,
-                 links: SwapperLinks | None = None, owner=None) -> None:
+                 links: SwapperLinks | None = None, owner=None, fmt: SubgroupFormat | None = None) -> None:
         self.rt = runtime
         self.optimizer = optimizer
         self._owner = owner  # weakref to the Stage-3 optimizer that built this swapper
-        #: the extent layout (master dtype, moments' format, states), checked ([Note: moment dtype])
-        self.format = SubgroupFormat.of(optimizer, dtype, moments)
-        self.dtype = dtype
-        self.elsize = dtype.itemsize
-        #: how Adam's moments are stored (plain ``dtype`` unless ``optimizer_state.moments`` narrows them)
-        self.moments = self.format.moments
-        self.expected_states = self.format.expected_states
+        #: the extent layout (master dtype, moments' format, states), checked ([Note: moment dtype]); the Stage-3
+        #: subclass passes the one it planned with
+        self.format = fmt if fmt is not None else SubgroupFormat.of(optimizer, dtype, moments)
+        if self.format.dtype != dtype:
+            raise ValueError(f"the sub-group format's master dtype {self.format.dtype} is not the swapper's {dtype}")
         self.engine_id = engine_id
         self.groups: dict[str, _Group] = {}
         self.order: list[str] = []
@@ -243,14 +238,27 @@ class AidaptivOptimizerSwapper:
         return f"opt{self.engine_id}/{g.key}~"
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The master weights' dtype."""
+        return self.format.dtype
+
+    @property
+    def elsize(self) -> int:
+        return self.format.elsize
+
+    @property
+    def moments(self) -> MomentFormat:
+        """How Adam's moments are stored (plain :attr:`dtype` unless ``optimizer_state.moments`` narrows them)."""
+        return self.format.moments
+
+    @property
+    def expected_states(self) -> int:
+        return self.format.expected_states
+
+    @property
     def narrow(self) -> bool:
         """The moments are stored in another format than the master weights (bf16 or int8)."""
         return self.format.narrow
-
-    @property
-    def moment_dtype(self) -> torch.dtype:
-        """The dtype of the moments' slots as the optimizer sees them (uint8: int8 codes)."""
-        return self.moments.dtype
 
     def layout(self, numel: int, slots: int) -> UnitLayout:
         """A sub-group's layout (:meth:`SubgroupFormat.layout`)."""

@@ -184,7 +184,7 @@ def make_stage3_class(base: type) -> type:
             # the swapper is built with what it works with (the plan, the gradient store, the stepper's choices)
             self.optimizer_swapper = sw = AidaptivOptimizerSwapper(
                 rt, self.optimizer, master, self._aidaptiv.engine_id, phase=self._aidaptiv.phase,
-                moments=fmt.moments, links=links, owner=weakref.ref(self))
+                links=links, owner=weakref.ref(self), fmt=fmt)
             rt.attach_engine(self._aidaptiv.engine_id, sw, self._aidaptiv.stepper)
 
         def _create_fp32_partitions(self):

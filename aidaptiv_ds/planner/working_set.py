@@ -40,7 +40,7 @@ import dataclasses
 import torch
 
 from ..io.buffers import PAGE_BYTES, round_up
-from ..tiers.unit import MOMENT_FORMATS, MomentFormat, UnitLayout
+from ..tiers.unit import MOMENT_FORMATS, MomentFormat, optimizer_layout
 from .auto import (
     CPU_RANK_BASELINE_BYTES,
     OPTIMIZER_PIPELINE_DEPTH,
@@ -122,8 +122,7 @@ class RankState:
         if fmt is None:
             return round_up(numel * self.state_elsize * self.slots, self.alignment)
         master = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[self.state_elsize]
-        specs = [("master", master)] + [fmt.spec(f"state{j}", signed=j == 1) for j in range(1, self.slots)]
-        return round_up(UnitLayout.packed(numel, specs).prefix_bytes(), self.alignment)
+        return round_up(optimizer_layout(numel, master, fmt, self.slots, self.states).prefix_bytes(), self.alignment)
 
 
 @dataclasses.dataclass(frozen=True)

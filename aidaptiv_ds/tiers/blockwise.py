@@ -19,7 +19,7 @@ Here a scaled value's fp32 bit pattern shifted right by :data:`_SHIFT` bits (sig
 bits) indexes a table of 2^20 codes, each torchao's code for the middle of its bucket: 3.4 ms per tile. A
 bucket spans a relative width of 2^-11; only a value within that of the midpoint between two map values can
 get the neighbouring code (0.19% of the codes of a normal sample, never off by more than one;
-``tests/test_moment_dtype.py`` checks both against torchao), so the coding error stays within half a map
+``tests/test_int8_moments.py`` checks both against torchao), so the coding error stays within half a map
 step plus 2^-11 relative.
 
 [Note: tiles and blocks]

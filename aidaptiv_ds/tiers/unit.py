@@ -211,3 +211,15 @@ class UnitLayout:
         slot, :meth:`Slot.write`)."""
         for j, s in enumerate(self.slots[:rows.shape[0]]):
             s.write(buf, rows[j])
+
+
+def optimizer_layout(numel: int, master: torch.dtype, moments: MomentFormat, slots: int,
+                     moment_slots: int = 2) -> UnitLayout:
+    """An optimizer sub-group's layout: the master weights in ``master``, then ``slots - 1`` states, the first
+    ``moment_slots`` of them (Adam's moments) in ``moments`` and any further ones in ``master``. Quantized moments
+    take the signed map for ``state1`` (``exp_avg``) and the unsigned one for ``state2`` (``exp_avg_sq``: Adam's
+    state names sort in that order). The swapper lays its extents out with it and the planner counts them with it.
+    """
+    specs = [("master", master)] + [moments.spec(f"state{j}", signed=j == 1) if j <= moment_slots
+                                    else (f"state{j}", master) for j in range(1, slots)]
+    return UnitLayout.packed(numel, specs)
