@@ -15,11 +15,24 @@ The handler is registered once per process, by ``python -m aidaptiv_ds.run``, by
 aidaptiv_ds's own training scripts (the benchmark worker, the fine-tuning job, the tests' scripts: a
 DeepSpeed reference run of ``tests/test_gradient_semantics.py`` with two ranks aborted the same way in 1 of
 13 runs); it does nothing when the user destroyed the group already or never made one.
+
+[Note: harness processes skip finalization]
+Destroying the default group does not free every gloo group: DeepSpeed's engine keeps Python references to
+its sub-groups (data-parallel, sequence-parallel), and those C++ objects, with their worker threads and last
+``AsyncWork``, die only when finalization clears the module globals -- the same abort, rarer (the CI's
+DeepSpeed CPU-offload oracle of ``tests/test_drop_in.py`` aborted once, rank 0, exit status -6, with no error
+line, at stop 43). A process whose every output is written by its own code -- the fuzzer's and the
+benchmark's workers, the tests' scripts -- ends through :func:`run_worker`: the ``atexit`` handlers run (the
+runtime's shutdown, the timeline's close, the group's destroy), stdio is flushed, and ``os._exit`` ends the
+process before finalization, where nothing of ours is left to do. A user's script is not ended that way:
+finalization also flushes and closes the user's own files.
 """
 from __future__ import annotations
 
 import atexit
+import os
 import sys
+from typing import Callable, NoReturn
 
 _REGISTERED = False
 
@@ -46,3 +59,23 @@ def destroy_gloo_group_at_exit() -> None:
     if not _REGISTERED:
         atexit.register(_destroy_gloo_default_group)
         _REGISTERED = True
+
+
+def run_worker(main: Callable[[], int | None]) -> NoReturn:
+    """Run a harness process's ``main`` and end the process without interpreter finalization.
+
+    ``main()`` runs with the gloo exit handler registered; an exception it raises propagates as usual (a
+    traceback, exit status 1). When it returns, the ``atexit`` handlers run in their usual order, stdout and
+    stderr are flushed, and ``os._exit`` ends the process with ``main``'s return value (``None`` is 0)
+    ([Note: harness processes skip finalization]). For aidaptiv_ds's own workers and test scripts only: a
+    user's script needs finalization to close its files.
+    """
+    destroy_gloo_group_at_exit()
+    code = main()
+    atexit._run_exitfuncs()  # noqa: SLF001 - CPython's own exit path, called while the interpreter is whole
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said on it
+            pass
+    os._exit(int(code or 0))

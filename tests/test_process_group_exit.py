@@ -54,3 +54,45 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_bind():
     assert len(set(ports)) == 20 and all(1024 <= p < lo for p in ports), (lo, ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[0]))  # still free
+
+
+WORKER = """
+import atexit, sys
+from aidaptiv_ds.process_group import run_worker
+
+class Finalized:
+    def __del__(self):  # runs in finalization only; a worker ended by run_worker never gets there
+        sys.stdout.write("finalized\\n")
+
+keep = Finalized()
+atexit.register(lambda: sys.stdout.write("atexit ran\\n"))
+
+def main():
+    sys.stdout.write("main done")  # no newline: left in the buffer for run_worker's flush
+    return int(sys.argv[1])
+
+run_worker(main)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_worker_runs_its_exit_handlers_flushes_and_skips_finalization(code):
+    """[Note: harness processes skip finalization]: the ``atexit`` handlers run, buffered output reaches the
+    pipe, the exit status is ``main``'s, and finalization (where gloo's last objects abort) never runs."""
+    p = subprocess.run([sys.executable, "-c", WORKER, str(code)], capture_output=True, text=True, timeout=120,
+                       cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    assert p.returncode == code, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["main doneatexit ran"], p.stdout
+
+
+def test_a_ranks_abort_line_is_kept_above_the_launchers_traceback():
+    """A rank that dies by ``std::terminate`` prints no "Error"; the fuzzer's tail still leads with its line
+    (stop 43's CI failure showed only torchrun's traceback, and the cause was lost)."""
+    from aidaptiv_ds.bench.fuzz import _tail
+
+    log = "\n".join(["step 3 loss 1.0", "terminate called without an active exception"]
+                    + [f"  launcher traceback line {i}" for i in range(40)])
+    tail = _tail(log).splitlines()
+    assert tail[0] == "terminate called without an active exception"
+    assert tail[-1] == "  launcher traceback line 39"

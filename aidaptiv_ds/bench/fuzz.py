@@ -156,12 +156,17 @@ def run_backend(case: dict, backend: str, workdir: str, timeout: int = 900, env:
     return ranks, _tail(text), secs
 
 
+_FATAL = ("terminate called", "what():", "Segmentation fault", "Aborted", "corrupted", "double free")
+"""What a process prints when it dies by a signal of its own (C++'s ``std::terminate``, glibc's heap checks):
+such lines carry no "Error" and would sit above the launcher's traceback, out of the tail."""
+
+
 def _tail(text: str, lines: int = 25) -> str:
     """The end of a run's output, led by its first error line of each rank (a launcher's own traceback
     follows a rank's failure and would hide it)."""
     keep = [ln for ln in text.splitlines() if "Warning" not in ln and ln.strip()]
-    errors = [ln for ln in keep if ("Error" in ln or "error:" in ln) and "ChildFailedError" not in ln
-              and "elastic" not in ln]
+    errors = [ln for ln in keep if ("Error" in ln or "error:" in ln or any(m in ln for m in _FATAL))
+              and "ChildFailedError" not in ln and "elastic" not in ln]
     head = list(dict.fromkeys(errors))[:6]
     return "\n".join(head + (["..."] if head else []) + keep[-lines:])
 

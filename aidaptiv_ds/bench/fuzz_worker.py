@@ -150,7 +150,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from ..process_group import destroy_gloo_group_at_exit
+    from ..process_group import run_worker
 
-    destroy_gloo_group_at_exit()
-    main(sys.argv[1:])
+    run_worker(lambda: main(sys.argv[1:]))  # no abort in finalization after the results (process_group.py)

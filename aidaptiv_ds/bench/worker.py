@@ -447,4 +447,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..process_group import run_worker
+
+    run_worker(main)  # no abort in finalization after the result is written (process_group.py)

@@ -479,7 +479,6 @@ def main():
 
 
 if __name__ == "__main__":
-    from aidaptiv_ds.process_group import destroy_gloo_group_at_exit
+    from aidaptiv_ds.process_group import run_worker
 
-    destroy_gloo_group_at_exit()
-    main()
+    run_worker(main)  # no abort at exit with gloo (aidaptiv_ds/process_group.py)

@@ -521,7 +521,6 @@ def main():
 
 
 if __name__ == "__main__":
-    from aidaptiv_ds.process_group import destroy_gloo_group_at_exit
+    from aidaptiv_ds.process_group import run_worker
 
-    destroy_gloo_group_at_exit()  # no abort at exit with gloo (aidaptiv_ds/process_group.py)
-    main()
+    run_worker(main)  # no abort at exit with gloo (aidaptiv_ds/process_group.py)
