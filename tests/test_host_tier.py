@@ -253,6 +253,101 @@ def test_owners_are_told_of_a_drop_after_the_tiers_lock():
     assert seen == [("a", True), ("b", True)]
 
 
+def test_write_backs_are_issued_after_the_tiers_lock(store):
+    """[Note: callbacks after the lock]: the owner's ``writeback`` of a slice evicted inside an operation (a budget
+    check in ``release``) and of a direct ``write_back`` runs once the outermost operation released the lock, in
+    the order decided, before the operation returns; the slice's bytes reach the store."""
+    tier = HostTier(budget=0)
+    issued = []
+
+    def wb(sl):
+        issued.append((sl.key, tier._lock._is_owned()))
+        return store.write(sl.key, sl.buf, 0)
+
+    slices = []
+    for k in ("a", "b", "c"):
+        store.allocate(k, UNIT)
+        buf = alloc_aligned(UNIT)
+        buf.fill_(ord(k))
+        sl = Slice(k, buf, writeback=wb)
+        tier.acquire(sl)  # referenced before it is added: a budget of 0 keeps it
+        tier.add(sl)
+        tier.mark_dirty(sl)
+        slices.append(sl)
+    fut = tier.write_back(slices[0])
+    assert issued == [("a", False)] and fut.issued()
+    tier.acquire(slices[0])  # the budget check in release evicts b and c, dirty: each write is decided in the loop
+    for sl in slices:
+        tier.release(sl)
+    assert issued == [("a", False), ("b", False), ("c", False)]
+    tier.wait_writes()
+    for k in ("a", "b", "c"):
+        out = alloc_aligned(UNIT)
+        store.read(k, out, 0).wait()
+        assert bool((out == ord(k)).all()), k
+
+
+def test_a_wait_on_a_decided_write_issues_it(store):
+    """A flush with room for one write in flight decides the second write while the first is not issued yet: the
+    wait for room issues the first there (under the lock: the documented exception), and nothing deadlocks."""
+    tier = HostTier(budget=1 << 30, writeback_limit=UNIT)
+    under_lock = []
+
+    def wb(sl):
+        under_lock.append(tier._lock._is_owned())
+        return store.write(sl.key, sl.buf, 0)
+
+    for k in ("a", "b", "c"):
+        store.allocate(k, UNIT)
+        tier.add(Slice(k, alloc_aligned(UNIT), dirty=True, writeback=wb))
+    tier.flush()
+    assert len(under_lock) == 3 and under_lock[:2] == [True, True]  # waited for room inside flush
+    assert tier._pending_write_bytes() == 0 and not any(s.dirty for s in tier.slices())
+
+
+def test_a_failed_write_back_is_raised_by_the_operation_and_its_future(store):
+    tier = HostTier(budget=1 << 30)
+
+    def wb(sl):
+        raise OSError("no space left on the cache drive")
+
+    sl = tier.add(Slice("a", alloc_aligned(UNIT), dirty=True, writeback=wb))
+    with pytest.raises(OSError, match="no space left"):
+        tier.write_back(sl)
+    with pytest.raises(OSError, match="no space left"):
+        sl.writing.wait()
+    with pytest.raises(OSError, match="no space left"):  # the write queue raises it on the training thread too
+        tier.wait_writes()
+
+
+def test_a_deferred_future_is_issued_once_by_whoever_comes_first():
+    import threading
+
+    from aidaptiv_ds.io.futures import DeferredFuture, completed
+
+    calls = []
+    started, release = threading.Event(), threading.Event()
+
+    def submit():
+        calls.append(threading.current_thread().name)
+        started.set()
+        release.wait(5)
+        return completed(7)
+
+    fut = DeferredFuture(7, submit)
+    t = threading.Thread(target=fut.issue, name="issuer")
+    t.start()
+    started.wait(5)
+    waiter = threading.Thread(target=fut.wait, name="waiter")  # comes second: waits for the issuer's submit
+    waiter.start()
+    release.set()
+    t.join(5)
+    waiter.join(5)
+    assert calls == ["issuer"] and fut.done() and fut.wait() == 7
+    early = DeferredFuture(3, lambda: None)  # a wait before any issue issues it; None completes at once
+    assert early.wait() == 3 and early.issued()
+
+
 def test_a_slices_life_is_its_state_and_the_tier_refuses_a_gone_slice():
     """[Note: a slice's life]: the state follows add, acquire, release, a dirty eviction's write and the budget;
     acquiring or dirtying a slice that left the tier is an owner's bug and raises, naming the state."""

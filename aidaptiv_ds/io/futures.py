@@ -109,6 +109,54 @@ class IOFuture:
                 f.expedite(priority)
 
 
+class DeferredFuture(IOFuture):
+    """A request decided now and issued later: :meth:`issue` runs ``submit() -> IOFuture | None`` once, and this
+    future completes with the request it returned (its bytes, its error), at once when it returned None, or with
+    the error ``submit`` raised.
+
+    Whoever comes first issues it: the owner's :meth:`issue`, or a :meth:`wait` that comes before (so a wait can
+    never block on a request nobody issued yet; a second caller waits for the first one's ``submit`` to return).
+    The host tier decides its write-backs under its lock and issues them after it ([Note: callbacks after the
+    lock], ``tiers/host_tier.py``).
+    """
+
+    __slots__ = ("_submit", "_claim", "_issued")
+
+    def __init__(self, nbytes: int, submit: Callable[[], IOFuture | None]) -> None:
+        super().__init__(nbytes, 1)
+        self._submit: Callable[[], IOFuture | None] | None = submit
+        self._claim = threading.Lock()
+        self._issued = threading.Event()
+
+    def issued(self) -> bool:
+        return self._issued.is_set()
+
+    def issue(self) -> BaseException | None:
+        """Run ``submit`` unless another caller did (then wait until it returned); returns the error ``submit``
+        raised (also this future's error), or None."""
+        if not self._claim.acquire(blocking=False):
+            self._issued.wait()
+            return None
+        submit, self._submit = self._submit, None
+        try:
+            inner = submit()
+        except BaseException as e:  # noqa: BLE001 - the request failed: its future carries the error
+            self._issued.set()
+            self._chunk_done(e)
+            return e
+        self._issued.set()
+        if inner is None:
+            self._chunk_done()
+        else:
+            self._expedite = [inner]
+            inner.add_done_callback(lambda f: self._chunk_done(f.exception()))
+        return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.issue()
+        return super().wait(timeout)
+
+
 #: ``io.engine.READ_DEMAND`` (not imported: the engine imports this module)
 DEMAND = 0
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from ..io.futures import IOFuture
+from ..io.futures import DeferredFuture, IOFuture
 from .eviction import AccessOrder, EvictionPolicy
 
 
@@ -140,6 +140,7 @@ class HostTier:
         self._lock = threading.RLock()
         self._depth = 0  # nesting of the operation holding the lock ([Note: callbacks after the lock])
         self._gone: list[Slice] = []  # slices removed during it, whose owners are told when it ends
+        self._decided: list[DeferredFuture] = []  # write-backs decided during it, issued when it ends
         self.held_bytes = 0
         self.peak_bytes = 0
         self.budgeted_peak_bytes = 0  # the most resident + cached bytes held after a budget check
@@ -149,16 +150,27 @@ class HostTier:
         self.misses = 0
 
     # [Note: callbacks after the lock]
-    # A slice's ``on_drop`` is its owner's code (a swapper unmapping the slice, handing its bytes to another owner:
-    # the parameter swapper's drop listeners copy master bytes into an optimizer sub-group). Run under the tier's
-    # lock it could call back into the tier halfway through an eviction loop, or block every other user of the
-    # tier on the owner's work. So removal only records the slice, and the owners are told, in removal order, when
-    # the outermost tier operation has released the lock; every operation returns after that, so its caller sees
-    # the owners' maps already updated. A callback's error is raised after every other callback ran.
+    # A slice's ``on_drop`` and its ``writeback`` are its owner's code (a swapper unmapping the slice, handing its
+    # bytes to another owner; a swapper naming the extent and span to write). Run under the tier's lock they could
+    # call back into the tier halfway through an eviction loop, or block every other user of the tier (the
+    # prefetch thread, the step pipeline) on the owner's work and on the store's submission. So the tier only
+    # decides under its lock: a write-back marks the slice clean and books a :class:`DeferredFuture` as the
+    # slice's ``writing`` (in the write queue, its bytes counted against ``writeback_limit``); a removal records
+    # the slice. When the outermost tier operation has released the lock, the decided writes are issued in the
+    # order they were decided, then the owners of removed slices are told, in removal order; every operation
+    # returns after that, so its caller sees the writes issued and the owners' maps updated. Nothing of the
+    # owner's runs between a decision and its issue on the deciding thread, so the write carries the extent and
+    # span the owner had when the tier decided. Two exceptions keep progress: a wait on a decided write before
+    # its issue (the budget loop waiting for the oldest write, ``drop`` of a slice whose write was just decided)
+    # issues it there and then, under the lock; and a thread that waits for a write another thread decided, but
+    # has not issued yet, waits for that issue (the owner's ``writeback`` never takes the tier's lock). An error
+    # is raised after every other write and callback ran (the first one; a write's error is also its future's).
     @contextlib.contextmanager
     def _op(self):
-        """The tier's lock for one operation; afterwards, the ``on_drop`` of each slice removed during it."""
+        """The tier's lock for one operation; afterwards, the write-backs decided and the ``on_drop`` of each
+        slice removed during it."""
         gone: list[Slice] = []
+        decided: list[DeferredFuture] = []
         try:
             with self._lock:
                 self._depth += 1
@@ -168,8 +180,11 @@ class HostTier:
                     self._depth -= 1
                     if self._depth == 0:
                         gone, self._gone = self._gone, []
-        finally:  # also when the operation raised: the slices are gone either way
+                        decided, self._decided = self._decided, []
+        finally:  # also when the operation raised: the decisions stand either way
             err = None
+            for fut in decided:
+                err = err or fut.issue()
             for s in gone:
                 try:
                     s.on_drop(s)
@@ -282,7 +297,14 @@ class HostTier:
 
     # ------------------------------------------------------------------ write-back
     def write_back(self, s: Slice) -> IOFuture | None:
-        """Write ``s`` below if dirty (at most ``writeback_limit`` bytes in flight); return the future."""
+        """Write ``s`` below if dirty (at most ``writeback_limit`` bytes in flight); return the future (None when
+        the slice is clean and no write of it is in flight). The owner's ``writeback`` is issued when the
+        outermost tier operation has released the lock ([Note: callbacks after the lock]).
+
+        Raises:
+            RuntimeError: ``s`` left the tier.
+            Exception: what the owner's ``writeback`` raised, when this call was the outermost operation.
+        """
         with self._op():
             if not s.dirty:
                 return s.writing
@@ -292,7 +314,8 @@ class HostTier:
                 s.writing = None
             self.reserve_write(s.nbytes)
             s.dirty = False
-            fut = s.writeback(s)
+            fut = DeferredFuture(s.nbytes, lambda s=s: s.writeback(s))
+            self._decided.append(fut)
             s.writing = fut
             self._writes.append((s.nbytes, fut, s))
             return fut
