@@ -138,6 +138,7 @@ class DeferredFuture(IOFuture):
             self._issued.wait()
             return None
         submit, self._submit = self._submit, None
+        assert submit is not None  # the claim is taken once
         try:
             inner = submit()
         except BaseException as e:  # noqa: BLE001 - the request failed: its future carries the error
