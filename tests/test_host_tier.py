@@ -320,6 +320,30 @@ def test_a_failed_write_back_is_raised_by_the_operation_and_its_future(store):
         tier.wait_writes()
 
 
+def test_a_slice_is_updated_in_place_only_after_its_write_back():
+    """``acquire_to_update`` waits for the slice's write in flight (the store reads ``buf`` until the write
+    completes: the optimizer step must not change the bytes under it); ``acquire`` does not (readers)."""
+    from aidaptiv_ds.io.futures import IOFuture
+
+    class Write(IOFuture):  # a write still in flight, queued behind reads: a waiter expedites it, and it completes
+        waited = 0
+
+        def expedite(self, priority):
+            if not self.done():
+                Write.waited += 1
+                self._chunk_done()
+
+    tier = HostTier(budget=0)
+    sl = tier.add(Slice("g", alloc_aligned(UNIT), dirty=True, kind="opt", writeback=lambda s: Write(UNIT, 1)))
+    tier.write_back(sl)
+    assert not sl.writing.done()
+    tier.acquire(sl)
+    assert Write.waited == 0 and not sl.writing.done()
+    tier.release(sl)
+    tier.acquire_to_update(sl)
+    assert Write.waited == 1 and sl.writing.done() and sl.refs == 1
+
+
 def test_a_deferred_future_is_issued_once_by_whoever_comes_first():
     import threading
 

@@ -562,7 +562,7 @@ class AidaptivOptimizerSwapper:
                 if self.gradients is not None:
                     self.gradients.prefetch(nxt.index)
         self.wait_slice(g)
-        self.rt.tier.acquire(s)
+        self.rt.tier.acquire_to_update(s)  # the step changes it in place: not under its last write-back
         parameter.data = self._slot(g, s, 0)
         state = self.optimizer.state.get(parameter, {})
         for j, name in enumerate(g.state_names, start=1):

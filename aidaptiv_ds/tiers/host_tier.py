@@ -265,6 +265,23 @@ class HostTier:
             s.prefetched = False
             s.last_use = next(self._clock)
 
+    def acquire_to_update(self, s: Slice) -> None:
+        """Take a compute reference to change ``s`` 's bytes in place: as :meth:`acquire`, then wait for the
+        write-back of ``s`` in flight, if any (a write reads ``buf`` until it completes, ``SlabStore.write``;
+        changed under it, the extent below would hold a mix of the old and the new bytes -- the state a
+        discarded speculative step goes back to). The wait runs outside the tier's lock; the reference keeps
+        ``s`` in the tier meanwhile.
+
+        Raises:
+            RuntimeError: ``s`` left the tier.
+            StorageIOError: the write in flight failed.
+        """
+        with self._op():
+            self.acquire(s)
+            writing = s.writing
+        if writing is not None:
+            writing.wait()
+
     def release(self, s: Slice) -> None:
         """Drop a compute reference; an unreferenced slice becomes cached and may be evicted."""
         with self._op():
