@@ -35,6 +35,22 @@ def test_layout_packs_typed_slots_end_to_end():
     assert torch.equal(wide[1:], rows[1:].bfloat16().float())  # moments rounded to nearest, widened exactly
 
 
+def test_a_slot_reads_into_the_callers_scratch():
+    """``Slot.read(out=)`` widens into the caller's tile (the tiled step reuses one per state instead of a fresh
+    tensor per tile); an fp32 slot is still read as a view of the buffer."""
+    lay = UnitLayout.packed(1001, [("master", torch.float32), ("m", torch.bfloat16)])
+    buf = torch.zeros(lay.prefix_bytes(), dtype=torch.uint8)
+    rows = torch.randn(2, 1001)
+    lay.fill(buf, rows)
+    master, m = lay.slots
+    scratch = torch.full((600,), float("nan"))
+    got = m.read(buf, 512, 489, out=scratch)
+    assert got.data_ptr() == scratch.data_ptr() and got.shape == (489,)
+    assert torch.equal(got, rows[1, 512:].bfloat16().float())
+    view = master.read(buf, 0, 10, out=scratch)
+    assert view.data_ptr() == buf.data_ptr() and torch.equal(view, rows[0, :10])
+
+
 def test_fp32_layout_is_the_checkpoint_tensor():
     """Slots of one dtype are the fp32 ``[slots, numel]`` tensor the checkpoint format stores (a view)."""
     lay = UnitLayout.packed(777, [("master", torch.float32), ("s1", torch.float32), ("s2", torch.float32)])

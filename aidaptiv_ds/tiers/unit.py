@@ -89,18 +89,23 @@ class Slot:
             raise ValueError(f"slot {self.name!r} of {self.numel} elements has no range [{start}, {start + length})")
         return length
 
-    def read(self, buf: torch.Tensor, start: int = 0, length: int | None = None) -> torch.Tensor:
+    def read(self, buf: torch.Tensor, start: int = 0, length: int | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, start + length)`` (default: to the end) as fp32 ``(length,)``: a view for an fp32
-        slot, else a new tensor (widened exactly, or dequantized: ``tiers/blockwise.py``).
+        slot, else widened exactly or dequantized (``tiers/blockwise.py``) into ``out`` (fp32, at least
+        ``length`` elements; its first ``length`` are used) or a new tensor.
 
         Raises:
             ValueError: the range is outside the slot, or does not start on a block of a quantized slot.
         """
         length = self._range(start, length)
         codes = self.view(buf)[start:start + length]
+        if self.dtype == torch.float32 and not self.quantized:
+            return codes
+        dst = None if out is None else out[:length]
         if self.quantized:
-            return blockwise.dequantize(codes, self._scales(buf, start, length), self.signed)
-        return codes if self.dtype == torch.float32 else codes.float()
+            return blockwise.dequantize(codes, self._scales(buf, start, length), self.signed, out=dst)
+        return codes.float() if dst is None else dst.copy_(codes)
 
     def write(self, buf: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
         """Store ``values`` (``(length,)``, any float dtype) at elements ``[start, start + length)``: copied
