@@ -67,6 +67,23 @@ def test_a_range_on_block_boundaries_codes_as_the_whole():
     assert blockwise.dequantize(whole_c, whole_s, True)[-37:].abs().max() <= x[-37:].abs().max()
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantizing_in_the_callers_scratch_gives_the_same_codes(signed):
+    """``overwrite=True`` (the tiled step's scratch tile) computes in ``src`` 's memory: the same codes and scales
+    bit for bit, the short last block included, with zeros, a lone -0.0 and a block of zeros."""
+    x = torch.randn(5 * blockwise.BLOCK + 19) * 1e-3
+    x = x if signed else x * x
+    x[: blockwise.BLOCK] = 0.0
+    x[blockwise.BLOCK + 3] = -0.0
+    codes, scales = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(blockwise.n_blocks(x.numel()))
+    blockwise.quantize(x, codes, scales, signed)
+    c2, s2 = torch.empty_like(codes), torch.empty_like(scales)
+    scratch = x.clone()
+    blockwise.quantize(scratch, c2, s2, signed, overwrite=True)
+    assert torch.equal(codes, c2) and torch.equal(scales.view(torch.int32), s2.view(torch.int32))
+    assert not torch.equal(scratch, x)  # it did compute in the scratch
+
+
 # ----------------------------------------------------------------------------------------- the layout
 def test_quantized_slots_pack_codes_then_scales():
     fmt = MOMENT_FORMATS["int8"]

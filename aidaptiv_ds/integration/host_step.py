@@ -130,7 +130,7 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
                 adam([sl[0]], [sl[1]], [states[0]], [states[1]], states[2:], [last], **kw)
                 for t, c, w in zip(sl[2:], codecs, states):
                     if c is not None:
-                        c[0].write(c[1], w, a)
+                        c[0].write(c[1], w, a, overwrite=True)  # w is the scratch tile: quantized in its memory
                     elif t is not w:
                         t.copy_(w)
             step.copy_(last)

@@ -98,14 +98,20 @@ def _code_table(signed: bool) -> torch.Tensor:
     return _torchao().quantize_8bit_with_qmap(vals, qmap(signed))
 
 
-def _codes(scaled: torch.Tensor, signed: bool) -> torch.Tensor:
-    """uint8 codes of fp32 values in the map's range (shape kept)."""
-    idx = torch.bitwise_right_shift(scaled.contiguous().view(torch.int32), _SHIFT)
+def _codes(scaled: torch.Tensor, signed: bool, out: torch.Tensor | None = None,
+           overwrite: bool = False) -> torch.Tensor:
+    """uint8 codes of fp32 values in the map's range (shape kept), into ``out`` (uint8, contiguous, same
+    numel) when given; ``overwrite``: ``scaled`` (contiguous) is scratch, its bits become the table indices."""
+    bits = scaled.contiguous().view(torch.int32)
+    idx = bits.bitwise_right_shift_(_SHIFT) if overwrite else torch.bitwise_right_shift(bits, _SHIFT)
     idx.bitwise_and_((1 << (32 - _SHIFT)) - 1)
-    return torch.index_select(_code_table(signed), 0, idx.view(-1)).view(scaled.shape)
+    if out is None:
+        return torch.index_select(_code_table(signed), 0, idx.view(-1)).view(scaled.shape)
+    return torch.index_select(_code_table(signed), 0, idx.view(-1), out=out.view(-1))
 
 
-def quantize(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> None:
+def quantize(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool,
+             overwrite: bool = False) -> None:
     """Code ``src`` into ``codes`` and ``scales`` in place.
 
     Args:
@@ -113,14 +119,20 @@ def quantize(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signe
         codes: uint8, shape ``(n,)``: the map index of each scaled element.
         scales: fp32, shape ``(n_blocks(n),)``: each block's absolute maximum (clipped to >= 1e-12, as torchao).
         signed: the signed map (``exp_avg``) or the unsigned one (``exp_avg_sq``, values >= 0).
+        overwrite: ``src`` (contiguous) is the caller's scratch and may be overwritten: the scaling and the
+            table indices are computed in its memory instead of two new tensors of its size (the same codes and
+            scales, bit for bit; the tiled step's tile, ``integration/host_step.py``).
     """
     n = src.numel()
     full = n - n % BLOCK
     if full:
         blocks = src[:full].view(-1, BLOCK)
-        s = blocks.abs().amax(-1).clip_(1e-12)
+        s = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg_()).clip_(1e-12)  # |x| max, no |x| tensor
         scales[:full // BLOCK].copy_(s)
-        codes[:full].copy_(_codes((blocks / s.view(-1, 1)).view(-1), signed))
+        if overwrite and src.is_contiguous():
+            _codes(blocks.div_(s.view(-1, 1)).view(-1), signed, out=codes[:full], overwrite=True)
+        else:
+            _codes((blocks / s.view(-1, 1)).view(-1), signed, out=codes[:full])
     if full < n:  # the unit's short last block
         tail = src[full:]
         s = tail.abs().amax().clip(1e-12)

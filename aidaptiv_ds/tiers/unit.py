@@ -107,10 +107,11 @@ class Slot:
             return blockwise.dequantize(codes, self._scales(buf, start, length), self.signed, out=dst)
         return codes.float() if dst is None else dst.copy_(codes)
 
-    def write(self, buf: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
+    def write(self, buf: torch.Tensor, values: torch.Tensor, start: int = 0, overwrite: bool = False) -> None:
         """Store ``values`` (``(length,)``, any float dtype) at elements ``[start, start + length)``: copied
         (``Tensor.copy_``: round to nearest even when narrowing) or quantized (a quantized slot's range must start
         on a block boundary and end on one or at the slot's end). Writing a slot's own fp32 view is a no-op copy.
+        ``overwrite``: ``values`` is the caller's scratch, which quantizing may overwrite (``blockwise.quantize``).
 
         Raises:
             ValueError: the range is outside the slot, or not made of whole blocks of a quantized slot.
@@ -125,7 +126,8 @@ class Slot:
                              f"slot's end, not at element {start + length}")
         src = values.reshape(-1)
         blockwise.quantize(src if src.dtype == torch.float32 else src.float(), dst,
-                           self._scales(buf, start, length), self.signed)
+                           self._scales(buf, start, length), self.signed,
+                           overwrite=overwrite and src.dtype == torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
