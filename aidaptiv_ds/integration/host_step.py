@@ -140,8 +140,8 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
 
 def _read_tile(t: torch.Tensor, codec, start: int, out: torch.Tensor | None) -> torch.Tensor:
     """A tile of a state as fp32: decoded from its slot (``codec``: ``(Slot, buf)``) or widened into ``out`` (the
-    call's scratch tile, reused by every tile: a fresh 8 MiB tensor per tile cost 10.6 ms of page faults against
-    3.6 ms for the widening itself, docs/profiling.md), or ``t`` itself when it is fp32."""
+    call's scratch tile, reused by every tile: a fresh tensor per tile costs more in page faults than the
+    widening, docs/profiling.md "Narrow moments"), or ``t`` itself when it is fp32."""
     if codec is not None:
         return codec[0].read(codec[1], start, t.numel(), out=out)
     if t.dtype == torch.float32:
