@@ -214,7 +214,7 @@ COINCIDENCES = {
     "SCHEDULER": "vLLM's KVConnectorRole", "request_id": "vLLM's requests", "num_tokens": "vLLM's requests",
     "create": "the OpenAI client", "decoder": "tokenizers", "get_state": "numpy.random", "set_state": "numpy.random",
     "grid": "matplotlib", "loader": "importlib's module spec", "logits": "transformers' model output",
-    "loss": "transformers' model output", "num_hidden_layers": "transformers' model config",
+    "num_hidden_layers": "transformers' model config",
     "num_key_value_heads": "transformers' model config", "signature": "inspect.signature", "wrapped": "bench/aio.py: the op module we wrap",
     "collect": "Python's gc.collect", "_exit": "Python's os._exit",
 }

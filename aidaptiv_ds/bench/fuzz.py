@@ -37,7 +37,10 @@ import time
 
 import torch
 
-from .fuzz_models import KINDS
+from .fuzz_models import KINDS, LM_KINDS
+
+#: the kinds that are HF models, whose trunk a layer-major step finds (``integration/layer_major.py``)
+HF_KINDS = LM_KINDS[1:]
 
 #: ``zero_optimization`` knobs drawn, with the values a set knob takes (a knob is left out with
 #: probability :data:`UNSET_P`, so DeepSpeed's default runs as often as a chosen value).
@@ -60,9 +63,12 @@ MODEL_SIZES = {  # (hidden, layers) per kind: small enough for CI, several sub-g
 }
 
 
-def draw(rng: random.Random, world: list[int] | None = None) -> dict:
-    """One random case (a JSON-able dict; see :mod:`aidaptiv_ds.bench.fuzz_worker` for how it is run)."""
-    kind = rng.choice(KINDS)
+def draw(rng: random.Random, world: list[int] | None = None, layer_major: bool = False) -> dict:
+    """One random case (a JSON-able dict; see :mod:`aidaptiv_ds.bench.fuzz_worker` for how it is run).
+
+    ``layer_major``: draw only HF models and train ours with ``engine.train_batch`` (layer-major, the oracle
+    micro-batch by micro-batch); the draws of a seed differ from those without it."""
+    kind = rng.choice([k for k in KINDS if k in HF_KINDS] if layer_major else KINDS)
     hidden, layers = rng.choice(MODEL_SIZES[kind])
     case: dict = {"model": kind, "hidden": hidden, "layers": layers,
                   "dtype": rng.choice(["fp32", "bf16"]), "world": rng.choice(world or [1, 2]),
@@ -85,6 +91,8 @@ def draw(rng: random.Random, world: list[int] | None = None) -> dict:
         case["aidaptiv"] = {"step_rides_forward": True}
     if hidden * hidden * layers > 4_000_000:  # a large MLP: keep it short
         case["steps"], case["ga"] = 3, 1
+    if layer_major:
+        case["layer_major"] = True
     return case
 
 
@@ -267,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the draws (the same seed draws the same cases)")
     ap.add_argument("--world", default="1,2", help="world sizes to draw from (comma-separated)")
     ap.add_argument("--case", default=None, help="run this one case (JSON) instead of drawing")
+    ap.add_argument("--layer-major", action="store_true",
+                    help="draw HF models only and train ours layer-major (engine.train_batch); the oracle is unchanged")
     ap.add_argument("--shrink", action="store_true", help="reduce a failing case to a smaller one that still fails")
     ap.add_argument("--json", default=None, help="write every outcome to this file")
     a = ap.parse_args(argv)
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [json.loads(a.case)]
     else:
         rng = random.Random(a.seed)
-        cases = [draw(rng, [int(w) for w in a.world.split(",")]) for _ in range(a.draws)]
+        cases = [draw(rng, [int(w) for w in a.world.split(",")], a.layer_major) for _ in range(a.draws)]
     outcomes, failed, invalid = [], 0, 0
     for i, case in enumerate(cases):
         o = run_case(case)

@@ -121,7 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     micro = 0
     for _ in range(case.get("steps", 3)):
         step_losses = []
-        for _ in range(case.get("ga", 1)):
+        if case.get("layer_major") and a.backend == "aidaptiv":  # one optimizer step, layer-major
+            xs = [batch(case["model"], case["hidden"], case.get("micro", 2), micro + i, rank, dtype)
+                  for i in range(case.get("ga", 1))]
+            micro += len(xs)
+            eng.train_batch(iter(xs))
+            step_losses = list(eng.aidaptiv_losses)
+        for _ in range(0 if case.get("layer_major") and a.backend == "aidaptiv" else case.get("ga", 1)):
             x = batch(case["model"], case["hidden"], case.get("micro", 2), micro, rank, dtype)
             micro += 1
             loss = eng(x)

@@ -234,6 +234,18 @@ class GradientPathMixin:
                 grads.close(i)
         return buffers
 
+    def _aidaptiv_flush_reduce_buckets(self) -> None:
+        """Reduce and partition what DeepSpeed's reduce buckets hold now, as its epilogue does
+        (``independent_gradient_partition_epilogue``, ``stage3.py:1409-1410``), without ending the
+        backward: a layer-major step (``layer_major.py``) hands each parameter one gradient per piece,
+        and a bucket may hold a parameter's gradient only once."""
+        from deepspeed.runtime.torch_autocast import sort_dtypes
+        reduce = getattr(self, "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
+        for comm_dtype in sort_dtypes(self.ipg_buckets.keys()):
+            reduce(comm_dtype)
+        if not get_accelerator().resolves_data_dependency():
+            self.reduce_and_partition_stream.synchronize()
+
     def _constant_buffered_norm2(self, input, buffer_size=250000000):
         """DeepSpeed's per-partition norm (``stage3.py:1960-1967``); a host partition's fp64 copy goes to
         :class:`NormScratch` (same arithmetic, no fresh buffer per partition)."""

@@ -131,6 +131,7 @@ class GradientStore:
         self._open: collections.OrderedDict[int, SubGroupGrads] = collections.OrderedDict()
         self.spilled_bytes = 0  # gradient bytes written to the cache tier (also in the ledger)
         self.read_back_bytes = 0
+        self._counting_now = True  # arrivals count as "in the last micro-step" (count_arrivals_now)
 
     # ------------------------------------------------------------------ sizes
     def _nbytes(self, g: SubGroupGrads) -> int:
@@ -245,8 +246,18 @@ class GradientStore:
         """Record that partition ``ds_id`` of ``g`` got a gradient now; True when it is its first of the window."""
         first = ds_id not in g.arrived
         g.arrived.add(ds_id)
-        g.arrived_now.add(ds_id)
+        if self._counting_now:
+            g.arrived_now.add(ds_id)
         return first
+
+    def count_arrivals_now(self, counting: bool) -> None:
+        """Whether the next arrivals count as arrivals "in the current micro-step" (``arrived_now``).
+
+        Always True micro-batch by micro-batch. A layer-major step (``layer_major.py``, [Note: exact
+        against micro-batch-major]) runs every micro-batch inside one backward, block by block: only
+        the pieces of the last micro-batch are the accumulation boundary, so only their arrivals count
+        towards a sub-group's ``complete_now`` and the norms of earlier gradients."""
+        self._counting_now = bool(counting)
 
     def check_finite(self, g: SubGroupGrads, accumulated: torch.Tensor) -> None:
         """Record an inf/NaN in a partition's just-accumulated values (``accumulated``: its view, or the

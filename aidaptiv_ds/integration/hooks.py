@@ -121,6 +121,8 @@ def _wrap_initialize(orig):
             startup.preflight_job(cfg, ds, kwargs.get("model", args[1] if len(args) > 1 else None))
         out = orig(*args, **kwargs)
         startup.announce(out[0])
+        from .train_batch import attach
+        attach(out[0])
         if cfg.profile.steps is not None:
             from ..telemetry.timeline import enable
             enable(out[0], steps=cfg.profile.steps, run_dir=cfg.profile.dir, modules=cfg.profile.modules)

@@ -94,6 +94,9 @@ def parse():
                     help="test-only reference for aidaptiv.optimizer_state.moments: after every optimizer step, round "
                          "the stepped sub-group's moments to this format in place (a torch step post-hook; int8: "
                          "quantized and dequantized block-wise, exp_avg signed, exp_avg_sq unsigned)")
+    ap.add_argument("--untie", action="store_true", help="llama: separate input and output embeddings")
+    ap.add_argument("--layer_major", action="store_true",
+                    help="aidaptiv only: each optimizer step is engine.train_batch(iter(micro-batches)), layer-major")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=None, help="passed by the deepspeed launcher (unused)")
     ap.add_argument("--rank_out", default="", help="test-only: every rank writes DIR/rank<R>.pt")
@@ -188,7 +191,7 @@ def llama_config(a):
     attn = {"attn_implementation": a.attn} if a.attn else {}
     return LlamaConfig(vocab_size=512, hidden_size=a.hidden, intermediate_size=a.hidden * 2 + 24,
                        num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=128, tie_word_embeddings=True, rms_norm_eps=1e-5, **attn)
+                       max_position_embeddings=128, tie_word_embeddings=not a.untie, rms_norm_eps=1e-5, **attn)
 
 
 def build(a, cfg):
@@ -439,7 +442,13 @@ def main():
         _between_steps(a, step)
         before = counters.snapshot()
         step_losses = []
-        for _ in range(a.ga):
+        if a.layer_major:
+            xs = [batch(a, micro + i, rank, vocab).to(eng.device) for i in range(a.ga)]
+            micro += a.ga
+            llama = a.model in ("llama", "stories", "stories_config")
+            eng.train_batch(iter([{"input_ids": x, "labels": x} if llama else x for x in xs]))
+            step_losses = list(eng.aidaptiv_losses)
+        for _ in range(0 if a.layer_major else a.ga):
             x = batch(a, micro, rank, vocab).to(eng.device)  # the accelerator's device (cuda:N on GPUs)
             micro += 1
             out = eng(x, labels=x) if a.model in ("llama", "stories", "stories_config") else eng(x)

@@ -1,0 +1,345 @@
+"""The layer-major schedule: the k micro-batches of one optimizer step, block by block (issue 38;
+GreedySnake's "vertical" schedule, arXiv 2512.17570). No DeepSpeed here: what the engine does around each
+piece is a :class:`Pieces` (``train_batch.py`` for DeepSpeed's engine; the tests' plain-PyTorch one).
+
+[Note: layer-major order]
+DeepSpeed accumulates micro-batch by micro-batch: each micro-batch runs the whole forward and the whole
+backward, so every parameter is fetched twice per micro-batch (2k times per optimizer step). Here the
+k micro-batches run the model's trunk (the ``ModuleList`` of decoder layers, :func:`find_trunk`) one
+block at a time:
+
+* **forward**: every micro-batch runs the model's own ``forward`` in a thread of its own; one baton
+  (:class:`_Baton`) lets exactly one thread run at a time and is passed on at each block's entry and
+  after the last block, so the order is: the code before the trunk (embeddings, masks, rotary tables)
+  for micro-batches 0..k-1, block 0 for 0..k-1, block 1 for 0..k-1, ..., the code after the trunk
+  (final norm, head, loss) for 0..k-1. The model's code is unchanged; DeepSpeed's module hooks run as
+  they do in ``engine(batch)``. Each block's input of each micro-batch is kept (the boundary
+  activations: activation checkpointing at the block boundary); a block's own activations are freed
+  when it returns.
+* **backward**: in the calling thread, in pieces: the code after the trunk for 0..k-1 (from the loss,
+  scaled by ``1/gradient_accumulation_steps`` as ``engine.backward`` scales it, to the trunk's output),
+  then each block from the last to the first, for 0..k-1, recomputing the block's forward from its kept
+  input and running its backward with the gradient the block above handed down; then the code before
+  the trunk for 0..k-1. On DeepSpeed's engine all pieces run inside one backward (``_backward_prologue``
+  .. ``_backward_epilogue``), with the reduce buckets flushed after each piece (``train_batch.py``).
+
+[Note: exact against micro-batch-major]
+A parameter's gradient partition receives the same k gradients, in the same order (micro-batch 0
+first), as micro-batch-major accumulation, and each is bit-identical: a block's recomputed forward is
+the forward's arithmetic again (CPU kernels are deterministic; the forward and the recompute both run
+with gradients enabled), and its backward is the backward autograd would have run. The gradient store
+copies the first and adds the rest in the accumulation dtype (``grad_path.partition_grads``). Two
+things need care:
+
+* the *accumulation boundary*: DeepSpeed's boundary is the last micro-step; here each piece of
+  micro-batch k-1 is the boundary for the parameters it reaches, so DeepSpeed's boundary flag is set
+  per piece, and the gradient store counts "arrived in the last micro-step" over the boundary pieces
+  only (``GradientStore.count_arrivals_now``). A sub-group whose gradient is final is stepped as soon
+  as its last block is done (inside backward, as micro-batch-major does at its boundary).
+* a parameter used both before and after the trunk (tied input and output embeddings): autograd sums
+  its two gradients of one micro-batch before DeepSpeed's hook sees it. Here they come from two pieces,
+  so the first (after the trunk) is held back (DeepSpeed's ``ds_grad_is_ready``) and put back as the
+  parameter's ``.grad`` before the second, where autograd adds the second to it: the same sum.
+
+A parameter shared between blocks, or between the trunk and the rest, would receive several
+gradients per micro-batch in separate pieces and cannot keep DeepSpeed's sums: such a model is refused
+(``trunk.find_trunk``).
+
+[Note: one fetch per block]
+Each block's parameters are gathered once for its k micro-batches in forward and once for its k pieces in
+backward (``Pieces.hold``), so a parameter is read at most twice per optimizer step instead of 2k times,
+and a block's gradient is final when its k-th piece is done: nothing is written between micro-batches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Iterable, Iterator, Protocol
+
+import torch
+
+from .config import AidaptivConfigError
+from .trunk import FIX as _FIX
+from .trunk import Trunk
+
+
+class Pieces(Protocol):
+    """What the engine does around the pieces of a layer-major step."""
+
+    def hold(self, block: torch.nn.Module) -> None:
+        """Keep ``block`` 's parameters gathered until :meth:`unhold` ([Note: one fetch per block])."""
+
+    def unhold(self, block: torch.nn.Module) -> None:
+        """``block`` is done for every micro-batch of this phase (forward or backward)."""
+
+    def begin(self, j: int, boundary: bool) -> None:
+        """A backward piece of micro-batch ``j`` starts; ``boundary``: it is the last micro-batch's."""
+
+    def end(self) -> None:
+        """The piece's gradients are complete in the parameters' ``.grad``: take them (and clear them)."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch loss the backward starts from (``loss / gradient_accumulation_steps``, scaled)."""
+
+    def withhold(self, params: list) -> None:
+        """The parameters' gradients stay in ``.grad`` at :meth:`end` until :meth:`release` (tied ones)."""
+
+    def release(self, param) -> None:
+        """Take ``param`` 's gradient, now summed, as :meth:`end` takes the others."""
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+class _Baton:
+    """One of ``n`` threads runs at a time; :meth:`pass_on` hands over to the next live one, round robin."""
+
+    def __init__(self, n: int) -> None:
+        self.cv = threading.Condition()
+        self.turn = 0
+        self.live = [True] * n
+        self.error: BaseException | None = None
+
+    def wait(self, j: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.turn == j or self.error is not None)
+            if self.error is not None:  # another micro-batch failed: end this one (fail() keeps the first error)
+                raise RuntimeError("aidaptiv_ds: layer-major forward: another micro-batch failed")
+
+    def pass_on(self, j: int) -> None:
+        with self.cv:
+            n = len(self.live)
+            self.turn = next(((j + d) % n for d in range(1, n + 1) if self.live[(j + d) % n]), -1)
+            self.cv.notify_all()
+
+    def yield_turn(self, j: int) -> None:
+        self.pass_on(j)
+        self.wait(j)
+
+    def finish(self, j: int) -> None:
+        with self.cv:
+            self.live[j] = False
+        self.pass_on(j)
+
+    def fail(self, j: int, error: BaseException) -> None:
+        with self.cv:
+            self.live[j] = False
+            if self.error is None:
+                self.error = error
+            self.cv.notify_all()
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch of a layer-major step.
+
+    Attributes:
+        index: 0..k-1, its place in the accumulation window (the order of its gradients).
+        inputs: every block's input (detached), the boundary activations the backward recomputes from.
+        calls: per block, the call's other arguments: ``calls[b](x)`` is ``(args, kwargs)`` with ``x`` in
+            the hidden state's place (masks, rotary tables, as the model passed them).
+        head_out: the first block's input as the code before the trunk produced it (with its graph).
+        tail_in: the last block's output, the leaf the code after the trunk starts from.
+        loss: the model's loss (unscaled).
+    """
+    index: int
+    inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    calls: list = dataclasses.field(default_factory=list)
+    head_out: torch.Tensor | None = None
+    tail_in: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+
+#: keyword arguments of HF decoder layers that carry a KV cache: a training forward has no use for it, and a
+#: block's recompute must not append its keys and values to it a second time (the attention would see them twice)
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any]:
+    """The hidden state a block is called with (its first positional argument, else ``hidden_states``)
+    and a function that puts a replacement in its place (and no KV cache: ``_CACHE_KWARGS``)."""
+    if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+        kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    if args and torch.is_tensor(args[0]):
+        return args[0], lambda x: ((x, *args[1:]), kwargs)
+    if torch.is_tensor(kwargs.get("hidden_states")):
+        return kwargs["hidden_states"], lambda x: (args, {**kwargs, "hidden_states": x})
+    raise AidaptivConfigError(
+        "aidaptiv_ds: layer-major training (engine.train_batch): a block of the trunk was called without its "
+        "hidden state as the first argument or as hidden_states=. " + _FIX)
+
+
+def _output_tensor(output) -> tuple[torch.Tensor, Any]:
+    if torch.is_tensor(output):
+        return output, lambda y: y
+    if isinstance(output, tuple) and output and torch.is_tensor(output[0]):
+        return output[0], lambda y: (y, *output[1:])
+    raise AidaptivConfigError(
+        f"aidaptiv_ds: layer-major training (engine.train_batch): a block of the trunk returned "
+        f"{type(output).__name__}; a tensor or a tuple starting with one is needed. " + _FIX)
+
+
+def _call(module, batch):
+    if isinstance(batch, dict):
+        return module(**batch)
+    if isinstance(batch, (tuple, list)):
+        return module(*batch)
+    return module(batch)
+
+
+def _loss_of(out) -> torch.Tensor:
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
+    if not (torch.is_tensor(loss) and loss.dim() == 0):
+        raise AidaptivConfigError(
+            f"aidaptiv_ds: layer-major training (engine.train_batch): the model returned {type(out).__name__} "
+            f"without a scalar loss; pass labels (HF models) or return the loss. " + _FIX)
+    return loss
+
+
+def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pieces: Pieces) -> list[MicroBatch]:
+    """Run ``model`` on ``batches`` block by block ([Note: layer-major order]); the gradients are not taken.
+
+    Returns:
+        One :class:`MicroBatch` per batch, with its loss (a graph back to the trunk's output), its
+        boundary activations and the code before the trunk's output (a graph back to the inputs).
+
+    Raises:
+        whatever the model raised for any micro-batch (the first one).
+    """
+    k = len(batches)
+    baton = _Baton(k)
+    local = threading.local()
+    recs = [MicroBatch(j) for j in range(k)]
+    last = len(trunk.blocks) - 1
+
+    def pre(b):
+        def hook(module, args, kwargs):
+            j = local.j
+            x, put = _first_tensor(args, kwargs)
+            if b == 0:
+                recs[j].head_out = x
+            baton.yield_turn(j)  # every micro-batch reaches block b before any runs it
+            if j == 0:
+                pieces.hold(module)
+            recs[j].inputs.append(x.detach())
+            recs[j].calls.append(put)
+            # the block runs as in the oracle's forward (gradients on, its input requiring them), but its graph
+            # ends at its input and is freed with its output: the backward recomputes it
+            return put(x.detach().requires_grad_(x.requires_grad))
+        return hook
+
+    def post(b):
+        def hook(module, args, output):
+            j = local.j
+            y, put = _output_tensor(output)
+            yd = y.detach().requires_grad_(y.requires_grad)  # the next block's input, as in the oracle
+            if j == k - 1:
+                pieces.unhold(module)
+            if b == last:
+                recs[j].tail_in = yd
+                baton.yield_turn(j)  # the last block for every micro-batch before the code after the trunk
+            return put(yd)
+        return hook
+
+    def run(j):
+        local.j = j
+        try:
+            baton.wait(j)
+            recs[j].loss = _loss_of(_call(model, batches[j]))
+        except BaseException as e:  # noqa: BLE001 - the first one is raised by the caller
+            baton.fail(j, e)
+        else:
+            baton.finish(j)
+
+    handles = []
+    try:
+        for b, block in enumerate(trunk.blocks):
+            handles.append(block.register_forward_pre_hook(pre(b), prepend=True, with_kwargs=True))
+            handles.append(block.register_forward_hook(post(b)))
+        threads = [threading.Thread(target=run, args=(j,), name=f"aidaptiv-layer-major-{j}", daemon=True)
+                   for j in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for h in handles:
+            h.remove()
+    if baton.error is not None:
+        raise baton.error
+    return recs
+
+
+def micro_batches(data_iter: Iterable | Iterator, k: int) -> list:
+    """The next ``k`` micro-batches of ``data_iter``.
+
+    Raises:
+        AidaptivConfigError: it ends before ``k``.
+    """
+    it = iter(data_iter)
+    out = []
+    for _ in range(k):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            raise AidaptivConfigError(
+                f"aidaptiv_ds: engine.train_batch(data_iter) needs gradient_accumulation_steps={k} micro-batches "
+                f"per call; data_iter ended after {len(out)}. Fix: pass an iterator with at least {k} more "
+                f"(DeepSpeed's PipelineEngine.train_batch takes the same).") from None
+    return out
+
+
+
+
+# ------------------------------------------------------------------------------------------ backward
+
+def layer_major_backward(trunk: Trunk, recs: list[MicroBatch], tied: list, pieces: Pieces) -> None:
+    """The backward of a layer-major step, in pieces ([Note: layer-major order]): the code after the trunk
+    for each micro-batch, each block from the last to the first for each micro-batch (recomputed from its
+    kept input), the code before the trunk for each micro-batch. ``tied``: parameters used both before and
+    after the trunk ([Note: exact against micro-batch-major]).
+
+    Raises:
+        AidaptivConfigError: a tied parameter got a gradient after the trunk and none before it.
+    """
+    k = len(recs)
+    grad_out: list[torch.Tensor | None] = [None] * k
+    held: list[dict] = [{} for _ in range(k)]
+    pieces.withhold(tied)
+    for j, rec in enumerate(recs):  # the code after the trunk: loss -> the trunk's output
+        pieces.begin(j, j == k - 1)
+        assert rec.loss is not None and rec.tail_in is not None
+        pieces.scale(rec.loss).backward()
+        for p in tied:
+            held[j][p] = p.grad
+            p.grad = None
+        pieces.end()
+        grad_out[j] = rec.tail_in.grad
+        rec.tail_in, rec.loss = None, rec.loss.detach()
+    for b in reversed(range(len(trunk.blocks))):
+        block = trunk.blocks[b]
+        pieces.hold(block)
+        for j, rec in enumerate(recs):
+            pieces.begin(j, j == k - 1)
+            x = rec.inputs[b].requires_grad_(True)
+            args, kwargs = rec.calls[b](x)
+            y, _ = _output_tensor(block(*args, **kwargs))
+            torch.autograd.backward(y, grad_out[j])
+            pieces.end()
+            grad_out[j] = x.grad
+            rec.inputs[b], rec.calls[b] = None, None  # this boundary activation is done
+        pieces.unhold(block)
+    for j, rec in enumerate(recs):  # the code before the trunk
+        pieces.begin(j, j == k - 1)
+        if rec.head_out is not None and rec.head_out.requires_grad:
+            torch.autograd.backward(rec.head_out, grad_out[j])
+        for p, g in held[j].items():
+            if g is None:
+                continue
+            if p.grad is None:
+                raise AidaptivConfigError(
+                    "aidaptiv_ds: layer-major training (engine.train_batch): a parameter used before and after "
+                    "the trunk got a gradient only after it. " + _FIX)
+            p.grad.add_(g)  # autograd's sum of the parameter's two gradients of this micro-batch
+            pieces.release(p)
+        pieces.end()
+        rec.head_out = None

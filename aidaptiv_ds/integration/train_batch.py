@@ -1,0 +1,195 @@
+"""``engine.train_batch(data_iter)``: one optimizer step over the accumulation window, layer-major, on
+DeepSpeed's engine (issue 38). The schedule is ``layer_major.py``; here is what DeepSpeed's engine does
+around its pieces (:class:`EnginePieces`) and the step's bookkeeping.
+
+[Note: one DeepSpeed backward per step]
+DeepSpeed's engine knows one backward per micro-batch: ``engine.backward`` runs ``_backward_prologue``
+(boundary flag, ZeRO's backward state, our phase), ``loss.backward()`` and ``_backward_epilogue`` (the last
+reduce bucket, the norms at the boundary, the end of the window's gradients). A layer-major step runs
+every micro-batch's backward as pieces inside one such envelope, with ``_running_engine_backward`` set
+as ``engine.backward`` sets it (DeepSpeed's post-backward hook then leaves the epilogue to us):
+
+* before each piece DeepSpeed's boundary flag says whether it is the last micro-batch's, and the gradient
+  store counts arrivals "in the last micro-step" only then (``GradientStore.count_arrivals_now``);
+* after each piece the reduce buckets are flushed (``_aidaptiv_flush_reduce_buckets``): a bucket may hold
+  a parameter's gradient once, and each piece gives each of its parameters one;
+* the model's root hook would reset DeepSpeed's parameter coordinator at each micro-batch's forward
+  (``reset_step``); it is reset once per step instead, so its trace is the whole layer-major step;
+* then ``engine.step()`` k times: the micro-step counter, the samples and the scheduler advance as they do
+  micro-batch by micro-batch, and the k-th is the boundary that finishes the optimizer step.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .config import AidaptivConfigError
+from .layer_major import layer_major_backward, layer_major_forward, micro_batches
+from .trunk import FIX, find_trunk, tied_outside
+
+#: what a held block's parameters carry in DeepSpeed's ``ds_active_sub_modules`` (module ids are >= 0)
+_HOLD = -1
+
+
+def _zero_params(block: torch.nn.Module) -> list:
+    return [p for p in block.parameters() if hasattr(p, "ds_id")]
+
+
+class EnginePieces:
+    """:class:`layer_major.Pieces` on DeepSpeed's ZeRO-3 engine with the ``"aidaptiv"`` section."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.opt = engine.optimizer
+        self.grads = engine.optimizer._aidaptiv.grads
+        self.gas = engine.gradient_accumulation_steps()
+        self.withheld: list = []
+
+    # ------------------------------------------------------------ [Note: one fetch per block]
+    def hold(self, block: torch.nn.Module) -> None:
+        """DeepSpeed gathers what is not available, and does not release a parameter while its
+        ``ds_active_sub_modules`` is not empty (``__release_param``), so its module hooks leave them gathered."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        params = _zero_params(block)
+        need = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if need:
+            need[0].all_gather(param_list=need)
+        for p in params:
+            p.ds_active_sub_modules.add(_HOLD)
+
+    def unhold(self, block: torch.nn.Module) -> None:
+        """Release what :meth:`hold` kept (persistent parameters stay, as DeepSpeed keeps them)."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        params = _zero_params(block)
+        for p in params:
+            p.ds_active_sub_modules.discard(_HOLD)
+        done = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_active_sub_modules
+                and not p.ds_persist]
+        if done:
+            done[0].partition(param_list=done)
+
+    # ------------------------------------------------------------ [Note: one DeepSpeed backward per step]
+    def begin(self, j: int, boundary: bool) -> None:
+        self.opt.set_gradient_accumulation_boundary(boundary)
+        self.grads.count_arrivals_now(boundary)
+
+    def end(self) -> None:
+        self.opt._aidaptiv_flush_reduce_buckets()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.opt.scale_if_loss(loss / self.gas)  # engine.backward's scaling, in its order
+
+    def withhold(self, params: list) -> None:
+        self.withheld = list(params)
+        for p in self.withheld:
+            p.ds_grad_is_ready = False  # DeepSpeed's reduce hook leaves the gradient in .grad
+
+    def release(self, param) -> None:
+        param.ds_grad_is_ready = True
+        self.opt.reduce_ready_partitions_and_remove_grads(param)
+        param.ds_grad_is_ready = False
+
+    def restore(self) -> None:
+        for p in self.withheld:
+            p.ds_grad_is_ready = True
+        self.withheld = []
+        self.grads.count_arrivals_now(True)
+
+
+def _repeat(loader):
+    """The engine's training loader, epoch after epoch (as ``PipelineEngine`` wraps it in a ``RepeatingLoader``)."""
+    while True:
+        yield from loader
+
+
+def _check_engine(engine) -> None:
+    opt = getattr(engine, "optimizer", None)
+    if getattr(getattr(opt, "_aidaptiv", None), "grads", None) is None:
+        raise AidaptivConfigError(
+            "aidaptiv_ds: engine.train_batch (layer-major) runs on ZeRO stage 3 with the \"aidaptiv\" section "
+            "enabled and an optimizer. " + FIX)
+    if not engine.managed_gradient_accumulation():
+        raise AidaptivConfigError(
+            "aidaptiv_ds: engine.train_batch (layer-major) owns the accumulation window; "
+            "\"managed_gradient_accumulation\": false leaves it to the caller. Fix: leave it at its default (true).")
+    done = engine.micro_steps % engine.gradient_accumulation_steps()
+    if done:
+        raise AidaptivConfigError(
+            f"aidaptiv_ds: engine.train_batch (layer-major) starts an accumulation window, but {done} micro-batch(es) "
+            f"of the current one ran micro-batch by micro-batch. Fix: finish that window first (engine.step() "
+            f"at its boundary).")
+
+
+def train_batch(engine, data_iter=None) -> torch.Tensor:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches of ``data_iter``, layer-major.
+
+    DeepSpeed's convention for a whole batch (its ``PipelineEngine.train_batch``): the engine pulls the
+    micro-batches (from ``data_iter``, else from the loader of ``deepspeed.initialize(training_data=...)``,
+    epoch after epoch), runs forward, backward
+    and the optimizer step, and returns the mean loss; the model is put in training mode first. Each
+    micro-batch is a dict (``model(**batch)``), a tuple or list (``model(*batch)``) or one tensor; the model
+    returns its loss or an output with ``.loss``. Bit for bit the result of ``loss = engine(batch);
+    engine.backward(loss); engine.step()`` per micro-batch ([Note: exact against micro-batch-major] in
+    ``layer_major.py``).
+
+    Returns:
+        The mean of the micro-batches' losses (a detached fp32 scalar); ``engine.aidaptiv_losses`` holds each
+        micro-batch's loss (floats, in order).
+
+    Raises:
+        AidaptivConfigError: the engine, the model (``trunk.find_trunk``) or ``data_iter`` cannot do this.
+    """
+    _check_engine(engine)
+    engine.module.train()
+    opt = engine.optimizer
+    trunk = getattr(engine, "_aidaptiv_trunk", None)
+    if trunk is None:
+        trunk = find_trunk(engine.module)
+        engine._aidaptiv_trunk = trunk
+        engine._aidaptiv_tied = tied_outside(engine.module, trunk)
+    k = engine.gradient_accumulation_steps()
+    if data_iter is None:
+        data_iter = getattr(engine, "_aidaptiv_data_iter", None)
+        if data_iter is None:
+            loader = getattr(engine, "training_dataloader", None)
+            if loader is None:
+                raise AidaptivConfigError(
+                    "aidaptiv_ds: engine.train_batch() without data_iter needs deepspeed.initialize(training_data=...). "
+                    "Fix: pass an iterator of micro-batches, engine.train_batch(iter(loader)).")
+            data_iter = engine._aidaptiv_data_iter = _repeat(loader)
+    batches = micro_batches(data_iter, k)
+    pieces = EnginePieces(engine)
+    coordinator = opt.parameter_offload.get_param_coordinator()
+    opt.clear_backward_seen_flag()
+    coordinator.reset_step()  # one trace per optimizer step: the k forwards and the pieces together
+    coordinator.reset_step = lambda: None  # the model's root hook calls it at each micro-batch's forward
+    try:
+        recs = layer_major_forward(engine.module, trunk, batches, pieces)
+    finally:
+        del coordinator.reset_step
+    with engine._running_engine_backward_lock:
+        engine._running_engine_backward_count += 1
+        engine._running_engine_backward = True
+    try:
+        engine._backward_prologue()
+        layer_major_backward(trunk, recs, engine._aidaptiv_tied, pieces)
+        pieces.begin(k - 1, True)
+        engine._backward_epilogue()
+    finally:
+        pieces.restore()
+        with engine._running_engine_backward_lock:
+            engine._running_engine_backward_count -= 1
+            engine._running_engine_backward = engine._running_engine_backward_count > 0
+    for _ in range(k):
+        engine.step()
+    losses = [r.loss for r in recs]
+    engine.aidaptiv_losses = [float(x.float()) for x in losses]
+    return torch.stack([x.detach().float() for x in losses]).mean()
+
+
+def attach(engine) -> None:
+    """Give an engine with the ``"aidaptiv"`` section ``engine.train_batch(data_iter)`` (:func:`train_batch`),
+    unless its class has one (DeepSpeed's ``PipelineEngine``)."""
+    if not hasattr(engine, "train_batch"):
+        engine.train_batch = types.MethodType(train_batch, engine)

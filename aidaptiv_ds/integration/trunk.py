@@ -1,0 +1,95 @@
+"""The trunk of a model: the sequence of blocks a layer-major step runs one at a time (``layer_major.py``).
+
+Found as HF Accelerate's ``device_map`` and FSDP's transformer auto-wrap policy find a model's blocks: by
+the class names in ``_no_split_modules``. No DeepSpeed here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .config import AidaptivConfigError
+
+#: the fix every refusal of a layer-major step names
+FIX = ("Fix: train it micro-batch by micro-batch (engine(batch); engine.backward(loss); engine.step()), "
+       "which needs no trunk.")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Trunk:
+    """The sequence of blocks a layer-major step runs one at a time.
+
+    Attributes:
+        name: the ``ModuleList`` 's qualified name in the model (``model.layers``).
+        blocks: its elements, in the order the model calls them.
+    """
+    name: str
+    blocks: tuple[torch.nn.Module, ...]
+
+
+def find_trunk(model: torch.nn.Module) -> Trunk:
+    """The model's trunk: the ``ModuleList`` whose elements are the model's non-splittable blocks.
+
+    The blocks are found as HF Accelerate's ``device_map`` and FSDP's transformer auto-wrap policy find
+    them: by the class names in ``_no_split_modules`` (``LlamaDecoderLayer``, ...) of the model or of a
+    module inside it (an HF model wrapped in a module of the user's). Of the
+    ``ModuleList`` s made only of such blocks, the one holding the most parameters.
+
+    Raises:
+        AidaptivConfigError: the model names no ``_no_split_modules``, or no ``ModuleList`` is made of
+            them, or a parameter is shared between blocks or between a block and the rest of the model.
+    """
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    if not names:
+        raise AidaptivConfigError(
+            f"aidaptiv_ds: layer-major training (engine.train_batch) needs a model whose trunk is a sequence of "
+            f"blocks, found as HF models name them (_no_split_modules); {type(model).__name__} names none. "
+            + FIX)
+    best, best_numel = None, -1
+    for qual, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0 and \
+                all(type(b).__name__ in names for b in mod):
+            numel = sum(_numel(p) for p in mod.parameters())
+            if numel > best_numel:
+                best, best_numel = (qual, mod), numel
+    if best is None:
+        raise AidaptivConfigError(
+            f"aidaptiv_ds: layer-major training (engine.train_batch): {type(model).__name__} has no ModuleList of "
+            f"its blocks ({', '.join(sorted(names))}). " + FIX)
+    trunk = Trunk(best[0], tuple(best[1]))
+    owner: dict[int, int] = {}
+    for i, block in enumerate(trunk.blocks):
+        for p in block.parameters():
+            if owner.setdefault(id(p), i) != i:
+                raise AidaptivConfigError(
+                    f"aidaptiv_ds: layer-major training (engine.train_batch): a parameter is shared by blocks "
+                    f"{owner[id(p)]} and {i} of {trunk.name}; its gradients would be summed in another order "
+                    f"than DeepSpeed's. " + FIX)
+    inside = set(owner)
+    for qual, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in inside and not qual.startswith(trunk.name + "."):
+            raise AidaptivConfigError(
+                f"aidaptiv_ds: layer-major training (engine.train_batch): parameter {qual} is also used inside "
+                f"{trunk.name}; its gradients would be summed in another order than DeepSpeed's. " + FIX)
+    return trunk
+
+
+def _numel(p) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def tied_outside(model: torch.nn.Module, trunk: Trunk) -> list[torch.nn.Parameter]:
+    """Parameters outside the trunk that more than one module holds (tied input and output embeddings)."""
+    inside = {id(p) for b in trunk.blocks for p in b.parameters()}
+    seen: dict[int, int] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            if id(p) not in inside:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+                params[id(p)] = p
+    return [params[i] for i, n in seen.items() if n > 1]
+
+

@@ -1,0 +1,252 @@
+"""Layer-major gradient accumulation (issue 38): ``engine.train_batch`` runs the accumulation window block by
+block and keeps DeepSpeed's micro-batch-major arithmetic bit for bit.
+
+* unit: the schedule on plain PyTorch (``integration/layer_major.py`` with a :class:`Pieces` that
+  accumulates as the gradient store does): the order of the blocks, one gather per block and phase, the
+  gradients against micro-batch-major autograd bit for bit; the trunk found or refused (``trunk.py``);
+* subprocess: ``engine.train_batch`` against DeepSpeed's CPU offload trained micro-batch by micro-batch
+  (``tests/scripts/train_oracle.py --layer_major``), and the bytes it writes;
+* multirank: the fuzzer's cases (``python -m aidaptiv_ds.bench.fuzz --layer-major`` draws more).
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from aidaptiv_ds.bench.fuzz_models import batch, build
+from aidaptiv_ds.errors import AidaptivConfigError
+from aidaptiv_ds.integration.layer_major import layer_major_backward, layer_major_forward, micro_batches
+from aidaptiv_ds.integration.trunk import find_trunk, tied_outside
+
+
+class Accumulate:
+    """:class:`layer_major.Pieces` on plain PyTorch: after each piece every parameter's ``.grad`` is taken as
+    DeepSpeed's gradient store takes it (the first copied, later ones added, in the order they arrive)."""
+
+    def __init__(self, model: torch.nn.Module, gas: int) -> None:
+        self.model, self.gas = model, gas
+        self.acc: dict[str, torch.Tensor] = {}
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.withheld: set[int] = set()
+        self.events: list[tuple[str, int]] = []
+        self.blocks: dict[int, int] = {}
+
+    def hold(self, block):
+        self.events.append(("hold", self.blocks.get(id(block), -1)))
+
+    def unhold(self, block):
+        self.events.append(("unhold", self.blocks.get(id(block), -1)))
+
+    def begin(self, j, boundary):
+        pass
+
+    def end(self):
+        for p in self.model.parameters():
+            if p.grad is not None and id(p) not in self.withheld:
+                self.take(p)
+
+    def take(self, p):
+        n = self.names[id(p)]
+        g, p.grad = p.grad, None
+        if n in self.acc:
+            self.acc[n].add_(g)
+        else:
+            self.acc[n] = g.clone()
+
+    def scale(self, loss):
+        return loss / self.gas
+
+    def withhold(self, params):
+        self.withheld = {id(p) for p in params}
+
+    def release(self, p):
+        self.take(p)
+
+
+def _model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return build(kind, 64, 3)
+
+
+def _batches(kind: str, k: int):
+    return [batch(kind, 64, 2, i, 0, torch.float32) for i in range(k)]
+
+
+def micro_batch_major(model, xs) -> tuple[list[float], dict]:
+    """The reference: forward and backward per micro-batch, gradients taken after each."""
+    acc = Accumulate(model, len(xs))
+    losses = []
+    for x in xs:
+        loss = model(x)
+        acc.scale(loss).backward()
+        acc.end()
+        losses.append(float(loss.detach()))
+    return losses, acc.acc
+
+
+def layer_major(model, xs) -> tuple[list[float], Accumulate, list]:
+    trunk = find_trunk(model)
+    pieces = Accumulate(model, len(xs))
+    pieces.blocks = {id(b): i for i, b in enumerate(trunk.blocks)}
+    order: list[tuple[int, int]] = []
+    handles = [b.register_forward_pre_hook(
+        lambda m, a, i=i: order.append((i, int(threading.current_thread().name.rsplit("-", 1)[-1]))))
+        for i, b in enumerate(trunk.blocks)]
+    try:
+        recs = layer_major_forward(model, trunk, xs, pieces)
+    finally:
+        for h in handles:
+            h.remove()
+    layer_major_backward(trunk, recs, tied_outside(model, trunk), pieces)
+    return [float(r.loss) for r in recs], pieces, order
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "llama_ckpt"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_gradients_equal_micro_batch_major_bit_for_bit(kind, k):
+    """Untied (llama) and tied (qwen2, gpt2) embeddings, HF gradient checkpointing (llama_ckpt): every gradient
+    and loss equal to autograd run micro-batch by micro-batch, accumulated in the same order."""
+    xs = _batches(kind, k)
+    ref_losses, ref = micro_batch_major(_model(kind), xs)
+    losses, got, _ = layer_major(_model(kind), xs)
+    assert losses == ref_losses
+    assert sorted(got.acc) == sorted(ref)
+    for n, g in ref.items():
+        assert torch.equal(got.acc[n], g), f"{kind} k={k}: gradient of {n} differs"
+
+
+def test_blocks_run_in_layer_major_order_and_are_gathered_once_per_phase():
+    k, layers = 3, 3
+    _, pieces, order = layer_major(_model("llama"), _batches("llama", k))
+    assert order == [(b, j) for b in range(layers) for j in range(k)]  # block 0 for every micro-batch first
+    fwd = [e for b in range(layers) for e in (("hold", b), ("unhold", b))]
+    bwd = [e for b in reversed(range(layers)) for e in (("hold", b), ("unhold", b))]
+    assert pieces.events == fwd + bwd  # one block gathered at a time, once for its k micro-batches
+
+
+def test_trunk_of_hf_models_and_ties():
+    assert find_trunk(_model("llama")).name == "model.model.layers"  # inside the user's wrapper (HFLoss)
+    assert find_trunk(_model("gpt2")).name == "model.transformer.h"
+    qwen = _model("qwen2")
+    (tied,) = tied_outside(qwen, find_trunk(qwen))
+    assert tied is qwen.model.model.embed_tokens.weight
+    llama = _model("llama")
+    assert tied_outside(llama, find_trunk(llama)) == []
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, lin=None):
+        super().__init__()
+        self.lin = lin or torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+class _Net(torch.nn.Module):
+    _no_split_modules = ["_Block"]
+
+    def __init__(self, blocks, head=None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.head = head
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+def test_models_without_a_clean_trunk_are_refused():
+    with pytest.raises(AidaptivConfigError, match="_no_split_modules"):
+        find_trunk(_model("mlp"))
+    shared = _Block()
+    with pytest.raises(AidaptivConfigError, match="shared by blocks 0 and 1"):
+        find_trunk(_Net([shared, _Block(shared.lin)]))
+    first = _Block()
+    with pytest.raises(AidaptivConfigError, match="head.weight is also used inside blocks"):
+        find_trunk(_Net([first, _Block()], head=first.lin))
+
+
+def test_a_failing_micro_batch_is_raised_and_ends_every_thread():
+    model = _Net([_Block(), _Block()])
+    before = threading.active_count()
+    xs = [torch.ones(2, 4), torch.ones(2, 5), torch.ones(2, 4)]  # micro-batch 1 cannot run the first block
+    with pytest.raises(RuntimeError):
+        layer_major_forward(model, find_trunk(model), xs, Accumulate(model, 3))
+    assert threading.active_count() == before
+
+
+def test_micro_batches_names_the_shortfall():
+    assert micro_batches(iter(range(5)), 3) == [0, 1, 2]
+    with pytest.raises(AidaptivConfigError, match="gradient_accumulation_steps=4 micro-batches per call; data_iter "
+                                                  "ended after 2"):
+        micro_batches([1, 2], 4)
+
+
+# ------------------------------------------------------------------------------ engine.train_batch vs DeepSpeed
+# (id, train_oracle.py arguments): the oracle is DeepSpeed's CPU offload trained micro-batch by micro-batch
+ORACLE_CASES = [
+    ("llama-tied-fp32-ga2", ["--model", "llama", "--dtype", "fp32", "--steps", "3", "--ga", "2"]),
+    ("llama-untied-bf16-ga4-clip", ["--model", "llama", "--untie", "--dtype", "bf16", "--steps", "3", "--ga", "4",
+                                    "--clip", "1.0", "--sub_group_size", "2e5"]),
+    ("llama-tied-fp32-ga8-clip-budget", ["--model", "llama", "--dtype", "fp32", "--steps", "2", "--ga", "8",
+                                         "--clip", "1.0", "--budget", "13MiB", "--zinit"]),
+]
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("case", ORACLE_CASES, ids=[c[0] for c in ORACLE_CASES])
+def test_train_batch_is_bit_identical_with_cpu_offload(case, tmp_path_factory):
+    from _oracle import assert_identical, oracle, run
+    name, args = case
+    ref = oracle(args, str(tmp_path_factory.mktemp(name + "-cpu")))
+    got = run("aidaptiv", args + ["--layer_major"], str(tmp_path_factory.mktemp(name)))
+    assert_identical(ref, got)
+
+
+@pytest.mark.subprocess
+def test_train_batch_on_the_real_model(tmp_path_factory):
+    import os
+    from _oracle import STORIES, STORIES_ABSENT, assert_identical, oracle, run
+    if not os.path.isdir(STORIES):
+        pytest.skip(STORIES_ABSENT)
+    args = ["--model", "stories", "--steps", "2", "--ga", "3", "--clip", "1.0"]
+    ref = oracle(args, str(tmp_path_factory.mktemp("stories-cpu")))
+    assert_identical(ref, run("aidaptiv", args + ["--layer_major"], str(tmp_path_factory.mktemp("stories"))))
+
+
+@pytest.mark.subprocess
+def test_gradients_are_never_written_between_micro_batches(tmp_path):
+    """Budget 0, GA 4, clipping off, fp32: micro-batch by micro-batch each sub-group's partial gradient goes to
+    the drive and back between micro-batches (12 B/param/step more); layer-major each block's gradient is final
+    after its fourth piece, so only the master weights and moments are written (12 B/param/step)."""
+    from _oracle import run, written_per_param_per_step
+    args = ["--model", "llama", "--untie", "--layers", "4", "--dtype", "fp32", "--steps", "3", "--ga", "4"]
+    mbm = run("aidaptiv", args, str(tmp_path / "mbm"))
+    lm = run("aidaptiv", args + ["--layer_major"], str(tmp_path / "lm"))
+    assert all(s["grad_spilled_bytes"] > 0 for s in mbm["io"][1:])
+    assert all(s["grad_spilled_bytes"] == 0 for s in lm["io"][1:])
+    assert written_per_param_per_step(lm) == pytest.approx(12.0, abs=0.05)
+    assert written_per_param_per_step(mbm) == pytest.approx(24.0, abs=0.05)
+
+
+# (id, fuzzer case): two ranks, DeepSpeed's defaults left unset, HF models the fuzzer builds
+FUZZ_CASES = [
+    ("qwen2-tied-bf16-ga4-clip-defaults", {"model": "qwen2", "hidden": 64, "layers": 2, "dtype": "bf16", "world": 2,
+                                           "ga": 4, "micro": 1, "steps": 3, "budget": "0", "clip": 1.0, "zero": {}}),
+    ("llama-ckpt-fp32-ga2-auto", {"model": "llama_ckpt", "hidden": 64, "layers": 2, "dtype": "fp32", "world": 2,
+                                  "ga": 2, "micro": 2, "steps": 3, "budget": "auto", "zero": {}}),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", FUZZ_CASES, ids=[c[0] for c in FUZZ_CASES])
+def test_train_batch_two_ranks(case, tmp_path):
+    from aidaptiv_ds.bench.fuzz import reproducer, run_case
+    c = dict(case[1], layer_major=True)
+    o = run_case(c, str(tmp_path))
+    assert not o.oracle_failed, o.error
+    assert o.ok, "\n".join(o.diffs or [o.error or ""]) + f"\nreproduce: {reproducer(c)}"
