@@ -251,3 +251,21 @@ def test_aidaptiv_configs_train_like_dram_offload(demo_run, tmp_path, name, n_pa
     _, ref_steps, _ = metrics(demo_run)
     assert [s["loss"] for s in steps] == [s["loss"] for s in ref_steps]
     assert summary["bytes_written_per_param_per_step"] is not None    # the cache tier's counters are reported
+
+
+def test_layer_major_trains_like_dram_offload_with_a_short_last_window(tmp_path):
+    """``--layer_major``: each full window is one ``engine.train_batch`` (issue 38); one epoch of 45 micro-batches at
+    GA 4 ends with a window of one, which runs micro-batch by micro-batch. Every step's loss and the eval losses
+    equal DeepSpeed's own DRAM offload bit for bit."""
+    common = ["--output_dir", None, "--num_train_epochs", "1", "--per_device_train_batch_size", "8",
+              "--gradient_accumulation_steps", "4", "--save_strategy", "no"]
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "lm")
+    finetune("--deepspeed", CPU_OFFLOAD, *[ref if a is None else a for a in common])
+    (tmp_path / "cache").mkdir()
+    finetune("--deepspeed", os.path.join(REPO, "ds_configs", "aidaptiv_zero3.json"), "--cache_path",
+             str(tmp_path / "cache"), "--layer_major", *[out if a is None else a for a in common])
+    ref_evals, ref_steps, _ = metrics(ref)
+    evals, steps, _ = metrics(out)
+    assert len(steps) == 12  # 11 windows of 4 and one of 1
+    assert [s["loss"] for s in steps] == [s["loss"] for s in ref_steps]
+    assert [e["eval_loss"] for e in evals] == [e["eval_loss"] for e in ref_evals]

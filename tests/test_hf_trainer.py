@@ -15,7 +15,7 @@ pytestmark = pytest.mark.subprocess  # every test here starts a child process (t
 SCRIPT = os.path.join(REPO, "tests", "scripts", "hf_trainer.py")
 
 
-def trainer_run(cfg: dict, tmp_path, name: str, launcher: str = "python") -> dict:
+def trainer_run(cfg: dict, tmp_path, name: str, launcher: str = "python", extra: tuple = ()) -> dict:
     """The script's result; ``launcher`` ``python`` (``python -m aidaptiv_ds.run``) or ``accelerate``
     (``accelerate launch --use_deepspeed``, the package's site hook activating aidaptiv_ds)."""
     path = tmp_path / f"{name}.json"
@@ -28,7 +28,7 @@ def trainer_run(cfg: dict, tmp_path, name: str, launcher: str = "python") -> dic
         os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--use_deepspeed",
         "--deepspeed_config_file", str(path), "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
         "--dynamo_backend", "no", "--main_process_port", port]
-    p = subprocess.run([*head, SCRIPT, STORIES, str(path), str(tmp_path / name)],
+    p = subprocess.run([*head, SCRIPT, STORIES, str(path), str(tmp_path / name), *extra],
                        env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stderr[-5000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
@@ -58,3 +58,23 @@ def test_unmodified_hf_trainer_script(tmp_path):
     # accelerate launch --use_deepspeed (HF's other launcher): the same run, the same losses
     acc = trainer_run(ours, tmp_path, "accelerate", launcher="accelerate")
     assert acc["param_swapper"] == "AidaptivParamSwapper" and acc["losses"] == want["losses"] and len(acc["started"]) == 1
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
+def test_layer_major_trainer_equals_the_cpu_offload_trainer(tmp_path):
+    """``LayerMajorTrainer`` (issue 38) at GA 3 with HF's defaults (clipping 1.0, the loss normalised by the window's
+    tokens): the logged losses equal ``Trainer`` on DeepSpeed's CPU offload bit for bit. 14 examples at 2 per
+    micro-batch: windows of 3, 3 and 1 micro-batches; the last, short, runs micro-batch by micro-batch."""
+    with open(os.path.join(REPO, "ds_configs", "aidaptiv_zero3.json")) as f:
+        ours = json.load(f)
+    cache = str(tmp_path / "cache")
+    os.makedirs(cache)
+    for sec in ("offload_param", "offload_optimizer"):
+        ours["zero_optimization"][sec]["nvme_path"] = cache
+    ours["aidaptiv"].update(cache_paths=[cache], dram_budget=0)
+    with open(os.path.join(REPO, "ds_configs", "cpu_offload.json")) as f:
+        ref = json.load(f)
+    want = trainer_run(ref, tmp_path, "cpu", extra=("3", "14"))
+    got = trainer_run(ours, tmp_path, "layer_major", extra=("3", "14", "layer_major"))
+    assert got["layer_major_steps"] == 1 and want["layer_major_steps"] == 0
+    assert len(got["losses"]) == 3 and got["losses"] == want["losses"]

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                   for i in range(case.get("ga", 1))]
             micro += len(xs)
             eng.train_batch(iter(xs))
-            step_losses = list(eng.aidaptiv_losses)
+            step_losses = [float(x.float()) for x in eng.aidaptiv_losses]
         for _ in range(0 if case.get("layer_major") and a.backend == "aidaptiv" else case.get("ga", 1)):
             x = batch(case["model"], case["hidden"], case.get("micro", 2), micro, rank, dtype)
             micro += 1

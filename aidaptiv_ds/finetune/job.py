@@ -113,6 +113,11 @@ class FinetuneArgs:
     response_logits_only: Literal["auto", "true", "false"] = dataclasses.field(default="auto", **_flag(
         "compute the LM head's logits only at the positions that predict a response token (the model's "
         "boolean logits_to_keep); auto: where the model's forward allows it"))
+    layer_major: bool = dataclasses.field(default=False, **_flag(
+        "run each optimizer step's micro-batches block by block (engine.train_batch, aidaptiv_ds): every parameter "
+        "is fetched once per step in forward and once in backward instead of once per micro-batch each, and no "
+        "partial gradient is written between micro-batches; the same numbers bit for bit. Needs the \"aidaptiv\" "
+        "section and a model whose blocks HF names (_no_split_modules)"))
     local_rank: int = dataclasses.field(default=-1, **_flag(argparse.SUPPRESS))  # passed by the deepspeed launcher
 
 
@@ -265,7 +270,8 @@ def _trainer_state(step: int, loop_state: dict, plan, args: FinetuneArgs, settin
 
 def _memory_settings(args: FinetuneArgs, model) -> tuple[bool, bool]:
     """``(gradient checkpointing, response logits only)`` resolved from the flags (``auto``, module defaults:
-    checkpointing on CPU ranks, response-only logits where the model allows: README "The main job").
+    checkpointing on CPU ranks unless ``--layer_major``, response-only logits where the model allows: README
+    "The main job").
 
     Raises:
         ValueError: ``--response_logits_only true`` for a model whose forward does not take a boolean
@@ -276,8 +282,11 @@ def _memory_settings(args: FinetuneArgs, model) -> tuple[bool, bool]:
     from .evaluate import response_logits_supported
 
     can_ckpt = bool(getattr(model, "supports_gradient_checkpointing", False))
+    # --layer_major keeps only each block's input and recomputes the block in backward already: HF's checkpointing
+    # would recompute it a second time there
     ckpt = args.gradient_checkpointing == "true" or (
-        args.gradient_checkpointing == "auto" and can_ckpt and get_accelerator().device_name() == "cpu")
+        args.gradient_checkpointing == "auto" and can_ckpt and get_accelerator().device_name() == "cpu"
+        and not args.layer_major)
     if ckpt and not can_ckpt:
         raise ValueError(f"--gradient_checkpointing true: {type(model).__name__} does not support HF's gradient "
                          f"checkpointing; use --gradient_checkpointing false")
@@ -353,6 +362,7 @@ def run(args: FinetuneArgs) -> dict:
     model = loaded.model
     ckpt, kept = _memory_settings(args, model)
     settings.response_logits_only = kept
+    settings.layer_major = args.layer_major
     if ckpt:  # non-reentrant: reentrant checkpointing and steps inside backward clash
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _say(f"activation checkpointing {'on' if ckpt else 'off'}; "

@@ -52,7 +52,9 @@ class LoopSettings:
 
     ``save_steps``: checkpoint every this many optimizer steps (0: never); ``save_at_end``: also after
     the last step (HF's ``save_strategy="steps"``). ``response_logits_only``: the model computes logits at
-    the positions that predict a response token only (:func:`training_loss`).
+    the positions that predict a response token only (:func:`training_loss`). ``layer_major``: each full
+    accumulation window is one ``engine.train_batch`` (aidaptiv_ds's layer-major step); a short last window of
+    an epoch runs micro-batch by micro-batch (its loss scaled to its length).
     """
     num_train_epochs: float
     max_steps: int
@@ -64,6 +66,7 @@ class LoopSettings:
     save_steps: int = 0
     save_at_end: bool = False
     response_logits_only: bool = False
+    layer_major: bool = False
 
 
 @dataclasses.dataclass
@@ -254,14 +257,19 @@ def training_loss(engine, batch: dict, response_logits_only: bool):
     mean, only the positions no loss is taken at are not computed. The float sum runs over fewer terms in
     another order, so the last bits of the loss can differ from the full-logits loss.
     """
+    return engine(**training_inputs(batch, response_logits_only)).loss
+
+
+def training_inputs(batch: dict, response_logits_only: bool) -> dict:
+    """The keyword arguments of the model's forward for :func:`training_loss` (also a micro-batch of
+    ``engine.train_batch``, which calls the model with them)."""
     ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
     if not response_logits_only:
-        return engine(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
     target = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     keep = target != IGNORE_INDEX
-    out = engine(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, logits_to_keep=keep,
-                 shift_labels=target[keep])
-    return out.loss
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False, "logits_to_keep": keep,
+            "shift_labels": target[keep]}
 
 
 def logits_positions(batch: dict, response_logits_only: bool) -> int:
@@ -370,21 +378,31 @@ def train(engine, train_examples: list[Example], eval_examples: list[Example], s
         t_mark = time.perf_counter()
         losses: list[float] = []
         tokens = width = 0
+        window: list[dict] = []  # layer-major: the window's micro-batches, trained at its boundary
         for i, batch in enumerate(it, start=first_i):
             win_start = (i // s.grad_accum) * s.grad_accum
             win_len = min(s.grad_accum, plan.micro_batches_per_epoch - win_start)
             boundary = i - win_start == win_len - 1
-            engine.set_gradient_accumulation_boundary(boundary)
-            loss = training_loss(engine, batch, s.response_logits_only)
             width = max(width, int(batch["input_ids"].shape[1]))
             totals.logits_tokens = max(totals.logits_tokens, logits_positions(batch, s.response_logits_only))
-            engine.backward(loss * (s.grad_accum / win_len) if win_len != s.grad_accum else loss)
-            losses.append(float(loss.detach()))
             tokens += int(batch["attention_mask"].sum())
-            lr = engine.get_lr()[0] if boundary else None
-            engine.step()
-            if not boundary:
-                continue
+            if s.layer_major and win_len == s.grad_accum:  # a short last window runs micro-batch by micro-batch
+                window.append(training_inputs(batch, s.response_logits_only))
+                if not boundary:
+                    continue
+                lr = engine.get_lr()[0]
+                engine.train_batch(iter(window))
+                losses.extend(float(x) for x in engine.aidaptiv_losses)
+                window = []
+            else:
+                engine.set_gradient_accumulation_boundary(boundary)
+                loss = training_loss(engine, batch, s.response_logits_only)
+                engine.backward(loss * (s.grad_accum / win_len) if win_len != s.grad_accum else loss)
+                losses.append(float(loss.detach()))
+                lr = engine.get_lr()[0] if boundary else None
+                engine.step()
+                if not boundary:
+                    continue
             step += 1
             c = windows.close()
             dt = time.perf_counter() - t_mark  # with the wait for the step's own write-back

@@ -16,7 +16,8 @@ as ``engine.backward`` sets it (DeepSpeed's post-backward hook then leaves the e
 * the model's root hook would reset DeepSpeed's parameter coordinator at each micro-batch's forward
   (``reset_step``); it is reset once per step instead, so its trace is the whole layer-major step;
 * then ``engine.step()`` k times: the micro-step counter, the samples and the scheduler advance as they do
-  micro-batch by micro-batch, and the k-th is the boundary that finishes the optimizer step.
+  micro-batch by micro-batch, and the k-th is the boundary that finishes the optimizer step (set with
+  ``set_gradient_accumulation_boundary`` for each, then the caller's own override, if any, put back).
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ def _zero_params(block: torch.nn.Module) -> list:
 class EnginePieces:
     """:class:`layer_major.Pieces` on DeepSpeed's ZeRO-3 engine with the ``"aidaptiv"`` section."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, scale_wrt_gas: bool = True) -> None:
         self.engine = engine
         self.opt = engine.optimizer
         self.grads = engine.optimizer._aidaptiv.grads
         self.gas = engine.gradient_accumulation_steps()
+        self.scale_wrt_gas = scale_wrt_gas
         self.withheld: list = []
 
     # ------------------------------------------------------------ [Note: one fetch per block]
@@ -78,7 +80,8 @@ class EnginePieces:
         self.opt._aidaptiv_flush_reduce_buckets()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.opt.scale_if_loss(loss / self.gas)  # engine.backward's scaling, in its order
+        # engine.backward's scaling, in its order (scale_wrt_gas: its argument of the same name)
+        return self.opt.scale_if_loss(loss / self.gas if self.scale_wrt_gas else loss)
 
     def withhold(self, params: list) -> None:
         self.withheld = list(params)
@@ -113,15 +116,15 @@ def _check_engine(engine) -> None:
         raise AidaptivConfigError(
             "aidaptiv_ds: engine.train_batch (layer-major) owns the accumulation window; "
             "\"managed_gradient_accumulation\": false leaves it to the caller. Fix: leave it at its default (true).")
-    done = engine.micro_steps % engine.gradient_accumulation_steps()
-    if done:
+    from .gradients import GradState
+    if any(g.state is not GradState.EMPTY for g in opt._aidaptiv.grads.groups):
         raise AidaptivConfigError(
-            f"aidaptiv_ds: engine.train_batch (layer-major) starts an accumulation window, but {done} micro-batch(es) "
-            f"of the current one ran micro-batch by micro-batch. Fix: finish that window first (engine.step() "
-            f"at its boundary).")
+            "aidaptiv_ds: engine.train_batch (layer-major) starts an accumulation window, but gradients of the current "
+            "one are waiting (engine.backward ran without the optimizer step of its boundary). Fix: finish that "
+            "window first (engine.step() at its boundary).")
 
 
-def train_batch(engine, data_iter=None) -> torch.Tensor:
+def train_batch(engine, data_iter=None, scale_wrt_gas: bool = True) -> torch.Tensor:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches of ``data_iter``, layer-major.
 
     DeepSpeed's convention for a whole batch (its ``PipelineEngine.train_batch``): the engine pulls the
@@ -131,11 +134,12 @@ def train_batch(engine, data_iter=None) -> torch.Tensor:
     micro-batch is a dict (``model(**batch)``), a tuple or list (``model(*batch)``) or one tensor; the model
     returns its loss or an output with ``.loss``. Bit for bit the result of ``loss = engine(batch);
     engine.backward(loss); engine.step()`` per micro-batch ([Note: exact against micro-batch-major] in
-    ``layer_major.py``).
+    ``layer_major.py``). ``scale_wrt_gas``: as ``engine.backward``'s argument (False: each micro-batch's loss
+    is not divided by ``gradient_accumulation_steps``; HF ``Trainer`` normalises by the window's token count).
 
     Returns:
         The mean of the micro-batches' losses (a detached fp32 scalar); ``engine.aidaptiv_losses`` holds each
-        micro-batch's loss (floats, in order).
+        micro-batch's loss (detached tensors, in order).
 
     Raises:
         AidaptivConfigError: the engine, the model (``trunk.find_trunk``) or ``data_iter`` cannot do this.
@@ -159,7 +163,7 @@ def train_batch(engine, data_iter=None) -> torch.Tensor:
                     "Fix: pass an iterator of micro-batches, engine.train_batch(iter(loader)).")
             data_iter = engine._aidaptiv_data_iter = _repeat(loader)
     batches = micro_batches(data_iter, k)
-    pieces = EnginePieces(engine)
+    pieces = EnginePieces(engine, scale_wrt_gas)
     coordinator = opt.parameter_offload.get_param_coordinator()
     opt.clear_backward_seen_flag()
     coordinator.reset_step()  # one trace per optimizer step: the k forwards and the pieces together
@@ -181,11 +185,15 @@ def train_batch(engine, data_iter=None) -> torch.Tensor:
         with engine._running_engine_backward_lock:
             engine._running_engine_backward_count -= 1
             engine._running_engine_backward = engine._running_engine_backward_count > 0
-    for _ in range(k):
-        engine.step()
-    losses = [r.loss for r in recs]
-    engine.aidaptiv_losses = [float(x.float()) for x in losses]
-    return torch.stack([x.detach().float() for x in losses]).mean()
+    prev = engine._is_gradient_accumulation_boundary  # a caller's override (set_gradient_accumulation_boundary)
+    try:
+        for j in range(k):
+            engine.set_gradient_accumulation_boundary(j == k - 1)
+            engine.step()
+    finally:
+        engine._is_gradient_accumulation_boundary = prev
+    engine.aidaptiv_losses = [r.loss for r in recs]  # detached by the backward
+    return torch.stack([x.float() for x in engine.aidaptiv_losses]).mean()
 
 
 def attach(engine) -> None:

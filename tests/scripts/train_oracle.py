@@ -447,7 +447,7 @@ def main():
             micro += a.ga
             llama = a.model in ("llama", "stories", "stories_config")
             eng.train_batch(iter([{"input_ids": x, "labels": x} if llama else x for x in xs]))
-            step_losses = list(eng.aidaptiv_losses)
+            step_losses = [float(x.float()) for x in eng.aidaptiv_losses]
         for _ in range(0 if a.layer_major else a.ga):
             x = batch(a, micro, rank, vocab).to(eng.device)  # the accelerator's device (cuda:N on GPUs)
             micro += 1
