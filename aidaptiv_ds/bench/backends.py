@@ -17,6 +17,9 @@ Backends:
   opt-in and not bit-identical (its losses differ from ``cpu``'s by the rounding);
 * ``aidaptiv0_int8m`` (optional): the same with int8 moments (``"moments": "int8"``, block-quantized with
   torchao's map): 6.03 bytes of optimizer state per parameter; needs torchao;
+* ``aidaptiv0_lm`` and ``aidaptiv_auto_lm`` (optional): ``aidaptiv0`` and ``aidaptiv_auto`` trained layer-major:
+  each optimizer step is one ``engine.train_batch`` over its ``gradient_accumulation`` micro-batches, block by
+  block (``integration/layer_major.py``); the same losses bit for bit;
 * ``gpu`` (optional): ZeRO-3 without any offload: parameters, gradients and optimizer state on the
   accelerator (DeepSpeed's ``offload_*.device: none``). On a GPU it is the ceiling the offloads are
   measured against (no host memory or drive in the step); on CPU ranks it trains in host memory.
@@ -30,7 +33,7 @@ import copy
 import dataclasses
 
 BACKENDS = ("native", "cpu", "aidaptiv0", "aidaptiv_auto")
-OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "aidaptiv0_int8m", "gpu")
+OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "aidaptiv0_int8m", "aidaptiv0_lm", "aidaptiv_auto_lm", "gpu")
 LABELS = {
     "native": "DeepSpeed native NVMe",
     "cpu": "DeepSpeed CPU offload",
@@ -39,10 +42,14 @@ LABELS = {
     "aidaptiv_grads": "aidaptiv_ds, DRAM budget = gradients",
     "aidaptiv0_bf16m": "aidaptiv_ds, DRAM budget 0, bf16 moments",
     "aidaptiv0_int8m": "aidaptiv_ds, DRAM budget 0, int8 moments",
+    "aidaptiv0_lm": "aidaptiv_ds, DRAM budget 0, layer-major",
+    "aidaptiv_auto_lm": "aidaptiv_ds, DRAM budget auto, layer-major",
     "gpu": "no offload (all on the accelerator)",
 }
 #: backends that store Adam's moments narrower than fp32, and how (``aidaptiv.optimizer_state.moments``)
 MOMENT_BACKENDS = {"aidaptiv0_bf16m": "bf16", "aidaptiv0_int8m": "int8"}
+#: backends that train each optimizer step layer-major (``engine.train_batch``)
+LAYER_MAJOR_BACKENDS = ("aidaptiv0_lm", "aidaptiv_auto_lm")
 #: The backend every ratio is taken against.
 REFERENCE = "native"
 
@@ -55,6 +62,7 @@ def dram_budget(backend: str, n_params: int) -> int | str:
         KeyError: ``backend`` is not an aidaptiv_ds backend.
     """
     return {"aidaptiv0": 0, "aidaptiv0_bf16m": 0, "aidaptiv0_int8m": 0, "aidaptiv_auto": "auto",
+            "aidaptiv0_lm": 0, "aidaptiv_auto_lm": "auto",
             "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
 
 

@@ -216,6 +216,12 @@ def check_targets(figs: dict, dtype: str, clip: float = 1.0, gradient_accumulati
     if ok("aidaptiv0") and ok("native"):
         add("peak RSS aidaptiv_ds (budget 0) / DeepSpeed native NVMe", figs["aidaptiv0"]["ratios"]["peak_rss_bytes"],
             1.0)
+    if ok("aidaptiv0_lm") and ok("aidaptiv0") and ga > 1:  # issue 38: layer-major against micro-batch-major
+        add(f"bytes read per parameter {per_step}, budget 0: layer-major / micro-batch-major",
+            figs["aidaptiv0_lm"]["read_per_param"] / figs["aidaptiv0"]["read_per_param"], 0.25)
+    if ok("aidaptiv0_lm") and dtype == "fp32":
+        add(f"bytes written per parameter {per_step}, budget 0, layer-major" + (", clipping off" if not clip else ""),
+            figs["aidaptiv0_lm"]["written_per_param"], 16.0 if clip else 12.0)
     return out
 
 

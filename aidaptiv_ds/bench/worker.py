@@ -305,6 +305,8 @@ def run(spec: dict, out: ResultFile) -> None:
     from . import probes
     from .probes import WaitClock, peak_rss_bytes, process_peak_rss_bytes, reset_peak_rss, rss_bytes
 
+    from .backends import LAYER_MAJOR_BACKENDS
+
     backend = spec["backend"]
     t_launch = float(spec["t_launch"])
     clock = WaitClock()
@@ -342,7 +344,12 @@ def run(spec: dict, out: ResultFile) -> None:
         cpu0 = probes.cpu_times()
         t0 = time.perf_counter()
         losses = []
-        for x in xs:  # DeepSpeed's convention: engine.step() after every micro-batch, the optimizer on the last
+        if backend in LAYER_MAJOR_BACKENDS:  # one engine.train_batch per optimizer step: a single phase
+            engine.train_batch(iter([{"input_ids": x, "labels": x} for x in xs]))
+            phases.end("step")
+            losses = list(engine.aidaptiv_losses)
+        for x in (() if backend in LAYER_MAJOR_BACKENDS else xs):
+            # DeepSpeed's convention: engine.step() after every micro-batch, the optimizer on the last
             loss = engine(input_ids=x, labels=x).loss
             phases.end("forward")
             engine.backward(loss)
