@@ -87,6 +87,16 @@ class Pieces(Protocol):
     def release(self, param) -> None:
         """Take ``param`` 's gradient, now summed, as :meth:`end` takes the others."""
 
+    def keep(self, key: tuple, x: torch.Tensor) -> Any:
+        """Keep block ``key[0]`` 's input of micro-batch ``key[1]`` until the backward; returns the token for
+        :meth:`take` (the boundary activations: DRAM within the budget, the drives beyond it)."""
+
+    def take(self, token: Any) -> torch.Tensor:
+        """The activation kept as ``token``; it is not kept any more."""
+
+    def prefetch(self, tokens: list) -> None:
+        """The backward will take these next."""
+
 
 # ------------------------------------------------------------------------------------------ forward
 
@@ -134,7 +144,8 @@ class MicroBatch:
 
     Attributes:
         index: 0..k-1, its place in the accumulation window (the order of its gradients).
-        inputs: every block's input (detached), the boundary activations the backward recomputes from.
+        inputs: every block's input, the boundary activations the backward recomputes from, as the tokens
+            ``Pieces.keep`` returned.
         calls: per block, the call's other arguments: ``calls[b](x)`` is ``(args, kwargs)`` with ``x`` in
             the hidden state's place (masks, rotary tables, as the model passed them).
         head_out: the first block's input as the code before the trunk produced it (with its graph).
@@ -159,10 +170,13 @@ def _first_tensor(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any]:
     and a function that puts a replacement in its place (and no KV cache: ``_CACHE_KWARGS``)."""
     if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
         kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    # the function keeps the call's other arguments, not the hidden state (the boundary activation is kept apart)
     if args and torch.is_tensor(args[0]):
-        return args[0], lambda x: ((x, *args[1:]), kwargs)
+        rest = args[1:]
+        return args[0], lambda x: ((x, *rest), kwargs)
     if torch.is_tensor(kwargs.get("hidden_states")):
-        return kwargs["hidden_states"], lambda x: (args, {**kwargs, "hidden_states": x})
+        others = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        return kwargs["hidden_states"], lambda x: (args, {**others, "hidden_states": x})
     raise AidaptivConfigError(
         "aidaptiv_ds: layer-major training (engine.train_batch): a block of the trunk was called without its "
         "hidden state as the first argument or as hidden_states=. " + _FIX)
@@ -220,7 +234,7 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
             baton.yield_turn(j)  # every micro-batch reaches block b before any runs it
             if j == 0:
                 pieces.hold(module)
-            recs[j].inputs.append(x.detach())
+            recs[j].inputs.append(pieces.keep((b, j), x.detach()))
             recs[j].calls.append(put)
             # the block runs as in the oracle's forward (gradients on, its input requiring them), but its graph
             # ends at its input and is freed with its output: the backward recomputes it
@@ -317,10 +331,11 @@ def layer_major_backward(trunk: Trunk, recs: list[MicroBatch], tied: list, piece
         rec.tail_in, rec.loss = None, rec.loss.detach()
     for b in reversed(range(len(trunk.blocks))):
         block = trunk.blocks[b]
+        pieces.prefetch([rec.inputs[b] for rec in recs] + ([rec.inputs[b - 1] for rec in recs] if b else []))
         pieces.hold(block)
         for j, rec in enumerate(recs):
             pieces.begin(j, j == k - 1)
-            x = rec.inputs[b].requires_grad_(True)
+            x = pieces.take(rec.inputs[b]).requires_grad_(True)
             args, kwargs = rec.calls[b](x)
             y, _ = _output_tensor(block(*args, **kwargs))
             torch.autograd.backward(y, grad_out[j])

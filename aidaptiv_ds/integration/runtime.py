@@ -23,6 +23,7 @@ import secrets
 import sys
 import threading
 import time
+import weakref
 
 import torch
 
@@ -154,6 +155,7 @@ class Runtime:
         self.io_wait = Timer()
         self.param_swapper = None  # this runtime's AidaptivParamSwapper, created by the first zero.Init on its paths
         self._engines: dict = {}  # engine id -> (weakref to its optimizer swapper, weakref to its stepper)
+        self._boundary_stores = weakref.WeakSet()  # layer-major steps' boundary activations (activations.py)
         self._provider = "aidaptiv_ds" if next(_IDS) == 0 else f"aidaptiv_ds#{id(self)}"
         self.checkpoint_bytes_written = 0  # bytes our checkpoint saves wrote (not on the cache tier)
         self.checkpoint_bytes_cloned = 0  # bytes they shared with the slab by copy-on-write clones
@@ -174,6 +176,10 @@ class Runtime:
     def steppers(self) -> list:
         """The in-backward steppers of this runtime's live engines (step counters)."""
         return [st for st in (r[1]() for r in self._engines.values() if r[1] is not None) if st is not None]
+
+    def attach_boundary_store(self, store) -> None:
+        """Count a :class:`~aidaptiv_ds.integration.activations.BoundaryStore` 's bytes (weakly)."""
+        self._boundary_stores.add(store)
 
     def attach_engine(self, engine_id: int, swapper, stepper=None) -> None:
         """Count an engine's optimizer swapper (and in-backward stepper) as this runtime's, weakly: when the
@@ -317,6 +323,8 @@ class Runtime:
             "master_from_params_bytes": sum(sw.master_copied_bytes for sw in self.optimizer_swappers),
             "master_demand_bytes": sum(sw.master_demand_bytes for sw in self.optimizer_swappers),
             "master_held_bytes": sum(sw.master_held_bytes for sw in self.optimizer_swappers),
+            "act_written_bytes": sum(b.written_bytes for b in list(self._boundary_stores)),
+            "act_read_bytes": sum(b.read_bytes for b in list(self._boundary_stores)),
             **self._pool_counters(),
         }
 

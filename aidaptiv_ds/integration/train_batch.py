@@ -46,6 +46,10 @@ class EnginePieces:
         self.grads = engine.optimizer._aidaptiv.grads
         self.gas = engine.gradient_accumulation_steps()
         self.scale_wrt_gas = scale_wrt_gas
+        self.boundary = getattr(engine, "_aidaptiv_boundary", None)
+        if self.boundary is None:
+            from .activations import BoundaryStore
+            self.boundary = engine._aidaptiv_boundary = BoundaryStore(self.grads.rt, self.grads.engine_id)
         self.withheld: list = []
 
     # ------------------------------------------------------------ [Note: one fetch per block]
@@ -92,6 +96,16 @@ class EnginePieces:
         param.ds_grad_is_ready = True
         self.opt.reduce_ready_partitions_and_remove_grads(param)
         param.ds_grad_is_ready = False
+
+    # ------------------------------------------------------------ boundary activations (activations.py)
+    def keep(self, key: tuple, x: torch.Tensor):
+        return self.boundary.keep(key, x)
+
+    def take(self, token) -> torch.Tensor:
+        return self.boundary.take(token)
+
+    def prefetch(self, tokens: list) -> None:
+        self.boundary.prefetch(tokens)
 
     def restore(self) -> None:
         for p in self.withheld:
@@ -182,6 +196,7 @@ def train_batch(engine, data_iter=None, scale_wrt_gas: bool = True) -> torch.Ten
         engine._backward_epilogue()
     finally:
         pieces.restore()
+        pieces.boundary.discard()  # nothing, unless the backward failed part way
         with engine._running_engine_backward_lock:
             engine._running_engine_backward_count -= 1
             engine._running_engine_backward = engine._running_engine_backward_count > 0

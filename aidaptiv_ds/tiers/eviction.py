@@ -71,7 +71,10 @@ class Evictable(Protocol):
 #: was written down, the same followed from their next use being "never" (``inf``); now a parameter slice no
 #: longer in the order waits behind them too: a branch the model stopped using, or the parameters of another
 #: engine on the same runtime (an eval engine beside the training one; the order is the last coordinator's).
-TRAINING_KIND_RANK: Mapping[str, int] = {"opt": 0, "grad": 0, "param": 1}
+#: A layer-major step's boundary activations (``"act"``, ``integration/activations.py``) are next used in this
+#: step's backward: they rank above parameter slices, so they take what the budget leaves before the parameter
+#: cache does (the planner's [Note: which DRAM the activations take]), the oldest first among themselves.
+TRAINING_KIND_RANK: Mapping[str, int] = {"opt": 0, "grad": 0, "param": 1, "act": 2}
 
 
 _S = TypeVar("_S", bound=Evictable)
