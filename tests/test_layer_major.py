@@ -17,7 +17,7 @@ import torch
 
 from aidaptiv_ds.bench.fuzz_models import batch, build
 from aidaptiv_ds.errors import AidaptivConfigError
-from aidaptiv_ds.integration.layer_major import layer_major_backward, layer_major_forward, micro_batches
+from aidaptiv_ds.integration.layer_major import LayerMajorBackward, layer_major_forward, micro_batches
 from aidaptiv_ds.integration.trunk import find_trunk, tied_outside
 
 
@@ -103,12 +103,14 @@ def layer_major(model, xs) -> tuple[list[float], Accumulate, list]:
     handles = [b.register_forward_pre_hook(
         lambda m, a, i=i: order.append((i, int(threading.current_thread().name.rsplit("-", 1)[-1]))))
         for i, b in enumerate(trunk.blocks)]
+    backward = LayerMajorBackward(trunk, len(xs), tied_outside(model, trunk), pieces)
     try:
-        recs = layer_major_forward(model, trunk, xs, pieces)
+        recs = layer_major_forward(model, trunk, xs, pieces, on_loss=backward.tail)
     finally:
         for h in handles:
             h.remove()
-    layer_major_backward(trunk, recs, tied_outside(model, trunk), pieces)
+    assert all(r.tail_in is None and r.grad_out is not None for r in recs)  # each tail ran at its loss
+    backward.finish(recs)
     return [float(r.loss) for r in recs], pieces, order
 
 
@@ -304,3 +306,36 @@ def test_boundary_activations_within_the_budget_are_never_written(tmp_path):
         assert store.written_bytes == 0 and store.read_bytes == 0 and rt.tier.held_bytes == 0
     finally:
         rt.close()
+
+
+@pytest.mark.engine
+def test_train_batch_between_micro_batch_major_windows(tmp_path, monkeypatch):
+    """``train_batch`` refuses to start while a micro-batch-major window is half done (a gradient waits), works
+    after it, pulls from ``training_data`` without an iterator, and names a short iterator's shortfall."""
+    import deepspeed
+
+    import aidaptiv_ds  # noqa: F401  (installs the hooks)
+    from _engine import nvme_config, one_rank_env
+    one_rank_env(monkeypatch)
+    cfg = nvme_config(tmp_path / "cache", dram_budget=0)
+    cfg["gradient_accumulation_steps"] = 2
+    model = _model("llama")
+    data = [batch("llama", 64, 1, i, 0, torch.float32)[0] for i in range(4)]
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, training_data=data)
+    x = batch("llama", 64, 1, 0, 0, torch.float32)
+    eng.backward(eng(x))
+    eng.step()  # the first micro-batch of a window of 2
+    with pytest.raises(AidaptivConfigError, match="gradients of the current one are waiting"):
+        eng.train_batch(iter([x, x]))
+    eng.backward(eng(x))
+    eng.step()  # the window's boundary
+    before = eng.global_steps
+    loss = eng.train_batch(iter([x, x]))
+    assert eng.global_steps == before + 1 and loss.dim() == 0 and len(eng.aidaptiv_losses) == 2
+    eng.train_batch()  # two micro-batches of deepspeed.initialize(training_data=...)
+    assert eng.global_steps == before + 2
+    with pytest.raises(AidaptivConfigError, match="data_iter ended after 1"):
+        eng.train_batch(iter([x]))
+    eng.destroy()
+    from aidaptiv_ds.integration import runtime
+    runtime.shutdown()

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -150,7 +150,9 @@ class MicroBatch:
             the hidden state's place (masks, rotary tables, as the model passed them).
         head_out: the first block's input as the code before the trunk produced it (with its graph).
         tail_in: the last block's output, the leaf the code after the trunk starts from.
-        loss: the model's loss (unscaled).
+        loss: the model's loss (unscaled; detached once its backward ran).
+        grad_out: the gradient the backward hands to the next block down (then to the code before the trunk).
+        held: a tied parameter's gradient from the code after the trunk, until the code before it adds its own.
     """
     index: int
     inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -158,6 +160,8 @@ class MicroBatch:
     head_out: torch.Tensor | None = None
     tail_in: torch.Tensor | None = None
     loss: torch.Tensor | None = None
+    grad_out: torch.Tensor | None = None
+    held: dict = dataclasses.field(default_factory=dict)
 
 
 #: keyword arguments of HF decoder layers that carry a KV cache: a training forward has no use for it, and a
@@ -209,8 +213,11 @@ def _loss_of(out) -> torch.Tensor:
     return loss
 
 
-def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pieces: Pieces) -> list[MicroBatch]:
-    """Run ``model`` on ``batches`` block by block ([Note: layer-major order]); the gradients are not taken.
+def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pieces: Pieces,
+                        on_loss: Callable[[MicroBatch], None] | None = None) -> list[MicroBatch]:
+    """Run ``model`` on ``batches`` block by block ([Note: layer-major order]). ``on_loss(rec)`` runs as each
+    micro-batch's loss is there, in order (:meth:`LayerMajorBackward.tail`: its backward down to the trunk, so
+    that the k micro-batches' logits are not all held until the backward).
 
     Returns:
         One :class:`MicroBatch` per batch, with its loss (a graph back to the trunk's output), its
@@ -259,6 +266,8 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
         try:
             baton.wait(j)
             recs[j].loss = _loss_of(_call(model, batches[j]))
+            if on_loss is not None:
+                on_loss(recs[j])
         except BaseException as e:  # noqa: BLE001 - the first one is raised by the caller
             baton.fail(j, e)
         else:
@@ -306,55 +315,77 @@ def micro_batches(data_iter: Iterable | Iterator, k: int) -> list:
 
 # ------------------------------------------------------------------------------------------ backward
 
-def layer_major_backward(trunk: Trunk, recs: list[MicroBatch], tied: list, pieces: Pieces) -> None:
-    """The backward of a layer-major step, in pieces ([Note: layer-major order]): the code after the trunk
-    for each micro-batch, each block from the last to the first for each micro-batch (recomputed from its
-    kept input), the code before the trunk for each micro-batch. ``tied``: parameters used both before and
-    after the trunk ([Note: exact against micro-batch-major]).
-
-    Raises:
-        AidaptivConfigError: a tied parameter got a gradient after the trunk and none before it.
+class LayerMajorBackward:
+    """The backward of a layer-major step, in pieces ([Note: layer-major order]): the code after the trunk for
+    each micro-batch (:meth:`tail`, as soon as its loss is there when the forward calls it), each block from
+    the last to the first for each micro-batch (recomputed from its kept input), the code before the trunk for
+    each micro-batch (:meth:`finish`). ``tied``: parameters used both before and after the trunk ([Note: exact
+    against micro-batch-major]); ``start``: called before the first piece (the engine opens its backward).
     """
-    k = len(recs)
-    grad_out: list[torch.Tensor | None] = [None] * k
-    held: list[dict] = [{} for _ in range(k)]
-    pieces.withhold(tied)
-    for j, rec in enumerate(recs):  # the code after the trunk: loss -> the trunk's output
-        pieces.begin(j, j == k - 1)
+
+    def __init__(self, trunk: Trunk, k: int, tied: list, pieces: Pieces,
+                 start: Callable[[], None] | None = None) -> None:
+        self.trunk, self.k, self.tied, self.pieces, self._start = trunk, k, list(tied), pieces, start
+        self.started = False
+
+    def _begin(self) -> None:
+        if not self.started:
+            self.started = True
+            if self._start is not None:
+                self._start()
+            self.pieces.withhold(self.tied)
+
+    def tail(self, rec: MicroBatch) -> None:
+        """Micro-batch ``rec`` 's piece after the trunk: from its loss to the trunk's output."""
+        self._begin()
+        pieces = self.pieces
+        pieces.begin(rec.index, rec.index == self.k - 1)
         assert rec.loss is not None and rec.tail_in is not None
         pieces.scale(rec.loss).backward()
-        for p in tied:
-            held[j][p] = p.grad
+        for p in self.tied:
+            rec.held[p] = p.grad
             p.grad = None
         pieces.end()
-        grad_out[j] = rec.tail_in.grad
+        rec.grad_out = rec.tail_in.grad
         rec.tail_in, rec.loss = None, rec.loss.detach()
-    for b in reversed(range(len(trunk.blocks))):
-        block = trunk.blocks[b]
-        pieces.prefetch([rec.inputs[b] for rec in recs] + ([rec.inputs[b - 1] for rec in recs] if b else []))
-        pieces.hold(block)
-        for j, rec in enumerate(recs):
-            pieces.begin(j, j == k - 1)
-            x = pieces.take(rec.inputs[b]).requires_grad_(True)
-            args, kwargs = rec.calls[b](x)
-            y, _ = _output_tensor(block(*args, **kwargs))
-            torch.autograd.backward(y, grad_out[j])
+
+    def finish(self, recs: list[MicroBatch]) -> None:
+        """The rest: the tails not run yet, the blocks, the code before the trunk.
+
+        Raises:
+            AidaptivConfigError: a tied parameter got a gradient after the trunk and none before it.
+        """
+        self._begin()
+        pieces, k = self.pieces, self.k
+        for rec in recs:
+            if rec.tail_in is not None:
+                self.tail(rec)
+        for b in reversed(range(len(self.trunk.blocks))):
+            block = self.trunk.blocks[b]
+            pieces.prefetch([rec.inputs[b] for rec in recs] + ([rec.inputs[b - 1] for rec in recs] if b else []))
+            pieces.hold(block)
+            for rec in recs:
+                pieces.begin(rec.index, rec.index == k - 1)
+                x = pieces.take(rec.inputs[b]).requires_grad_(True)
+                args, kwargs = rec.calls[b](x)
+                y, _ = _output_tensor(block(*args, **kwargs))
+                torch.autograd.backward(y, rec.grad_out)
+                pieces.end()
+                rec.grad_out = x.grad
+                rec.inputs[b], rec.calls[b] = None, None  # this boundary activation is done
+            pieces.unhold(block)
+        for rec in recs:  # the code before the trunk
+            pieces.begin(rec.index, rec.index == k - 1)
+            if rec.head_out is not None and rec.head_out.requires_grad:
+                torch.autograd.backward(rec.head_out, rec.grad_out)
+            for p, g in rec.held.items():
+                if g is None:
+                    continue
+                if p.grad is None:
+                    raise AidaptivConfigError(
+                        "aidaptiv_ds: layer-major training (engine.train_batch): a parameter used before and after "
+                        "the trunk got a gradient only after it. " + _FIX)
+                p.grad.add_(g)  # autograd's sum of the parameter's two gradients of this micro-batch
+                pieces.release(p)
             pieces.end()
-            grad_out[j] = x.grad
-            rec.inputs[b], rec.calls[b] = None, None  # this boundary activation is done
-        pieces.unhold(block)
-    for j, rec in enumerate(recs):  # the code before the trunk
-        pieces.begin(j, j == k - 1)
-        if rec.head_out is not None and rec.head_out.requires_grad:
-            torch.autograd.backward(rec.head_out, grad_out[j])
-        for p, g in held[j].items():
-            if g is None:
-                continue
-            if p.grad is None:
-                raise AidaptivConfigError(
-                    "aidaptiv_ds: layer-major training (engine.train_batch): a parameter used before and after "
-                    "the trunk got a gradient only after it. " + _FIX)
-            p.grad.add_(g)  # autograd's sum of the parameter's two gradients of this micro-batch
-            pieces.release(p)
-        pieces.end()
-        rec.head_out = None
+            rec.head_out, rec.grad_out, rec.held = None, None, {}

@@ -7,7 +7,9 @@ DeepSpeed's engine knows one backward per micro-batch: ``engine.backward`` runs 
 (boundary flag, ZeRO's backward state, our phase), ``loss.backward()`` and ``_backward_epilogue`` (the last
 reduce bucket, the norms at the boundary, the end of the window's gradients). A layer-major step runs
 every micro-batch's backward as pieces inside one such envelope, with ``_running_engine_backward`` set
-as ``engine.backward`` sets it (DeepSpeed's post-backward hook then leaves the epilogue to us):
+as ``engine.backward`` sets it (DeepSpeed's post-backward hook then leaves the epilogue to us). It opens at
+the first micro-batch's loss, when every block's forward is done: each micro-batch's piece after the trunk
+runs as soon as its loss is there, so its logits are freed then, not held for k micro-batches.
 
 * before each piece DeepSpeed's boundary flag says whether it is the last micro-batch's, and the gradient
   store counts arrivals "in the last micro-step" only then (``GradientStore.count_arrivals_now``);
@@ -26,7 +28,7 @@ import types
 import torch
 
 from .config import AidaptivConfigError
-from .layer_major import layer_major_backward, layer_major_forward, micro_batches
+from .layer_major import LayerMajorBackward, layer_major_forward, micro_batches
 from .trunk import FIX, find_trunk, tied_outside
 
 #: what a held block's parameters carry in DeepSpeed's ``ds_active_sub_modules`` (module ids are >= 0)
@@ -131,7 +133,9 @@ def _check_engine(engine) -> None:
             "aidaptiv_ds: engine.train_batch (layer-major) owns the accumulation window; "
             "\"managed_gradient_accumulation\": false leaves it to the caller. Fix: leave it at its default (true).")
     from .gradients import GradState
-    if any(g.state is not GradState.EMPTY for g in opt._aidaptiv.grads.groups):
+    pl = opt._aidaptiv.pipeline  # the last step's updates riding this forward keep their gradients until they run
+    riding = set(pl.deferred) if pl is not None else set()
+    if any(g.state is not GradState.EMPTY and g.index not in riding for g in opt._aidaptiv.grads.groups):
         raise AidaptivConfigError(
             "aidaptiv_ds: engine.train_batch (layer-major) starts an accumulation window, but gradients of the current "
             "one are waiting (engine.backward ran without the optimizer step of its boundary). Fix: finish that "
@@ -181,25 +185,31 @@ def train_batch(engine, data_iter=None, scale_wrt_gas: bool = True) -> torch.Ten
     coordinator = opt.parameter_offload.get_param_coordinator()
     opt.clear_backward_seen_flag()
     coordinator.reset_step()  # one trace per optimizer step: the k forwards and the pieces together
+    opened = []
+
+    def open_backward() -> None:  # [Note: one DeepSpeed backward per step], at the first micro-batch's loss
+        with engine._running_engine_backward_lock:
+            engine._running_engine_backward_count += 1
+            engine._running_engine_backward = True
+        opened.append(True)
+        engine._backward_prologue()
+
+    backward = LayerMajorBackward(trunk, k, engine._aidaptiv_tied, pieces, start=open_backward)
     coordinator.reset_step = lambda: None  # the model's root hook calls it at each micro-batch's forward
     try:
-        recs = layer_major_forward(engine.module, trunk, batches, pieces)
-    finally:
+        recs = layer_major_forward(engine.module, trunk, batches, pieces, on_loss=backward.tail)
         del coordinator.reset_step
-    with engine._running_engine_backward_lock:
-        engine._running_engine_backward_count += 1
-        engine._running_engine_backward = True
-    try:
-        engine._backward_prologue()
-        layer_major_backward(trunk, recs, engine._aidaptiv_tied, pieces)
+        backward.finish(recs)
         pieces.begin(k - 1, True)
         engine._backward_epilogue()
     finally:
+        coordinator.__dict__.pop("reset_step", None)
         pieces.restore()
-        pieces.boundary.discard()  # nothing, unless the backward failed part way
-        with engine._running_engine_backward_lock:
-            engine._running_engine_backward_count -= 1
-            engine._running_engine_backward = engine._running_engine_backward_count > 0
+        pieces.boundary.discard()  # nothing, unless the step failed part way
+        if opened:
+            with engine._running_engine_backward_lock:
+                engine._running_engine_backward_count -= 1
+                engine._running_engine_backward = engine._running_engine_backward_count > 0
     prev = engine._is_gradient_accumulation_boundary  # a caller's override (set_gradient_accumulation_boundary)
     try:
         for j in range(k):
