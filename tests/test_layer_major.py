@@ -336,6 +336,17 @@ def test_train_batch_between_micro_batch_major_windows(tmp_path, monkeypatch):
     assert eng.global_steps == before + 2
     with pytest.raises(AidaptivConfigError, match="data_iter ended after 1"):
         eng.train_batch(iter([x]))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(AidaptivConfigError, match="autocast"):
+        eng.train_batch(iter([x, x]))  # the forward threads would run outside the caller's autocast region
+    def boom(module, args):
+        raise RuntimeError("boom")
+    h = find_trunk(model).blocks[1].register_forward_pre_hook(boom)  # fails while block 1 is held
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.train_batch(iter([x, x]))
+    h.remove()
+    assert not any(-1 in p.ds_active_sub_modules for p in model.parameters())  # no block left held
+    eng.train_batch(iter([x, x]))  # and the engine trains on
+    assert eng.global_steps == before + 3
     eng.destroy()
     from aidaptiv_ds.integration import runtime
     runtime.shutdown()

@@ -261,9 +261,12 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
             return put(yd)
         return hook
 
+    enter = _caller_context()
+
     def run(j):
         local.j = j
         try:
+            enter()
             baton.wait(j)
             recs[j].loss = _loss_of(_call(model, batches[j]))
             if on_loss is not None:
@@ -290,6 +293,24 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
     if baton.error is not None:
         raise baton.error
     return recs
+
+
+def _caller_context() -> Callable[[], None]:
+    """What a forward thread takes over from the calling thread, whose settings are thread-local in PyTorch:
+    gradient mode, and on CUDA the current device (a rank's, ``cuda:LOCAL_RANK``; a new thread would start on
+    ``cuda:0``) and the current stream."""
+    grad = torch.is_grad_enabled()
+    device = stream = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        stream = torch.cuda.current_stream(device)
+
+    def enter() -> None:
+        torch.set_grad_enabled(grad)
+        if device is not None:
+            torch.cuda.set_device(device)
+            torch.cuda.set_stream(stream)
+    return enter
 
 
 def micro_batches(data_iter: Iterable | Iterator, k: int) -> list:

@@ -66,10 +66,13 @@ class EnginePieces:
         for p in params:
             p.ds_active_sub_modules.add(_HOLD)
 
-    def unhold(self, block: torch.nn.Module) -> None:
-        """Release what :meth:`hold` kept (persistent parameters stay, as DeepSpeed keeps them)."""
+    def unhold(self, block: torch.nn.Module, only_held: bool = False) -> None:
+        """Release what :meth:`hold` kept (persistent parameters stay, as DeepSpeed keeps them); ``only_held``:
+        nothing when the block is not held."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
         params = _zero_params(block)
+        if only_held and not any(_HOLD in p.ds_active_sub_modules for p in params):
+            return
         for p in params:
             p.ds_active_sub_modules.discard(_HOLD)
         done = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_active_sub_modules
@@ -128,6 +131,12 @@ def _check_engine(engine) -> None:
         raise AidaptivConfigError(
             "aidaptiv_ds: engine.train_batch (layer-major) runs on ZeRO stage 3 with the \"aidaptiv\" section "
             "enabled and an optimizer. " + FIX)
+    if engine.torch_autocast_enabled() or torch.is_autocast_enabled("cpu") or (
+            torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
+        raise AidaptivConfigError(
+            "aidaptiv_ds: engine.train_batch (layer-major) runs the model in threads of its own, where an autocast "
+            "region (DeepSpeed's \"torch_autocast\" or the caller's torch.autocast) does not reach. Fix: train in the "
+            "model's dtype (DeepSpeed's bf16/fp16 sections) or micro-batch by micro-batch.")
     if not engine.managed_gradient_accumulation():
         raise AidaptivConfigError(
             "aidaptiv_ds: engine.train_batch (layer-major) owns the accumulation window; "
@@ -204,6 +213,8 @@ def train_batch(engine, data_iter=None, scale_wrt_gas: bool = True) -> torch.Ten
         engine._backward_epilogue()
     finally:
         coordinator.__dict__.pop("reset_step", None)
+        for block in trunk.blocks:  # a step that failed part way leaves no block held
+            pieces.unhold(block, only_held=True)
         pieces.restore()
         pieces.boundary.discard()  # nothing, unless the step failed part way
         if opened:
