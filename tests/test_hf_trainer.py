@@ -36,8 +36,9 @@ def trainer_run(cfg: dict, tmp_path, name: str, launcher: str = "python", extra:
     return res
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
-def test_unmodified_hf_trainer_script(tmp_path):
+def _configs(tmp_path) -> tuple[dict, dict, str]:
+    """(ds_configs/aidaptiv_zero3.json on a cache directory under ``tmp_path`` at budget 0,
+    ds_configs/cpu_offload.json, the cache directory)."""
     with open(os.path.join(REPO, "ds_configs", "aidaptiv_zero3.json")) as f:
         ours = json.load(f)
     cache = str(tmp_path / "cache")
@@ -47,6 +48,12 @@ def test_unmodified_hf_trainer_script(tmp_path):
     ours["aidaptiv"].update(cache_paths=[cache], dram_budget=0)
     with open(os.path.join(REPO, "ds_configs", "cpu_offload.json")) as f:
         ref = json.load(f)
+    return ours, ref, cache
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
+def test_unmodified_hf_trainer_script(tmp_path):
+    ours, ref, cache = _configs(tmp_path)
     got, want = trainer_run(ours, tmp_path, "aidaptiv"), trainer_run(ref, tmp_path, "cpu")
     assert got["param_swapper"] == "AidaptivParamSwapper"
     assert got["optimizer_swapper"] == "AidaptivOptimizerSwapper"
@@ -65,15 +72,7 @@ def test_layer_major_trainer_equals_the_cpu_offload_trainer(tmp_path):
     """``LayerMajorTrainer`` (issue 38) at GA 3 with HF's defaults (clipping 1.0, the loss normalised by the window's
     tokens): the logged losses equal ``Trainer`` on DeepSpeed's CPU offload bit for bit. 14 examples at 2 per
     micro-batch: windows of 3, 3 and 1 micro-batches; the last, short, runs micro-batch by micro-batch."""
-    with open(os.path.join(REPO, "ds_configs", "aidaptiv_zero3.json")) as f:
-        ours = json.load(f)
-    cache = str(tmp_path / "cache")
-    os.makedirs(cache)
-    for sec in ("offload_param", "offload_optimizer"):
-        ours["zero_optimization"][sec]["nvme_path"] = cache
-    ours["aidaptiv"].update(cache_paths=[cache], dram_budget=0)
-    with open(os.path.join(REPO, "ds_configs", "cpu_offload.json")) as f:
-        ref = json.load(f)
+    ours, ref, cache = _configs(tmp_path)
     want = trainer_run(ref, tmp_path, "cpu", extra=("3", "14"))
     got = trainer_run(ours, tmp_path, "layer_major", extra=("3", "14", "layer_major"))
     assert got["layer_major_steps"] == 1 and want["layer_major_steps"] == 0

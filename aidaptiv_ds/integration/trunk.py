@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from .config import AidaptivConfigError
+from .zero_params import full_numel
 
 #: the fix every refusal of a layer-major step names
 FIX = ("Fix: train it micro-batch by micro-batch (engine(batch); engine.backward(loss); engine.step()), "
@@ -51,7 +52,7 @@ def find_trunk(model: torch.nn.Module) -> Trunk:
     for qual, mod in model.named_modules():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0 and \
                 all(type(b).__name__ in names for b in mod):
-            numel = sum(_numel(p) for p in mod.parameters())
+            numel = sum(full_numel(p) for p in mod.parameters())
             if numel > best_numel:
                 best, best_numel = (qual, mod), numel
     if best is None:
@@ -74,10 +75,6 @@ def find_trunk(model: torch.nn.Module) -> Trunk:
                 f"aidaptiv_ds: layer-major training (engine.train_batch): parameter {qual} is also used inside "
                 f"{trunk.name}; its gradients would be summed in another order than DeepSpeed's. " + FIX)
     return trunk
-
-
-def _numel(p) -> int:
-    return int(getattr(p, "ds_numel", p.numel()))
 
 
 def tied_outside(model: torch.nn.Module, trunk: Trunk) -> list[torch.nn.Parameter]:
