@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+import greenlet
 import pytest
 import torch
 
@@ -99,10 +100,9 @@ def layer_major(model, xs) -> tuple[list[float], Accumulate, list]:
     trunk = find_trunk(model)
     pieces = Accumulate(model, len(xs))
     pieces.blocks = {id(b): i for i, b in enumerate(trunk.blocks)}
-    order: list[tuple[int, int]] = []
-    handles = [b.register_forward_pre_hook(
-        lambda m, a, i=i: order.append((i, int(threading.current_thread().name.rsplit("-", 1)[-1]))))
-        for i, b in enumerate(trunk.blocks)]
+    seen: list[tuple[int, object]] = []  # (block, the forward running it: a greenlet per micro-batch)
+    handles = [b.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, greenlet.getcurrent())))
+               for i, b in enumerate(trunk.blocks)]
     backward = LayerMajorBackward(trunk, len(xs), tied_outside(model, trunk), pieces)
     try:
         recs = layer_major_forward(model, trunk, xs, pieces, on_loss=backward.tail)
@@ -111,6 +111,9 @@ def layer_major(model, xs) -> tuple[list[float], Accumulate, list]:
             h.remove()
     assert all(r.tail_in is None and r.grad_out is not None for r in recs)  # each tail ran at its loss
     backward.finish(recs)
+    first = list(dict.fromkeys(g for _, g in seen))  # micro-batch j's forward is the j-th to start
+    assert len(first) == len(xs) and greenlet.getcurrent() not in first
+    order = [(i, first.index(g)) for i, g in seen]
     return [float(r.loss) for r in recs], pieces, order
 
 
@@ -181,13 +184,48 @@ def test_models_without_a_clean_trunk_are_refused():
         find_trunk(_Net([first, _Block()], head=first.lin))
 
 
-def test_a_failing_micro_batch_is_raised_and_ends_every_thread():
+def test_a_failing_micro_batch_is_raised_and_unwinds_every_forward():
     model = _Net([_Block(), _Block()])
     before = threading.active_count()
+    unwound = []
+
+    class Ctx:  # a context every forward is inside while it waits at block 0
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            unwound.append(exc[0])
+
+    def forward(x):
+        with Ctx():
+            return _Net.forward(model, x)
+    model.forward = forward
     xs = [torch.ones(2, 4), torch.ones(2, 5), torch.ones(2, 4)]  # micro-batch 1 cannot run the first block
     with pytest.raises(RuntimeError):
         layer_major_forward(model, find_trunk(model), xs, Accumulate(model, 3))
-    assert threading.active_count() == before
+    assert threading.active_count() == before  # no thread of its own
+    assert len(unwound) == 3 and unwound.count(RuntimeError) == 1  # every forward's frames are unwound now
+    assert torch.is_grad_enabled()
+
+
+def test_each_forward_keeps_its_own_gradient_mode_across_switches():
+    """PyTorch's gradient mode is per thread, and the forwards share one ([Note: one OS thread]): a forward that
+    turns gradients off around the trunk must not turn them off for the others, nor for the caller."""
+    model = _Net([_Block(), _Block()])
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append((a[0].shape[0], torch.is_grad_enabled())))
+    model.blocks[1].register_forward_pre_hook(lambda m, a: seen.append((a[0].shape[0], torch.is_grad_enabled())))
+
+    def forward(x):
+        with torch.set_grad_enabled(x.shape[0] != 3):  # the micro-batch of 3 rows runs without gradients
+            for b in model.blocks:
+                x = b(x)
+        return x.pow(2).mean()
+    model.forward = forward
+    xs = [torch.ones(2, 4), torch.ones(3, 4), torch.ones(4, 4)]
+    recs = layer_major_forward(model, find_trunk(model), xs, Accumulate(model, 3))
+    assert seen == [(n, n != 3) for _ in range(2) for n in (2, 3, 4)]
+    assert [r.loss.requires_grad for r in recs] == [True, False, True] and torch.is_grad_enabled()
 
 
 def test_micro_batches_names_the_shortfall():

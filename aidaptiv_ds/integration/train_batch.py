@@ -134,8 +134,9 @@ def _check_engine(engine) -> None:
     if engine.torch_autocast_enabled() or torch.is_autocast_enabled("cpu") or (
             torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
         raise AidaptivConfigError(
-            "aidaptiv_ds: engine.train_batch (layer-major) runs the model in threads of its own, where an autocast "
-            "region (DeepSpeed's \"torch_autocast\" or the caller's torch.autocast) does not reach. Fix: train in the "
+            "aidaptiv_ds: engine.train_batch (layer-major) does not run under an autocast region (DeepSpeed's "
+            "\"torch_autocast\" or the caller's torch.autocast): its backward recomputes each block, and "
+            "the recompute is not cast as the forward was, so its bits would not be DeepSpeed's. Fix: train in the "
             "model's dtype (DeepSpeed's bf16/fp16 sections) or micro-batch by micro-batch.")
     if not engine.managed_gradient_accumulation():
         raise AidaptivConfigError(
