@@ -243,6 +243,9 @@ ORACLE_CASES = [
                                     "--clip", "1.0", "--sub_group_size", "2e5"]),
     ("llama-tied-fp32-ga8-clip-budget", ["--model", "llama", "--dtype", "fp32", "--steps", "2", "--ga", "8",
                                          "--clip", "1.0", "--budget", "13MiB", "--zinit"]),
+    # the updates of a step that clipped ride the next layer-major forward (on by default on GPUs)
+    ("llama-untied-fp32-ga4-clip-riding", ["--model", "llama", "--untie", "--dtype", "fp32", "--steps", "3", "--ga",
+                                           "4", "--clip", "1.0", "--extra", '{"step_rides_forward": true}']),
 ]
 
 
