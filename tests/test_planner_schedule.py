@@ -279,3 +279,31 @@ def test_readme_rows_are_the_tools_output():
     assert "aidaptiv-ds " + " ".join(PHISON_405B) in readme
     rows = re.findall(r"^\|[^|\n]*GA 16[^|\n]*\| (.*) \|$", readme, re.M)
     assert rows == lines
+
+
+def test_cpu_rank_host_memory_of_each_schedule():
+    """On CPU ranks each schedule has the rank's host bytes besides the budget: micro-batch-major the plan's own
+    figure; layer-major the same working set with one block's activations, one micro-batch's logits and 4k block
+    inputs in place of one micro-batch's activations, whatever the activation-checkpointing setting (it
+    recomputes every block); the CLI prints both."""
+    from aidaptiv_ds.planner.plan import CPU_LOSS_BYTES_PER_LOGIT, cpu_rank_host_bytes, layer_activation_bytes
+    shape = preset_shape("stories260k")
+    x = 2 * 24 * shape.hidden_size * 4  # one block's input: micro-batch 2 x seq 24 x hidden x fp32
+    got = []
+    for ac in (False, True):
+        inp = PlanInput(shape=shape, gpus=1, vram=0, dram=24 * 2 ** 30, drives=[CacheDrive(10 * GB)], dram_budget=0,
+                        dtype="fp32", micro_batch=2, seq_len=24, grad_accum=4, cpu_ranks=True,
+                        activation_checkpointing=ac)
+        p = make_plan(inp)
+        s = p.schedules
+        assert s[MICRO_BATCH_MAJOR]["rank_host_bytes"] == p.cpu_rank_host["total"]
+        lm = s[LAYER_MAJOR]["rank_activations"]
+        assert lm["block"] == layer_activation_bytes(shape, 24, 2) * 4 // 2  # fp32: twice the 16-bit figure
+        assert lm["logits"] == 2 * 24 * shape.vocab_size * (4 + CPU_LOSS_BYTES_PER_LOGIT)
+        assert lm["handed"] == lm["boundary_window"] == 2 * 4 * x
+        assert lm["total"] == lm["block"] + lm["logits"] + 4 * 4 * x
+        assert s[LAYER_MAJOR]["rank_host_bytes"] == cpu_rank_host_bytes(inp, None, lm["total"])["total"]
+        got.append(s[LAYER_MAJOR]["rank_host_bytes"])
+    assert got[0] == got[1]
+    rc, out = run_cli("plan", "--params", "7e9", "--cache", "2TB", "--cpu-ranks", "--dram", "256GB", "--ga", "4")
+    assert rc == 0 and "host memory per rank" in out

@@ -45,13 +45,17 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: int | None = None) -> dict:
+def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: int | None = None,
+                       layer_major: bool = False) -> dict:
     """What ``aidaptiv-ds plan --cpu-ranks`` says one CPU rank of this run needs besides a DRAM budget of 0
     (:func:`aidaptiv_ds.planner.plan.cpu_rank_host_bytes`: the baseline plus the larger of the backward
-    and optimizer phases), for the shape and DeepSpeed knobs the sweep's worker runs with; bytes by part."""
+    and optimizer phases), for the shape and DeepSpeed knobs the sweep's worker runs with; bytes by part.
+    ``layer_major``: the run's steps are ``engine.train_batch`` (its activations:
+    :func:`aidaptiv_ds.planner.plan.layer_major_cpu_activation_bytes`); then ``{"total", "activations"}``."""
     from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL
     from ..planner.model_size import shape_from_config
     from ..planner.plan import DEEPSPEED_MAX_LIVE_PARAMETERS, CacheDrive, PlanInput, make_plan
+    from ..planner.schedule import LAYER_MAJOR
     hf = shape.hf_config().to_dict()
     inp = PlanInput(shape=shape_from_config(hf, describe(shape)), gpus=1, vram=0, dram=int(ram_bytes or 64 * GiB),
                     drives=[CacheDrive(capacity=1 << 50)], dram_budget=0, micro_batch=settings.micro_batch,
@@ -60,8 +64,13 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
                     sub_group_size=int(settings.sub_group_size), cpu_ranks=True,
                     gradient_clipping=float(settings.clip),
                     max_live_parameters=int(settings.max_live_parameters or DEEPSPEED_MAX_LIVE_PARAMETERS),
-                    reduce_bucket_size=int(settings.reduce_bucket_size or CPU_REDUCE_BUCKET_NUMEL))
-    return dict(make_plan(inp).cpu_rank_host)
+                    reduce_bucket_size=int(settings.reduce_bucket_size or CPU_REDUCE_BUCKET_NUMEL),
+                    grad_accum=int(settings.gradient_accumulation))
+    plan = make_plan(inp)
+    if layer_major:
+        lm = (plan.schedules or {})[LAYER_MAJOR]
+        return {"total": lm["rank_host_bytes"], "activations": lm["rank_activations"]["total"]}
+    return dict(plan.cpu_rank_host)
 
 
 def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[str], steps: int = 3,

@@ -395,6 +395,8 @@ def format_schedules(p: CapacityPlan) -> list[str]:
         out.append(row(title, [f"{_dec(sc[n][key])} ({sc[n][per]:.1f} B/param)" for n in names]))
         for k, label in _PARTS:
             out.append(row("  " + label, [_dec(sc[n][part][k]) if sc[n][part][k] else "-" for n in names]))
+    if all("rank_host_bytes" in sc[n] for n in names):  # CPU ranks: host memory besides the DRAM budget
+        out.append(row("host memory per rank", [_dec(sc[n]["rank_host_bytes"]) + " + budget" for n in names]))
     out.append(row("boundary activations", [
         f"{_dec(sc[n]['boundary_activations']['bytes'])}: {_dec(sc[n]['boundary_activations']['dram'])} in DRAM"
         if n == LAYER_MAJOR else "on the GPU" if r["link_gbps"] else "in the rank's memory" for n in names]))

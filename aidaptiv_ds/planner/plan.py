@@ -375,6 +375,31 @@ def cpu_activation_bytes(inp: PlanInput, act: dict) -> dict:
     return {**act, "layers": layers, "logits": logits, "total": layers + logits}
 
 
+def layer_major_cpu_activation_bytes(inp: PlanInput, act: dict) -> dict:
+    """The activations a CPU rank holds outside the DRAM budget while ``engine.train_batch`` runs the
+    ``grad_accum`` = k micro-batches of a step layer-major (``integration/layer_major.py``), from
+    :func:`cpu_activation_bytes` of one micro-batch ``act``; ``x`` = ``micro_batch x seq_len x hidden x`` the
+    parameter dtype's bytes (one block's input):
+
+    * ``block``: one block's activations while it runs (forward) or is recomputed (backward), in the model
+      dtype, as micro-batch-major with activation checkpointing holds them;
+    * ``logits``: one micro-batch's logits and loss (each micro-batch's backward down to the trunk runs as soon
+      as its loss is there, and frees them);
+    * ``handed``: ``2k x``: each micro-batch's first-block input (with the embedding's graph, until the code
+      before the trunk runs its backward) and the gradient handed from block to block;
+    * ``boundary_window``: ``2k x``: the kept inputs of the block being recomputed and of the one read ahead.
+      The other boundary activations are slices of the DRAM tier (inside the budget) or on the drives
+      (:attr:`~aidaptiv_ds.planner.schedule.StepBytes.boundary`).
+
+    Returns ``{"block", "logits", "handed", "boundary_window", "total"}`` (bytes).
+    """
+    x = inp.micro_batch * inp.seq_len * inp.shape.hidden_size * PARAM_BYTES[inp.dtype]
+    k = max(1, int(inp.grad_accum))
+    block = act["per_layer"] * PARAM_BYTES[inp.dtype] // 2  # activation_bytes counts 16-bit activations
+    out = {"block": block, "logits": act["logits"], "handed": 2 * k * x, "boundary_window": 2 * k * x}
+    return {**out, "total": sum(out.values())}
+
+
 def training_flops_per_token(shape: ModelShape, n_params: int, seq_len: int, checkpointing: bool) -> float:
     """Training FLOPs per token (Kaplan et al. 2020, module docstring item 7).
 
@@ -871,6 +896,11 @@ def schedule_costs(inp: PlanInput, c: dict) -> dict:
     for cost in out.values():
         need = c["cache_need"] + cost["boundary_activations"]["drive"]
         cost.update(cache_bytes_needed=need, cache_fits=need <= c["cache_usable"])
+    if inp.cpu_ranks:  # what a CPU rank holds besides the DRAM budget under each schedule
+        out[SCHEDULES[0]]["rank_host_bytes"] = c["cpu_rank"]["total"]
+        lm = layer_major_cpu_activation_bytes(inp, c["act"])
+        out[LAYER_MAJOR]["rank_host_bytes"] = cpu_rank_host_bytes(inp, c["sizes"], lm["total"])["total"]
+        out[LAYER_MAJOR]["rank_activations"] = lm
     return out
 
 
@@ -889,8 +919,8 @@ def schedule_report(inp: PlanInput, c: dict, costs: dict | None = None) -> dict:
                    "line overlaps them); link = max(host->device, device->host) / link GB/s; compute = FLOPs / "
                    "(peak x mfu)",
         "assumptions": "an estimate: sequential drive rates, no latency, no GPU-to-GPU traffic"
-                       + ("; layer-major as GreedySnake (arXiv 2512.17570) schedules it (issue 38), not yet a "
-                          "runtime schedule" if LAYER_MAJOR in shown else ""),
+                       + ("; layer-major as GreedySnake (arXiv 2512.17570) schedules it and the runtime's "
+                          "engine.train_batch runs it (issue 38)" if LAYER_MAJOR in shown else ""),
     }
     for name in shown:
         out[name] = costs[name]
