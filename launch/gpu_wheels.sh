@@ -16,6 +16,7 @@
 #   typing-inspection 0.4.5 DeepSpeed's and aidaptiv_ds's config models
 #   typing-extensions 4.16.0  pydantic 2.14 needs a recent one; the image's version is not known here,
 #                           so a known one is carried (it shadows the image's in /tmp/site)
+#   greenlet 3.5.6 (cp312 manylinux)  the layer-major forward's micro-batches (integration/layer_major.py)
 #
 # The versions are the ones this project's venv is tested with. One version of each: two of one
 # package stop the whole `pip install --no-deps` there.
@@ -38,7 +39,7 @@ echo "[gpu_wheels] cp312 manylinux wheels"
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DIR" \
     hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-    typing-extensions==4.16.0
+    typing-extensions==4.16.0 greenlet==3.5.6
 
 echo "[gpu_wheels] libaio (.deb, for DeepSpeed's async_io JIT build there)"
 mkdir -p "$DIR/libaio" /tmp/aidaptiv_apt_lists/partial
@@ -53,5 +54,5 @@ fi
 ls -la "$DIR" "$DIR/libaio"
 du -sh "$DIR"
 n=$(ls "$DIR"/*.whl | wc -l)
-[ "$n" -eq 7 ] || { echo "[gpu_wheels] expected 7 wheels, got $n" >&2; exit 1; }
+[ "$n" -eq 8 ] || { echo "[gpu_wheels] expected 8 wheels, got $n" >&2; exit 1; }
 echo "[gpu_wheels] done: carry '$DIR' (the device tool's carry list) and run launch/gpu_check.sh OUTDIR there"
