@@ -216,7 +216,7 @@ COINCIDENCES = {
     "grid": "matplotlib", "loader": "importlib's module spec", "logits": "transformers' model output",
     "num_hidden_layers": "transformers' model config",
     "num_key_value_heads": "transformers' model config", "signature": "inspect.signature", "wrapped": "bench/aio.py: the op module we wrap",
-    "collect": "Python's gc.collect", "_exit": "Python's os._exit",
+    "collect": "Python's gc.collect", "_exit": "Python's os._exit", "training": "torch.nn.Module.training",
 }
 #: DeepSpeed modules whose names are its public API; a name imported from any other DeepSpeed module is internal
 PUBLIC_MODULES = ("deepspeed", "deepspeed.comm", "deepspeed.accelerator", "deepspeed.zero")

@@ -10,6 +10,7 @@ block and keeps DeepSpeed's micro-batch-major arithmetic bit for bit.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import greenlet
@@ -391,3 +392,124 @@ def test_train_batch_between_micro_batch_major_windows(tmp_path, monkeypatch):
     eng.destroy()
     from aidaptiv_ds.integration import runtime
     runtime.shutdown()
+
+
+def test_dropout_masks_are_replayed_in_the_recompute():
+    """With dropout active (GPT-2's default 0.1, everywhere: embeddings, attention, residuals) each block's
+    recompute draws the masks its forward drew ([Note: dropout in the recompute]): every gradient equals
+    autograd's micro-batch by micro-batch over the same masks, bit for bit; and the run's random stream ends
+    where the forward's draws left it (the recompute draws nothing from it)."""
+    from transformers import AutoModelForCausalLM
+
+    from aidaptiv_ds.bench.fuzz_models import HFLoss, hf_config
+
+    def model():
+        torch.manual_seed(0)
+        cfg = hf_config("gpt2", 64, 3)
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.1
+        return HFLoss(AutoModelForCausalLM.from_config(cfg)).train()
+
+    k = 3
+    xs = _batches("gpt2", k)
+    m = model()
+    states: dict = {}  # (block or "model", forward) -> the random state it started from
+
+    replayed: list = []  # (block, state) of each recompute (on the calling thread's own greenlet)
+    caller = greenlet.getcurrent()
+
+    def record(key):
+        def hook(mod, args):
+            if greenlet.getcurrent() is caller:
+                replayed.append((key, torch.get_rng_state()))
+            else:
+                states.setdefault((key, greenlet.getcurrent()), torch.get_rng_state())
+        return hook
+    hs = [m.register_forward_pre_hook(record("model"))]
+    hs += [b.register_forward_pre_hook(record(i)) for i, b in enumerate(find_trunk(m).blocks)]
+    torch.manual_seed(1)
+    losses, got, _ = layer_major(m, xs)
+    end_state = torch.get_rng_state()
+    for h in hs:
+        h.remove()
+    forwards = list(dict.fromkeys(g for _, g in states))
+    assert len(forwards) == k
+    # the recompute (blocks 2, 1, 0, each for micro-batches 0..k-1) starts from the forward's states
+    assert [b for b, _ in replayed] == [b for b in (2, 1, 0) for _ in range(k)]
+    assert all(torch.equal(st, states[(b, forwards[i % k])]) for i, (b, st) in enumerate(replayed))
+
+    # the reference: autograd micro-batch by micro-batch, each block (and the code before the trunk) started
+    # from the random state the layer-major forward started it from
+    ref_model = model()
+    acc = Accumulate(ref_model, k)
+    ref_losses = []
+    for j, x in enumerate(xs):
+        g = forwards[j]
+        hs = [ref_model.register_forward_pre_hook(lambda mod, a, g=g: torch.set_rng_state(states[("model", g)]))]
+        hs += [b.register_forward_pre_hook(lambda mod, a, i=i, g=g: torch.set_rng_state(states[(i, g)]))
+               for i, b in enumerate(find_trunk(ref_model).blocks)]
+        loss = ref_model(x)
+        acc.scale(loss).backward()
+        acc.end()
+        ref_losses.append(float(loss.detach()))
+        for h in hs:
+            h.remove()
+    assert losses == ref_losses
+    for n, g in acc.acc.items():
+        assert torch.equal(got.acc[n], g), f"gradient of {n} differs"
+    # dropout drew: without the replay the masks (and so the gradients) differ
+    assert not torch.equal(states[(0, forwards[0])], states[(0, forwards[1])])
+    assert not torch.equal(end_state, states[(2, forwards[-1])])
+
+
+def test_active_dropout_names_what_draws_masks():
+    from transformers import AutoModelForCausalLM
+
+    from aidaptiv_ds.bench.fuzz_models import hf_config
+    from aidaptiv_ds.integration.trunk import active_dropout
+    cfg = hf_config("gpt2", 64, 2)
+    cfg.attn_pdrop = 0.1
+    gpt2 = AutoModelForCausalLM.from_config(cfg).train()
+    assert active_dropout(gpt2) == ["transformer.h.0.attn.attn_dropout", "transformer.h.1.attn.attn_dropout"]
+    assert active_dropout(gpt2.eval()) == []
+    llama = _model("llama").train()
+    assert active_dropout(llama) == []  # attention_dropout 0.0, HF's default
+    llama.model.model.layers[1].self_attn.attention_dropout = 0.1
+    assert active_dropout(llama) == ["model.model.layers.1.self_attn"]
+
+
+@pytest.mark.engine
+def test_train_batch_with_dropout_on_the_engine(tmp_path, monkeypatch, caplog):
+    """GPT-2 with its default dropout through ``engine.train_batch``: it trains, says once that its masks are drawn
+    in another order than DeepSpeed's, and its recompute replays them (the engine's path through
+    ``LayerMajorBackward``: each block's forward state is used by its recompute and then let go)."""
+    import logging
+
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    import aidaptiv_ds  # noqa: F401  (installs the hooks)
+    from _engine import nvme_config, one_rank_env
+    from aidaptiv_ds.bench.fuzz_models import HFLoss, hf_config
+    from aidaptiv_ds.integration import layer_major as lm
+    one_rank_env(monkeypatch)
+    cfg = nvme_config(tmp_path / "cache", dram_budget=0)
+    cfg["gradient_accumulation_steps"] = 2
+    torch.manual_seed(0)
+    hf = hf_config("gpt2", 64, 2)
+    hf.resid_pdrop = hf.embd_pdrop = hf.attn_pdrop = 0.1  # GPT-2's defaults
+    model = HFLoss(AutoModelForCausalLM.from_config(hf))
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    replays = []
+    real = lm._RngState.replay
+
+    def counted(self):
+        replays.append(self)
+        return real(self)
+    monkeypatch.setattr(lm._RngState, "replay", counted)
+    xs = [batch("gpt2", 64, 1, i, 0, torch.float32) for i in range(4)]
+    with caplog.at_level(logging.INFO, logger="aidaptiv_ds.integration.train_batch"):
+        losses = [float(eng.train_batch(iter(xs[2 * s:2 * s + 2]))) for s in range(2)]
+    assert all(math.isfinite(v) for v in losses)
+    assert len(replays) == 2 * 2 * 2  # steps x blocks x micro-batches
+    said = [r.getMessage() for r in caplog.records if "dropout active" in r.getMessage()]
+    assert len(said) == 1 and "not bit-identical" in said[0]

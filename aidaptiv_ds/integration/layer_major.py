@@ -27,7 +27,7 @@ block at a time:
 A parameter's gradient partition receives the same k gradients, in the same order (micro-batch 0
 first), as micro-batch-major accumulation, and each is bit-identical: a block's recomputed forward is
 the forward's arithmetic again (CPU kernels are deterministic; the forward and the recompute both run
-with gradients enabled), and its backward is the backward autograd would have run. The gradient store
+with gradients enabled; with dropout see [Note: dropout in the recompute]), and its backward is the backward autograd would have run. The gradient store
 copies the first and adds the rest in the accumulation dtype (``grad_path.partition_grads``). Two
 things need care:
 
@@ -50,6 +50,18 @@ Each block's parameters are gathered once for its k micro-batches in forward and
 backward (``Pieces.hold``), so a parameter is read at most twice per optimizer step instead of 2k times,
 and a block's gradient is final when its k-th piece is done: nothing is written between micro-batches.
 
+[Note: dropout in the recompute]
+A block's recompute must draw the random numbers its forward drew (dropout masks), or its gradient is taken
+through other masks than the output the blocks above saw: a wrong gradient, silently. Each block's forward
+of each micro-batch records the random state it starts from (the CPU generator's, and on CUDA its device's)
+and the recompute runs from it, the generators put back after (``torch.random.fork_rng``), as
+``torch.utils.checkpoint`` does with ``preserve_rng_state``; the recompute draws nothing from the run's
+stream. So the gradients are those of the masks the forward used (``tests/test_layer_major.py`` checks them
+against autograd over the same masks). What layer-major cannot keep with dropout is DeepSpeed's bits: the
+forward draws block 0 for every micro-batch, then block 1, ..., so micro-batch j's masks are other draws of
+the same stream than micro-batch by micro-batch. Without dropout (HF Llama, Qwen2, Mistral by default) nothing
+is drawn and the note on exactness holds.
+
 [Note: one OS thread]
 The k forwards are paused at every block's entry, so each needs a stack of its own; they run as greenlets
 (``greenlet``, the stack switching gevent is built on) on the calling thread, switched in a fixed round robin.
@@ -64,6 +76,7 @@ when it resumes; each starts with the caller's.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
@@ -134,6 +147,30 @@ class _TorchThreadState:
             torch.cuda.set_stream(self.stream)
 
 
+@dataclasses.dataclass(frozen=True)
+class _RngState:
+    """The random state a block's forward of one micro-batch started from ([Note: dropout in the recompute]):
+    the CPU generator's, and on CUDA the block input's device generator's."""
+    cpu: torch.Tensor
+    device: int | None = None
+    cuda: torch.Tensor | None = None
+
+    @staticmethod
+    def capture(x: torch.Tensor) -> "_RngState":
+        if x.is_cuda:
+            return _RngState(torch.get_rng_state(), x.device.index, torch.cuda.get_rng_state(x.device))
+        return _RngState(torch.get_rng_state())
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the body from this state; the generators are put back as they were after it."""
+        with torch.random.fork_rng(devices=[] if self.device is None else [self.device]):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
 @dataclasses.dataclass
 class MicroBatch:
     """One micro-batch of a layer-major step.
@@ -149,6 +186,7 @@ class MicroBatch:
         loss: the model's loss (unscaled; detached once its backward ran).
         grad_out: the gradient the backward hands to the next block down (then to the code before the trunk).
         held: a tied parameter's gradient from the code after the trunk, until the code before it adds its own.
+        rng: per block, the random state its forward started from (replayed by the recompute).
     """
     index: int
     inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -158,6 +196,7 @@ class MicroBatch:
     loss: torch.Tensor | None = None
     grad_out: torch.Tensor | None = None
     held: dict = dataclasses.field(default_factory=dict)
+    rng: list = dataclasses.field(default_factory=list)
 
 
 #: keyword arguments of HF decoder layers that carry a KV cache: a training forward has no use for it, and a
@@ -244,6 +283,7 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
                 pieces.hold(module)
             recs[j].inputs.append(pieces.keep((b, j), x.detach()))
             recs[j].calls.append(put)
+            recs[j].rng.append(_RngState.capture(x))  # [Note: dropout in the recompute]
             # the block runs as in the oracle's forward (gradients on, its input requiring them), but its graph
             # ends at its input and is freed with its output: the backward recomputes it
             return put(x.detach().requires_grad_(x.requires_grad))
@@ -368,11 +408,12 @@ class LayerMajorBackward:
                 pieces.begin(rec.index, rec.index == k - 1)
                 x = pieces.take(rec.inputs[b]).requires_grad_(True)
                 args, kwargs = rec.calls[b](x)
-                y, _ = _output_tensor(block(*args, **kwargs))
+                with rec.rng[b].replay():  # the masks its forward drew ([Note: dropout in the recompute])
+                    y, _ = _output_tensor(block(*args, **kwargs))
                 torch.autograd.backward(y, rec.grad_out)
                 pieces.end()
                 rec.grad_out = x.grad
-                rec.inputs[b], rec.calls[b] = None, None  # this boundary activation is done
+                rec.inputs[b], rec.calls[b], rec.rng[b] = None, None, None  # this boundary activation is done
             pieces.unhold(block)
         for rec in recs:  # the code before the trunk
             pieces.begin(rec.index, rec.index == k - 1)

@@ -23,13 +23,16 @@ runs as soon as its loss is there, so its logits are freed then, not held for k 
 """
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
 
 from .config import AidaptivConfigError
 from .layer_major import LayerMajorBackward, layer_major_forward, micro_batches
-from .trunk import FIX, find_trunk, tied_outside
+from .trunk import FIX, active_dropout, find_trunk, tied_outside
+
+log = logging.getLogger(__name__)
 
 #: what a held block's parameters carry in DeepSpeed's ``ds_active_sub_modules`` (module ids are >= 0)
 _HOLD = -1
@@ -162,7 +165,8 @@ def train_batch(engine, data_iter=None, scale_wrt_gas: bool = True) -> torch.Ten
     micro-batch is a dict (``model(**batch)``), a tuple or list (``model(*batch)``) or one tensor; the model
     returns its loss or an output with ``.loss``. Bit for bit the result of ``loss = engine(batch);
     engine.backward(loss); engine.step()`` per micro-batch ([Note: exact against micro-batch-major] in
-    ``layer_major.py``). ``scale_wrt_gas``: as ``engine.backward``'s argument (False: each micro-batch's loss
+    ``layer_major.py``), except with dropout active: its masks are drawn in another order ([Note: dropout in
+    the recompute]; logged once). ``scale_wrt_gas``: as ``engine.backward``'s argument (False: each micro-batch's loss
     is not divided by ``gradient_accumulation_steps``; HF ``Trainer`` normalises by the window's token count).
 
     Returns:
@@ -180,6 +184,13 @@ def train_batch(engine, data_iter=None, scale_wrt_gas: bool = True) -> torch.Ten
         trunk = find_trunk(engine.module)
         engine._aidaptiv_trunk = trunk
         engine._aidaptiv_tied = tied_outside(engine.module, trunk)
+        drop = active_dropout(engine.module)
+        if drop and engine.global_rank == 0:
+            log.info("aidaptiv_ds: engine.train_batch with dropout active (%s%s): each block's recompute replays the "
+                     "masks its forward drew, so the gradients are exact for those masks; they are drawn block by "
+                     "block, in another order than micro-batch by micro-batch, so the run is not bit-identical with "
+                     "DeepSpeed's (layer_major.py, [Note: dropout in the recompute]). Set the model's dropout to 0 "
+                     "for DeepSpeed's bits.", ", ".join(drop[:3]), ", ..." if len(drop) > 3 else "")
     k = engine.gradient_accumulation_steps()
     if data_iter is None:
         data_iter = getattr(engine, "_aidaptiv_data_iter", None)

@@ -90,3 +90,19 @@ def tied_outside(model: torch.nn.Module, trunk: Trunk) -> list[torch.nn.Paramete
     return [params[i] for i, n in seen.items() if n > 1]
 
 
+
+
+def active_dropout(model: torch.nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that draw dropout masks as it is now (training mode): a
+    ``torch.nn.Dropout*`` with ``p > 0``, or an HF attention module whose ``attention_dropout`` (a probability
+    it passes to the attention function) is above 0. Layer-major training replays them in its recompute but
+    draws them in another order than micro-batch by micro-batch ([Note: dropout in the recompute] in
+    ``layer_major.py``)."""
+    out = []
+    for name, m in model.named_modules():
+        if not m.training:
+            continue
+        p = m.p if isinstance(m, torch.nn.modules.dropout._DropoutNd) else getattr(m, "attention_dropout", 0.0)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+            out.append(name)
+    return out
