@@ -513,3 +513,62 @@ def test_train_batch_with_dropout_on_the_engine(tmp_path, monkeypatch, caplog):
     assert len(replays) == 2 * 2 * 2  # steps x blocks x micro-batches
     said = [r.getMessage() for r in caplog.records if "dropout active" in r.getMessage()]
     assert len(said) == 1 and "not bit-identical" in said[0]
+
+
+class _AuxNet(_Net):
+    """``_Net`` with a layer before the trunk whose loss also takes block 0's internals (an auxiliary loss, as an
+    MoE router's) or, ``around``, the trunk's input (a connection around it)."""
+
+    def __init__(self, around=False):
+        super().__init__([_Block(), _Block()])
+        self.pre = torch.nn.Linear(4, 4)
+        self.around = around
+
+    def forward(self, x):
+        x = h = self.pre(x)
+        aux = 0.0
+        for i, b in enumerate(self.blocks):
+            if i == 0 and not self.around:
+                aux = b.lin(x).pow(2).mean()  # what block 0 computes inside
+            x = b(x)
+        return x.pow(2).mean() + 0.01 * (h.sum() if self.around else aux)
+
+
+@pytest.mark.parametrize("around, what", [(False, "a parameter of the trunk's blocks"),
+                                          (True, "the trunk's input")])
+def test_a_loss_that_reaches_the_trunk_other_than_through_its_output_is_refused(around, what):
+    """[Note: one way into the trunk]: such a loss's gradient would be lost in part; refused before any of it
+    runs, naming the fix."""
+    model = _AuxNet(around)
+    x = torch.ones(2, 4)
+    trunk = find_trunk(model)
+    pieces = Accumulate(model, 2)
+    backward = LayerMajorBackward(trunk, 2, [], pieces)
+    with pytest.raises(AidaptivConfigError, match=f"the loss reaches {what} other than through the last block"):
+        layer_major_forward(model, trunk, [x, x], pieces, on_loss=backward.tail)
+    assert pieces.acc == {}  # nothing ran backward
+
+
+def _mixtral(aux: bool):
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from aidaptiv_ds.bench.fuzz_models import HFLoss
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                        max_position_embeddings=64, use_cache=False, attn_implementation="eager",
+                        output_router_logits=aux, router_aux_loss_coef=0.01)
+    return HFLoss(AutoModelForCausalLM.from_config(cfg))
+
+
+def test_mixtral_is_exact_and_its_router_aux_loss_is_refused():
+    """An HF MoE (Mixtral): bit for bit micro-batch-major without the router's auxiliary loss (HF's default);
+    with it (``output_router_logits=True``) the loss reaches each block's router from outside the trunk's output
+    and is refused ([Note: one way into the trunk]: without the check 10 of its 21 gradients came out wrong)."""
+    xs = [batch("llama", 64, 2, i, 0, torch.float32) for i in range(3)]
+    ref_losses, ref = micro_batch_major(_mixtral(False), xs)
+    losses, got, _ = layer_major(_mixtral(False), xs)
+    assert losses == ref_losses and sorted(got.acc) == sorted(ref)
+    assert all(torch.equal(got.acc[n], g) for n, g in ref.items())
+    with pytest.raises(AidaptivConfigError, match="MoE router's auxiliary loss"):
+        layer_major(_mixtral(True), xs)

@@ -27,7 +27,8 @@ block at a time:
 A parameter's gradient partition receives the same k gradients, in the same order (micro-batch 0
 first), as micro-batch-major accumulation, and each is bit-identical: a block's recomputed forward is
 the forward's arithmetic again (CPU kernels are deterministic; the forward and the recompute both run
-with gradients enabled; with dropout see [Note: dropout in the recompute]), and its backward is the backward autograd would have run. The gradient store
+with gradients enabled; with dropout see [Note: dropout in the recompute]), and its backward is the
+backward autograd would have run. The gradient store
 copies the first and adds the rest in the accumulation dtype (``grad_path.partition_grads``). Two
 things need care:
 
@@ -49,6 +50,17 @@ gradients per micro-batch in separate pieces and cannot keep DeepSpeed's sums: s
 Each block's parameters are gathered once for its k micro-batches in forward and once for its k pieces in
 backward (``Pieces.hold``), so a parameter is read at most twice per optimizer step instead of 2k times,
 and a block's gradient is final when its k-th piece is done: nothing is written between micro-batches.
+
+[Note: one way into the trunk]
+The backward runs each block from the gradient of its output that the block above handed down, and the code
+before the trunk from block 0's input gradient. That is the whole gradient only if the loss reaches the
+trunk through the last block's output alone. A loss that also uses what a block computed inside (an MoE
+router's logits for its auxiliary loss, attention weights, an inner block's hidden state) or the code before
+the trunk directly (a connection around it) would take part of a block's gradient in the piece after the
+trunk and drop the part that flows into the block's input. So before each micro-batch's piece after the
+trunk its loss's graph is walked from the loss: it may reach the last block's output and parameters outside
+the trunk, nothing else that requires a gradient (:meth:`LayerMajorBackward._check_tail`; a few nodes for an
+HF causal LM, the head and the final norm).
 
 [Note: dropout in the recompute]
 A block's recompute must draw the random numbers its forward drew (dropout masks), or its gradient is taken
@@ -367,6 +379,7 @@ class LayerMajorBackward:
                  start: Callable[[], None] | None = None) -> None:
         self.trunk, self.k, self.tied, self.pieces, self._start = trunk, k, list(tied), pieces, start
         self.started = False
+        self._trunk_params = frozenset(id(p) for b in trunk.blocks for p in b.parameters())
 
     def _begin(self) -> None:
         if not self.started:
@@ -379,8 +392,9 @@ class LayerMajorBackward:
         """Micro-batch ``rec`` 's piece after the trunk: from its loss to the trunk's output."""
         self._begin()
         pieces = self.pieces
-        pieces.begin(rec.index, rec.index == self.k - 1)
         assert rec.loss is not None and rec.tail_in is not None
+        self._check_tail(rec)
+        pieces.begin(rec.index, rec.index == self.k - 1)
         pieces.scale(rec.loss).backward()
         for p in self.tied:
             rec.held[p] = p.grad
@@ -388,6 +402,40 @@ class LayerMajorBackward:
         pieces.end()
         rec.grad_out = rec.tail_in.grad
         rec.tail_in, rec.loss = None, rec.loss.detach()
+
+    def _check_tail(self, rec: MicroBatch) -> None:
+        """Refuse a loss whose graph reaches the trunk other than through the last block's output
+        ([Note: one way into the trunk]).
+
+        Raises:
+            AidaptivConfigError: the loss's graph reaches a block's parameter, a tensor the forward cut off
+                at a block's boundary, or the trunk's input (the code before the trunk) directly.
+        """
+        assert rec.loss is not None
+        stop = rec.head_out.grad_fn if rec.head_out is not None else None
+        seen: set = set()
+        stack = [rec.loss.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)  # a leaf's AccumulateGrad
+            if var is rec.tail_in or (var is not None and isinstance(var, torch.nn.Parameter)
+                                      and id(var) not in self._trunk_params):
+                continue
+            if var is not None or fn is stop:
+                what = ("a parameter of the trunk's blocks" if id(var) in self._trunk_params else
+                        "the trunk's input" if fn is stop or var is rec.head_out else
+                        "a tensor cut off at a block's boundary")
+                raise AidaptivConfigError(
+                    f"aidaptiv_ds: layer-major training (engine.train_batch): the loss reaches {what} other than "
+                    "through the last block's output (e.g. an MoE router's auxiliary loss, output_router_logits="
+                    "True; attention weights or hidden states of inner blocks, output_attentions or "
+                    "output_hidden_states; a connection around the trunk): the backward runs block by block from "
+                    "the trunk's output and would lose that gradient. Fix: leave those outputs out of the loss, or "
+                    "train micro-batch by micro-batch (engine(batch), engine.backward, engine.step).")
+            stack.extend(f for f, _ in fn.next_functions)
 
     def finish(self, recs: list[MicroBatch]) -> None:
         """The rest: the tails not run yet, the blocks, the code before the trunk.
