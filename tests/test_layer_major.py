@@ -379,7 +379,7 @@ def test_train_batch_between_micro_batch_major_windows(tmp_path, monkeypatch):
     with pytest.raises(AidaptivConfigError, match="data_iter ended after 1"):
         eng.train_batch(iter([x]))
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(AidaptivConfigError, match="autocast"):
-        eng.train_batch(iter([x, x]))  # the forward threads would run outside the caller's autocast region
+        eng.train_batch(iter([x, x]))  # its recompute would not be cast as its forward was
     def boom(module, args):
         raise RuntimeError("boom")
     h = find_trunk(model).blocks[1].register_forward_pre_hook(boom)  # fails while block 1 is held
@@ -513,6 +513,7 @@ def test_train_batch_with_dropout_on_the_engine(tmp_path, monkeypatch, caplog):
     assert len(replays) == 2 * 2 * 2  # steps x blocks x micro-batches
     said = [r.getMessage() for r in caplog.records if "dropout active" in r.getMessage()]
     assert len(said) == 1 and "not bit-identical" in said[0]
+    eng.destroy()
 
 
 class _AuxNet(_Net):

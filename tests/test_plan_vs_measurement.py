@@ -12,11 +12,11 @@ from aidaptiv_ds.cli.main import main as cli
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
 
 
-def plan(budget: str, capsys, clip: float = 0.0, dtype: str = "bf16", ga: int = 1) -> dict:
+def plan(budget: str, capsys, clip: float = 0.0, dtype: str = "bf16", ga: int = 1, sub_group: float = 1e9) -> dict:
     cfg = os.path.join(STORIES, "config.json")
     assert cli(["plan", "--model", cfg, "--gpus", "1", "--vram", "80GB", "--dram", "24GiB", "--dram-budget", budget,
                 "--cache", "/tmp:10GB", "--dtype", dtype, "--micro-batch", "2", "--seq-len", "24", "--cpu-ranks",
-                "--gradient-clipping", str(clip), "--ga", str(ga), "--json"]) == 0
+                "--gradient-clipping", str(clip), "--ga", str(ga), "--sub-group-size", str(sub_group), "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -60,6 +60,30 @@ def test_planned_writes_with_gradient_accumulation_match_the_ledger(dtype, clip,
     print(f"{dtype} GA {ga} clip {clip}: planned {planned:.3f} B/param/step, measured {measured:.3f}")
     assert planned == pytest.approx({("bf16", 2): 16.0, ("fp32", 4): 28.0}[(dtype, ga)], rel=1e-3)
     assert measured == pytest.approx(planned, rel=0.05)
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)
+def test_a_budget_holds_partial_gradients_first_above_one_micro_batch(tmp_path, capsys):
+    """[Note: partial gradients between micro-batches] in ``planner/residency.py``: fp32, GA 4, clipping off
+    (steps inside backward), sub-groups of 5e4 elements, a budget that holds about half the gradient slices:
+    they take it (not the optimizer sub-groups), and the runtime writes what the plan says, the partial sums
+    of the other slices included (before, the plan ignored GA and announced 12 B/param/step)."""
+    budget = str(260032 * 4 // 2 + 4096)
+    p = plan(budget, capsys, 0.0, dtype="fp32", ga=4, sub_group=5e4)
+    res = run("aidaptiv", ["--model", "stories", "--zinit", "--dtype", "fp32", "--steps", "4", "--budget", budget,
+                           "--ga", "4", "--sub_group_size", "5e4"], str(tmp_path))
+    measured = written_per_param_per_step(res)
+    planned = p["per_step"]["write_bytes"] / p["n_params"]
+    runtime = res["plan"]  # the plan the runtime made (and announced) from DeepSpeed's own sub-groups
+    announced = runtime["write_bytes_per_step"] / res["nparams"]
+    print(f"fp32 GA 4 budget {budget}: planned {planned:.3f} (the runtime's own plan {announced:.3f}) "
+          f"B/param/step, measured {measured:.3f}")
+    assert runtime["resident_grad_subgroups"] and not runtime["resident_subgroups"]  # the slices took the budget
+    assert runtime["grad_bytes_per_step"] > 0
+    assert measured == pytest.approx(announced, rel=0.01)
+    # the CLI draws the sub-group boundaries from the model's shape, not DeepSpeed's: one slice more fits there
+    assert measured == pytest.approx(planned, rel=0.08)
+    assert measured < 23.0  # ignoring GA the plan spent the budget elsewhere: 12 of state + 3 x 4 of partial sums
 
 
 @pytest.mark.skipif(not os.path.isdir(STORIES), reason=STORIES_ABSENT)

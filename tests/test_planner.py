@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -350,6 +351,24 @@ def test_transient_gradients_cost_no_budget_and_no_writes():
     assert (p.write_bytes_per_step, p.read_bytes_per_step) == (300 + 600, 2 * 300 + 600)
     p = plan_residency(sizes, 300)  # the whole budget goes to the parameters, none to the gradients
     assert p.params_resident and p.resident_subgroups == [] and p.write_bytes_per_step == 600
+
+
+def test_partial_gradients_take_the_budget_first_above_one_micro_batch():
+    """[Note: partial gradients between micro-batches]: with steps inside backward, GA 1 consumes each gradient
+    (no budget, nothing written); at GA 4 a slice not kept is written and read back 3 times per step, so the
+    slices take the budget first (the last sub-group's first, as backward completes them)."""
+    def sizes(ga):
+        return StateSizes(param_bytes=300, grad_bytes=200, subgroup_bytes=[300, 300], subgroup_grad_bytes=[100, 100],
+                          grads_transient=True, steps_in_backward=True, grad_accum=ga)
+    one = plan_residency(sizes(1), 150)
+    assert not sizes(1).grads_stored and one.resident_grad_subgroups == [] and one.grad_bytes_per_step == 0
+    assert one.write_bytes_per_step == 300 + 600
+    four = plan_residency(sizes(4), 150)
+    assert sizes(4).grads_stored and four.resident_grad_subgroups == [1] and not four.grads_resident
+    assert four.grad_bytes_per_step == 3 * 100  # slice 0's partial sums; its final sum is consumed in backward
+    assert (four.write_bytes_per_step, four.read_bytes_per_step) == (300 + 300 + 600, 2 * 300 + 300 + 600)
+    clipped = dataclasses.replace(sizes(4), grads_transient=False)  # clipping: the final gradients are kept too
+    assert plan_residency(clipped, 150).grad_bytes_per_step == 3 * 100 + 100
 
 
 def test_working_set_counts_the_gradient_window():

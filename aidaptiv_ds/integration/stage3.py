@@ -355,18 +355,20 @@ def make_stage3_class(base: type) -> type:
             while True:
                 sizes.grads_transient = speculate and not clip
                 sizes.steps_in_backward = speculate
+                # partial gradient sums between micro-batches ([Note: partial gradients between micro-batches])
+                sizes.grad_accum = int(getattr(self, "gradient_accumulation_steps", 1) or 1)
                 plan = plan_residency(sizes, rt.budget)
                 grads_stored = sum(b for i, b in enumerate(grad_slices) if i not in plan.resident_grad_subgroups)
                 shadows = sum(state.opt_slice_bytes(numels[i]) for i in range(len(numels))
                               if i not in plan.resident_subgroups) if speculate else 0
-                later = shadows + (0 if sizes.grads_transient else grads_stored)  # extents allocated after init
+                later = shadows + (grads_stored if sizes.grads_stored else 0)  # extents allocated after init
                 if alias:  # the fp32 partitions' first copy is given back once they alias their masters (after
                     # the master slots are allocated): only what comes later can use that space, and per hole the
                     # allocator's first fit may leave up to one extent unused
                     later = max(later - psw.reclaimable_bytes(self._aidaptiv_alias_ids(plan), slack=sw_span_max), 0)
                 need = state_bytes + later
                 what = "the optimizer state" + (", a second copy of it for steps inside backward" if speculate else "") \
-                    + ("" if sizes.grads_transient or not grads_stored else " and the gradients")
+                    + (" and the gradients" if sizes.grads_stored and grads_stored else "")
                 try:
                     rt.store.preflight(need, what)
                     break
@@ -395,7 +397,7 @@ def make_stage3_class(base: type) -> type:
             self.aidaptiv_plan = plan
             self.aidaptiv_sizes = sizes
             if rt.rank == 0:
-                grads = ("consumed inside backward" if sizes.grads_transient else
+                grads = ("consumed inside backward" if not sizes.grads_stored else
                          f"of {len(plan.resident_grad_subgroups)}/{len(grad_slices)} sub-groups in DRAM")
                 log.info("aidaptiv_ds: DRAM budget %s -> gradients %s, parameters %s, %d/%d optimizer sub-groups in "
                          "DRAM; optimizer steps %s; %s written to the cache tier per step", format_bytes(rt.budget),

@@ -99,9 +99,11 @@ def job_need(n_params: int, ds: dict, budget: int, world: int) -> dict:
     after = plan_residency(sizes, budget)
     need = state - min(after.resident_bytes, state)
     sizes.grads_transient = sizes.steps_in_backward = True
+    ga = ds.get("gradient_accumulation_steps")
+    sizes.grad_accum = ga if isinstance(ga, int) and ga > 1 else 1  # partial sums need the drives too
     inside = plan_residency(sizes, budget)
     shadows = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in inside.resident_subgroups)
-    need_inside = max(state - sizes.grad_bytes - inside.resident_bytes, 0) + shadows
+    need_inside = max(state - (0 if sizes.grads_stored else sizes.grad_bytes) - inside.resident_bytes, 0) + shadows
     need = min(need, need_inside)
     return {"need": need, "state": state, "resident": state - need if need < state else 0, "param_bytes": pb,
             "per_param": state / max(-(-n_params // max(world, 1)), 1)}

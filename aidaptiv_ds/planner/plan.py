@@ -589,11 +589,12 @@ def _core(inp: PlanInput) -> dict:
     while True:
         sizes.grads_transient = speculate and not inp.gradient_clipping > 0
         sizes.steps_in_backward = speculate
+        sizes.grad_accum = inp.grad_accum  # micro-batch-major, as the runtime plans it
         res = plan_residency(sizes, dram.per_rank_bytes)
         shadows = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in res.resident_subgroups) \
             if speculate else 0
         nonres_rank = sizes.total - res.resident_bytes + shadows
-        if sizes.grads_transient:  # consumed by the step inside backward: never stored
+        if not sizes.grads_stored:  # consumed by the step inside backward: never stored
             slices = sizes.grad_slices()
             nonres_rank -= sum(b for i, b in enumerate(slices) if i not in res.resident_grad_subgroups)
         if not speculate or inp.step_in_backward is True or nonres_rank * ranks <= usable:
@@ -853,12 +854,13 @@ def rank_traffic(inp: PlanInput, c: dict) -> RankTraffic:
     grads = sum(b for i, b in enumerate(sizes.grad_slices()) if i not in res.resident_grad_subgroups)
     grad_final = 0 if sizes.grads_transient else grads
     opt = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in res.resident_subgroups)
+    # the residency plan's bytes count the gradients at the plan's grad_accum; the schedules add their own
     tokens = inp.micro_batch * inp.seq_len
     return RankTraffic(
         grad_accum=inp.grad_accum, param_read=params,
-        param_write=res.write_bytes_per_step - grad_final - opt,
+        param_write=res.write_bytes_per_step - res.grad_bytes_per_step - opt,
         grad_slices=grads, grad_final_write=grad_final, grad_final_read=0 if sizes.steps_in_backward else grad_final,
-        optimizer_read=res.read_bytes_per_step - 2 * params - grad_final, optimizer_read_full=opt,
+        optimizer_read=res.read_bytes_per_step - 2 * params - res.grad_bytes_per_step, optimizer_read_full=opt,
         optimizer_write=opt, dram_free=res.cache_bytes, window=auto_prefetch_bytes(c["slice_part"]),
         boundary_per_micro_batch=tokens * shape.hidden_size * PARAM_BYTES[inp.dtype] * shape.num_layers,
         param_partition=sizes.param_bytes, grad_partition=sizes.grad_bytes,
@@ -956,7 +958,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
         "parameters": split(sizes.param_bytes if res.params_resident else 0, sizes.param_bytes),
         # gradient slices in DRAM (resident), on the drives (stored), or consumed inside backward (neither)
         "gradients": {"vram": 0, "dram": sum(sizes.grad_slices()[i] for i in res.resident_grad_subgroups) * all_ranks,
-                      "cache": 0 if sizes.grads_transient else
+                      "cache": 0 if not sizes.grads_stored else
                       sum(b for i, b in enumerate(sizes.grad_slices()) if i not in res.resident_grad_subgroups)
                       * all_ranks},
         "master_weights": split(res_sg_numel * MASTER_BYTES_PER_PARAM, numel * MASTER_BYTES_PER_PARAM),
@@ -975,9 +977,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
     write_step = mbm["write_bytes"]
     # a step inside backward that the clipping norm invalidates is redone after backward from the old state:
     # its sub-groups and parameters are written a second time (the gradients were kept, not rewritten)
-    grads_written = 0 if sizes.grads_transient else \
-        sum(b for i, b in enumerate(sizes.grad_slices()) if i not in res.resident_grad_subgroups)
-    write_redone = write_step + (res.write_bytes_per_step - grads_written) * ranks \
+    write_redone = write_step + (res.write_bytes_per_step - res.grad_bytes_per_step) * ranks \
         if c["step_in_backward"] and inp.gradient_clipping > 0 else write_step
     # the backward of each micro-step finds the end of its forward still read ahead: the runtime's default
     # read-ahead window (integration/runtime.py prefetch_bytes: max(2 x the largest slice, 256 MiB)),

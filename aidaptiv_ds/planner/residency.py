@@ -26,6 +26,16 @@ DeepSpeed 0.19.8's flat host gradient buffer is not allocated. They are taken in
 does not fit is written once and read back once per step (2 B/param in bf16 accumulation, 4 in
 fp32). When the optimizer steps each sub-group inside the backward pass (``grads_transient``), a
 gradient lives only until its sub-group is stepped: it needs no budget and is never written.
+
+[Note: partial gradients between micro-batches] With gradient accumulation over ``grad_accum`` = k > 1
+micro-batches, run micro-batch by micro-batch (DeepSpeed's order, and the runtime's unless the caller uses
+``engine.train_batch``), each sub-group's gradient slice holds a partial sum from one micro-batch to the next:
+a slice that is not kept in DRAM is written and read back k-1 times per step, whether or not the final sum is
+then consumed inside backward. So at k > 1 the slices take the budget first even with steps inside backward,
+and the bytes per step count ``(k-1) x`` the slices not kept (measured: ``tests/test_planner_schedule.py``,
+the ledger of the runtime at GA 1/2/4). Before 2026-12-06 the plan ignored k: on a 2.70B fp32 Llama at the
+``auto`` budget with GA 8 it kept 16 of 136 gradient slices and 16 optimizer sub-groups in DRAM and announced
+10.3 B/param written per step; the run wrote 32.6.
 """
 from __future__ import annotations
 
@@ -54,6 +64,8 @@ class StateSizes:
         param_resident_cap: most parameter bytes that may stay in DRAM (DeepSpeed's
             ``offload_param.max_in_cpu`` in bytes; None: no cap). The parameters are kept as one block, so
             they stay in DRAM only if all of them fit under it.
+        grad_accum: micro-batches per optimizer step, accumulated micro-batch by micro-batch ([Note: partial
+            gradients between micro-batches]).
     """
     param_bytes: int
     grad_bytes: int
@@ -64,6 +76,14 @@ class StateSizes:
     grads_transient: bool = False
     steps_in_backward: bool = False
     param_resident_cap: int | None = None
+    grad_accum: int = 1
+
+    @property
+    def grads_stored(self) -> bool:
+        """Gradient slices not kept in DRAM go to the drives: unless the step inside backward consumes each
+        final gradient and there is no partial sum to keep between micro-batches ([Note: partial gradients
+        between micro-batches])."""
+        return not (self.grads_transient and self.grad_accum <= 1)
 
     def params_fit(self, left: int) -> bool:
         """The parameters can stay in DRAM with ``left`` bytes of budget (and under :attr:`param_resident_cap`)."""
@@ -103,6 +123,8 @@ class ResidencyPlan:
         cache_bytes: what is left of the budget for clean parameter slices.
         write_bytes_per_step: bytes written to the cache tier per optimizer step.
         read_bytes_per_step: bytes read per step, before clean-cache hits (params read twice).
+        grad_bytes_per_step: of those, the gradient slices' bytes written (and as many read) per step: the
+            partial sums between micro-batches and the final gradients not consumed inside backward.
     """
     budget: int
     grads_resident: bool
@@ -113,6 +135,7 @@ class ResidencyPlan:
     cache_bytes: int
     write_bytes_per_step: int
     read_bytes_per_step: int
+    grad_bytes_per_step: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -127,15 +150,16 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     backward: their slice is charged with the sub-group); parameters as one block; sub-groups one by one in step order (a
     sub-group that does not fit is skipped and a later, smaller one may still fit). Bytes written per
     step = non-resident parameters (with ``alias_params``: only those of resident sub-groups) +
-    non-resident gradient slices + non-resident sub-groups; bytes read per step = 2 x the parameters
+    the gradient slices' bytes (``grad_bytes_per_step``: ``(grad_accum - 1) x`` the non-resident slices, the
+    partial sums, plus their final gradients unless consumed inside backward) + non-resident sub-groups; bytes read per step = 2 x the parameters
     unless they are resident (forward and backward; with ``alias_params`` from the master slots) +
-    non-resident gradient slices + non-resident sub-groups (with ``alias_params`` and
+    the gradient slices' bytes + non-resident sub-groups (with ``alias_params`` and
     ``steps_in_backward`` their moments only).
     """
     left = max(int(budget), 0)
     slices = sizes.grad_slices()
     grad_res: list[int] = []
-    if not sizes.grads_transient:
+    if sizes.grads_stored:  # partial sums or final gradients would go to the drives: slices first
         for i in reversed(range(len(slices))):
             if slices[i] <= left:
                 grad_res.append(i)
@@ -150,11 +174,11 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     for i, b in enumerate(sizes.subgroup_bytes):
         # a sub-group kept in DRAM is stepped after backward, so with transient gradients its own
         # gradient slice stays in DRAM until then too
-        cost = b + (slices[i] if sizes.grads_transient and i < len(slices) else 0)
+        cost = b + (slices[i] if not sizes.grads_stored and i < len(slices) else 0)
         if cost <= left:
             resident.append(i)
             left -= cost
-    if sizes.grads_transient:
+    if not sizes.grads_stored:
         grad_res = [i for i in resident if i < len(slices)]
     if sizes.alias_params:
         params = sizes.params_fit(left)
@@ -167,7 +191,11 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
         p_w = sum(sizes.subgroup_param_bytes[i] for i in resident)
     else:
         p_w = sizes.param_bytes
-    g_w = 0 if sizes.grads_transient else sum(b for i, b in enumerate(slices) if i not in grad_res)
+    # each slice not kept: its partial sum at every micro-batch boundary, and its final gradient unless the step
+    # inside backward consumes it (a sub-group kept in DRAM is stepped after backward: its final slice is kept)
+    nonres = [i for i in range(len(slices)) if i not in grad_res]
+    g_w = (max(int(sizes.grad_accum), 1) - 1) * sum(slices[i] for i in nonres) + sum(
+        slices[i] for i in nonres if not (sizes.grads_transient and i not in resident))
     # forward and backward each read every parameter not in DRAM: with alias_params from the fp32 master
     # slot (never written on its own), so reads follow the parameters' bytes, not their writes
     p_r = 0 if params else sizes.param_bytes
@@ -176,10 +204,11 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
     if sizes.alias_params and sizes.steps_in_backward and not params:
         opt_read -= sum(b for i, b in enumerate(sizes.subgroup_param_bytes) if i not in resident)
     return ResidencyPlan(
-        budget=int(budget), grads_resident=sizes.grads_transient or len(grad_res) == len(slices),
+        budget=int(budget), grads_resident=not sizes.grads_stored or len(grad_res) == len(slices),
         resident_grad_subgroups=grad_res,
         params_resident=params, resident_subgroups=resident,
         resident_bytes=max(int(budget), 0) - left, cache_bytes=left,
         write_bytes_per_step=p_w + g_w + opt_written,
         read_bytes_per_step=2 * p_r + g_w + opt_read,
+        grad_bytes_per_step=g_w,
     )
