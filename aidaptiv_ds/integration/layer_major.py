@@ -62,6 +62,16 @@ trunk its loss's graph is walked from the loss: it may reach the last block's ou
 the trunk, nothing else that requires a gradient (:meth:`LayerMajorBackward._check_tail`; a few nodes for an
 HF causal LM, the head and the final norm).
 
+[Note: one pass through the trunk]
+The recompute runs block b of micro-batch j from its kept input alone, so the forward must have gone through
+each block once, in order, and each block's output must depend on nothing but its input and its own
+parameters. Checked as the forward runs: a block entered out of order, twice (a loop over the blocks) or not
+at all (HF layerdrop) is refused, and after each block the graph of its output is walked (a few dozen nodes:
+the block's own), refusing any other tensor that needs a gradient: keys and values one block stores for
+later ones (a ``shared_kv_states`` dict), a tensor made before the trunk and passed to every block (per-layer
+inputs, the first hidden state), another block's parameters. A KV cache passed to the blocks, by keyword or
+positionally (GPT-2), is dropped: a recompute would append to it a second time.
+
 [Note: dropout in the recompute]
 A block's recompute must draw the random numbers its forward drew (dropout masks), or its gradient is taken
 through other masks than the output the blocks above saw: a wrong gradient, silently. Each block's forward
@@ -216,11 +226,21 @@ class MicroBatch:
 _CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 
+def _is_kv_cache(obj: Any) -> bool:
+    """An HF KV cache (``transformers.Cache`` or a subclass), found by its class's ancestry so that this module
+    needs no ``transformers``."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
+               for c in type(obj).__mro__)
+
+
 def _first_tensor(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any]:
     """The hidden state a block is called with (its first positional argument, else ``hidden_states``)
-    and a function that puts a replacement in its place (and no KV cache: ``_CACHE_KWARGS``)."""
-    if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
-        kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    and a function that puts a replacement in its place (and no KV cache: ``_CACHE_KWARGS`` and any HF ``Cache``
+    passed positionally, as GPT-2's blocks take it)."""
+    if any(kwargs.get(k) is not None for k in _CACHE_KWARGS) or any(_is_kv_cache(v) for v in kwargs.values()):
+        kwargs = {k: (None if k in _CACHE_KWARGS or _is_kv_cache(v) else v) for k, v in kwargs.items()}
+    if any(_is_kv_cache(a) for a in args):
+        args = tuple(None if _is_kv_cache(a) else a for a in args)
     # the function keeps the call's other arguments, not the hidden state (the boundary activation is kept apart)
     if args and torch.is_tensor(args[0]):
         rest = args[1:]
@@ -260,6 +280,34 @@ def _loss_of(out) -> torch.Tensor:
     return loss
 
 
+def _check_block_graph(y: torch.Tensor, params: frozenset, leaf: torch.Tensor | None, b: int, name: str) -> None:
+    """Refuse a block whose output's graph reaches more than its own input and parameters ([Note: one pass
+    through the trunk]): a tensor another block made (keys and values shared between blocks), a tensor from
+    before the trunk passed to every block (per-layer inputs), another block's parameters.
+
+    Raises:
+        AidaptivConfigError: naming the block and the fix.
+    """
+    seen: set = set()
+    stack = [y.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # a leaf's AccumulateGrad
+        if var is not None:
+            if var is leaf or id(var) in params:
+                continue
+            raise AidaptivConfigError(
+                f"aidaptiv_ds: layer-major training (engine.train_batch): block {b} of {name} computes its output "
+                "from more than its input and its own parameters (a tensor made before the trunk and passed to "
+                "every block, such as per-layer inputs or the first hidden state; keys and values shared between "
+                "blocks); its recompute in backward would lose that gradient. Fix: train micro-batch by "
+                "micro-batch (engine(batch), engine.backward, engine.step).")
+        stack.extend(f for f, _ in fn.next_functions)
+
+
 def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pieces: Pieces,
                         on_loss: Callable[[MicroBatch], None] | None = None) -> list[MicroBatch]:
     """Run ``model`` on ``batches`` block by block ([Note: layer-major order], [Note: one OS thread]).
@@ -278,6 +326,8 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
     last = len(trunk.blocks) - 1
     scheduler = greenlet.getcurrent()
     index: dict = {}  # greenlet -> its micro-batch
+    own = [frozenset(id(p) for p in block.parameters()) for block in trunk.blocks]
+    leaves: list = [None] * k  # each micro-batch's input leaf of the block it runs
 
     def yield_turn() -> None:
         own = _TorchThreadState.capture()
@@ -287,6 +337,11 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
     def pre(b):
         def hook(module, args, kwargs):
             j = index[greenlet.getcurrent()]
+            if len(recs[j].inputs) != b:  # [Note: one pass through the trunk]
+                raise AidaptivConfigError(
+                    f"aidaptiv_ds: layer-major training (engine.train_batch): micro-batch {j} entered block {b} of "
+                    f"{trunk.name} after {len(recs[j].inputs)} blocks; each block once, in order, is needed (a "
+                    "trunk run twice, a loop over its blocks, or blocks skipped: HF layerdrop). " + _FIX)
             x, put = _first_tensor(args, kwargs)
             if b == 0:
                 recs[j].head_out = x
@@ -298,13 +353,16 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
             recs[j].rng.append(_RngState.capture(x))  # [Note: dropout in the recompute]
             # the block runs as in the oracle's forward (gradients on, its input requiring them), but its graph
             # ends at its input and is freed with its output: the backward recomputes it
-            return put(x.detach().requires_grad_(x.requires_grad))
+            leaves[j] = x.detach().requires_grad_(x.requires_grad)
+            return put(leaves[j])
         return hook
 
     def post(b):
         def hook(module, args, output):
             j = index[greenlet.getcurrent()]
             y, put = _output_tensor(output)
+            _check_block_graph(y, own[b], leaves[j], b, trunk.name)
+            leaves[j] = None
             yd = y.detach().requires_grad_(y.requires_grad)  # the next block's input, as in the oracle
             if j == k - 1:
                 pieces.unhold(module)
@@ -315,7 +373,13 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
         return hook
 
     def run(j: int) -> None:
-        recs[j].loss = _loss_of(_call(model, batches[j]))
+        out = _call(model, batches[j])
+        if len(recs[j].inputs) != last + 1:  # [Note: one pass through the trunk]
+            raise AidaptivConfigError(
+                f"aidaptiv_ds: layer-major training (engine.train_batch): micro-batch {j} ran {len(recs[j].inputs)} "
+                f"of the {last + 1} blocks of {trunk.name}; each block once, in order, is needed (blocks skipped: "
+                "HF layerdrop). " + _FIX)
+        recs[j].loss = _loss_of(out)
         if on_loss is not None:
             on_loss(recs[j])
 
@@ -455,17 +519,19 @@ class LayerMajorBackward:
             for rec in recs:
                 pieces.begin(rec.index, rec.index == k - 1)
                 x = pieces.take(rec.inputs[b]).requires_grad_(True)
-                args, kwargs = rec.calls[b](x)
-                with rec.rng[b].replay():  # the masks its forward drew ([Note: dropout in the recompute])
-                    y, _ = _output_tensor(block(*args, **kwargs))
-                torch.autograd.backward(y, rec.grad_out)
+                if rec.grad_out is not None:  # None: nothing above needs a gradient (frozen blocks and head)
+                    args, kwargs = rec.calls[b](x)
+                    with rec.rng[b].replay():  # the masks its forward drew ([Note: dropout in the recompute])
+                        y, _ = _output_tensor(block(*args, **kwargs))
+                    if y.requires_grad:
+                        torch.autograd.backward(y, rec.grad_out)
                 pieces.end()
                 rec.grad_out = x.grad
                 rec.inputs[b], rec.calls[b], rec.rng[b] = None, None, None  # this boundary activation is done
             pieces.unhold(block)
         for rec in recs:  # the code before the trunk
             pieces.begin(rec.index, rec.index == k - 1)
-            if rec.head_out is not None and rec.head_out.requires_grad:
+            if rec.head_out is not None and rec.head_out.requires_grad and rec.grad_out is not None:
                 torch.autograd.backward(rec.head_out, rec.grad_out)
             for p, g in rec.held.items():
                 if g is None:
