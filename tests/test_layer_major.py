@@ -514,6 +514,8 @@ def test_train_batch_with_dropout_on_the_engine(tmp_path, monkeypatch, caplog):
     said = [r.getMessage() for r in caplog.records if "dropout active" in r.getMessage()]
     assert len(said) == 1 and "not bit-identical" in said[0]
     eng.destroy()
+    from aidaptiv_ds.integration import runtime
+    runtime.shutdown()  # the process-wide runtime goes with its cache path (the next tests make their own)
 
 
 class _AuxNet(_Net):
