@@ -32,6 +32,15 @@ def test_job_need_counts_every_parameters_state_less_what_the_budget_keeps():
     assert startup.job_need(n, {}, budget=100 * n, world=1)["need"] == 0
 
 
+def test_grad_accum_is_resolved_as_deepspeed_resolves_it():
+    """The drive preflight's ``gradient_accumulation_steps`` (partial gradient sums need extents above 1): given,
+    else DeepSpeed's ``train_batch_size // micro // world``, else 1 (HF's "auto" is filled in later)."""
+    assert startup._grad_accum({"gradient_accumulation_steps": 4}, 2) == 4
+    assert startup._grad_accum({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}, 4) == 4
+    assert startup._grad_accum({"gradient_accumulation_steps": "auto", "train_batch_size": "auto"}, 1) == 1
+    assert startup._grad_accum({}, 8) == 1
+
+
 def _fake_runtime(capacity: int, budget: int = 0):
     return types.SimpleNamespace(budget=budget, store=types.SimpleNamespace(capacity=lambda: capacity),
                                  namespace=types.SimpleNamespace(cache_paths=["/mnt/small"]))

@@ -280,6 +280,28 @@ def _loss_of(out) -> torch.Tensor:
     return loss
 
 
+def _foreign_in_graph(root: torch.Tensor, allowed: Callable[[torch.Tensor], bool], stop: Any = None) -> Any:
+    """Walk the autograd graph behind ``root`` and return what it reaches that it may not: the first leaf
+    needing a gradient (an ``AccumulateGrad`` node's tensor) for which ``allowed`` is False, or the node ``stop``
+    itself; None when there is none ([Note: one way into the trunk], [Note: one pass through the trunk])."""
+    seen: set = set()
+    stack = [root.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if fn is stop:
+            return fn
+        var = getattr(fn, "variable", None)  # a leaf's AccumulateGrad
+        if var is not None:
+            if not allowed(var):
+                return var
+            continue
+        stack.extend(f for f, _ in fn.next_functions)
+    return None
+
+
 def _check_block_graph(y: torch.Tensor, params: frozenset, leaf: torch.Tensor | None, b: int, name: str) -> None:
     """Refuse a block whose output's graph reaches more than its own input and parameters ([Note: one pass
     through the trunk]): a tensor another block made (keys and values shared between blocks), a tensor from
@@ -288,24 +310,12 @@ def _check_block_graph(y: torch.Tensor, params: frozenset, leaf: torch.Tensor | 
     Raises:
         AidaptivConfigError: naming the block and the fix.
     """
-    seen: set = set()
-    stack = [y.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)  # a leaf's AccumulateGrad
-        if var is not None:
-            if var is leaf or id(var) in params:
-                continue
-            raise AidaptivConfigError(
-                f"aidaptiv_ds: layer-major training (engine.train_batch): block {b} of {name} computes its output "
-                "from more than its input and its own parameters (a tensor made before the trunk and passed to "
-                "every block, such as per-layer inputs or the first hidden state; keys and values shared between "
-                "blocks); its recompute in backward would lose that gradient. Fix: train micro-batch by "
-                "micro-batch (engine(batch), engine.backward, engine.step).")
-        stack.extend(f for f, _ in fn.next_functions)
+    if _foreign_in_graph(y, lambda v: v is leaf or id(v) in params) is not None:
+        raise AidaptivConfigError(
+            f"aidaptiv_ds: layer-major training (engine.train_batch): block {b} of {name} computes its output "
+            "from more than its input and its own parameters (a tensor made before the trunk and passed to "
+            "every block, such as per-layer inputs or the first hidden state; keys and values shared between "
+            "blocks); its recompute in backward would lose that gradient. " + _FIX)
 
 
 def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pieces: Pieces,
@@ -326,7 +336,6 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
     last = len(trunk.blocks) - 1
     scheduler = greenlet.getcurrent()
     index: dict = {}  # greenlet -> its micro-batch
-    own = [frozenset(id(p) for p in block.parameters()) for block in trunk.blocks]
     leaves: list = [None] * k  # each micro-batch's input leaf of the block it runs
 
     def yield_turn() -> None:
@@ -361,7 +370,7 @@ def layer_major_forward(model: torch.nn.Module, trunk: Trunk, batches: list, pie
         def hook(module, args, output):
             j = index[greenlet.getcurrent()]
             y, put = _output_tensor(output)
-            _check_block_graph(y, own[b], leaves[j], b, trunk.name)
+            _check_block_graph(y, trunk.block_param_ids[b], leaves[j], b, trunk.name)
             leaves[j] = None
             yd = y.detach().requires_grad_(y.requires_grad)  # the next block's input, as in the oracle
             if j == k - 1:
@@ -443,7 +452,6 @@ class LayerMajorBackward:
                  start: Callable[[], None] | None = None) -> None:
         self.trunk, self.k, self.tied, self.pieces, self._start = trunk, k, list(tied), pieces, start
         self.started = False
-        self._trunk_params = frozenset(id(p) for b in trunk.blocks for p in b.parameters())
 
     def _begin(self) -> None:
         if not self.started:
@@ -477,29 +485,20 @@ class LayerMajorBackward:
         """
         assert rec.loss is not None
         stop = rec.head_out.grad_fn if rec.head_out is not None else None
-        seen: set = set()
-        stack = [rec.loss.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            var = getattr(fn, "variable", None)  # a leaf's AccumulateGrad
-            if var is rec.tail_in or (var is not None and isinstance(var, torch.nn.Parameter)
-                                      and id(var) not in self._trunk_params):
-                continue
-            if var is not None or fn is stop:
-                what = ("a parameter of the trunk's blocks" if id(var) in self._trunk_params else
-                        "the trunk's input" if fn is stop or var is rec.head_out else
-                        "a tensor cut off at a block's boundary")
-                raise AidaptivConfigError(
-                    f"aidaptiv_ds: layer-major training (engine.train_batch): the loss reaches {what} other than "
-                    "through the last block's output (e.g. an MoE router's auxiliary loss, output_router_logits="
-                    "True; attention weights or hidden states of inner blocks, output_attentions or "
-                    "output_hidden_states; a connection around the trunk): the backward runs block by block from "
-                    "the trunk's output and would lose that gradient. Fix: leave those outputs out of the loss, or "
-                    "train micro-batch by micro-batch (engine(batch), engine.backward, engine.step).")
-            stack.extend(f for f, _ in fn.next_functions)
+        trunk = self.trunk.param_ids
+        bad = _foreign_in_graph(rec.loss, lambda v: v is rec.tail_in or (
+            isinstance(v, torch.nn.Parameter) and id(v) not in trunk), stop)
+        if bad is None:
+            return
+        what = ("a parameter of the trunk's blocks" if id(bad) in trunk else
+                "the trunk's input" if bad is stop or bad is rec.head_out else "a tensor cut off at a block's boundary")
+        raise AidaptivConfigError(
+            f"aidaptiv_ds: layer-major training (engine.train_batch): the loss reaches {what} other than "
+            "through the last block's output (e.g. an MoE router's auxiliary loss, output_router_logits="
+            "True; attention weights or hidden states of inner blocks, output_attentions or "
+            "output_hidden_states; a connection around the trunk): the backward runs block by block from "
+            "the trunk's output and would lose that gradient. Fix: leave those outputs out of the loss, or "
+            "train micro-batch by micro-batch (engine(batch), engine.backward, engine.step).")
 
     def finish(self, recs: list[MicroBatch]) -> None:
         """The rest: the tails not run yet, the blocks, the code before the trunk.

@@ -79,6 +79,19 @@ def _param_bytes(ds: dict) -> int:
     return 4
 
 
+def _grad_accum(ds: dict, world: int) -> int:
+    """``gradient_accumulation_steps`` as DeepSpeed resolves it (``runtime/config.py``
+    ``_set_batch_related_parameters``): given, else ``train_batch_size / (train_micro_batch_size_per_gpu x
+    world)``; 1 where the config leaves it open (an HF ``"auto"``, filled in later)."""
+    ga, tbs, mbs = (ds.get(k) for k in ("gradient_accumulation_steps", "train_batch_size",
+                                         "train_micro_batch_size_per_gpu"))
+    if isinstance(ga, int) and not isinstance(ga, bool):
+        return max(ga, 1)
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tbs, mbs)):
+        return max(tbs // mbs // max(world, 1), 1)
+    return 1
+
+
 def job_need(n_params: int, ds: dict, budget: int, world: int) -> dict:
     """This rank's bytes of training state on the cache tier at the least, by the planner's residency rules
     for ``budget``: the smaller of the runtime's two ways (steps after backward, the gradients stored; steps
@@ -99,8 +112,7 @@ def job_need(n_params: int, ds: dict, budget: int, world: int) -> dict:
     after = plan_residency(sizes, budget)
     need = state - min(after.resident_bytes, state)
     sizes.grads_transient = sizes.steps_in_backward = True
-    ga = ds.get("gradient_accumulation_steps")
-    sizes.grad_accum = ga if isinstance(ga, int) and ga > 1 else 1  # partial sums need the drives too
+    sizes.grad_accum = _grad_accum(ds, world)  # partial sums between micro-batches need the drives too
     inside = plan_residency(sizes, budget)
     shadows = sum(b for i, b in enumerate(sizes.subgroup_bytes) if i not in inside.resident_subgroups)
     need_inside = max(state - (0 if sizes.grads_stored else sizes.grad_bytes) - inside.resident_bytes, 0) + shadows

@@ -6,6 +6,7 @@ the class names in ``_no_split_modules``. No DeepSpeed here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -28,6 +29,16 @@ class Trunk:
     """
     name: str
     blocks: tuple[torch.nn.Module, ...]
+
+    @functools.cached_property
+    def block_param_ids(self) -> tuple[frozenset[int], ...]:
+        """Per block, the ``id`` s of its parameters."""
+        return tuple(frozenset(id(p) for p in b.parameters()) for b in self.blocks)
+
+    @functools.cached_property
+    def param_ids(self) -> frozenset[int]:
+        """The ``id`` s of every parameter of the trunk."""
+        return frozenset().union(*self.block_param_ids)
 
 
 def find_trunk(model: torch.nn.Module) -> Trunk:
@@ -79,7 +90,7 @@ def find_trunk(model: torch.nn.Module) -> Trunk:
 
 def tied_outside(model: torch.nn.Module, trunk: Trunk) -> list[torch.nn.Parameter]:
     """Parameters outside the trunk that more than one module holds (tied input and output embeddings)."""
-    inside = {id(p) for b in trunk.blocks for p in b.parameters()}
+    inside = trunk.param_ids
     seen: dict[int, int] = {}
     params: dict[int, torch.nn.Parameter] = {}
     for mod in model.modules():
@@ -88,8 +99,6 @@ def tied_outside(model: torch.nn.Module, trunk: Trunk) -> list[torch.nn.Paramete
                 seen[id(p)] = seen.get(id(p), 0) + 1
                 params[id(p)] = p
     return [params[i] for i, n in seen.items() if n > 1]
-
-
 
 
 def active_dropout(model: torch.nn.Module) -> list[str]:
