@@ -10,7 +10,8 @@ import torch
 from aidaptiv_ds.io.buffers import alloc_aligned
 from aidaptiv_ds.io.engine import IOEngine
 from aidaptiv_ds.store import Namespace, PathSpec, SlabStore
-from aidaptiv_ds.tiers import AccessOrder, HostTier, Slice
+from aidaptiv_ds.io.futures import IOFuture
+from aidaptiv_ds.tiers import AccessOrder, HostTier, TieredUnit, UnitState
 
 UNIT = 4096
 
@@ -52,7 +53,7 @@ def run_tier(trace: list[int], capacity: int, order_known: bool) -> tuple[int, l
         s = tier.get(x)
         if s is None:
             misses += 1
-            s = Slice(x, torch.empty(UNIT, dtype=torch.uint8), members=[x], prefetched=True,
+            s = TieredUnit(x, torch.empty(UNIT, dtype=torch.uint8), members=[x], prefetched=True,
                       on_drop=lambda sl: evicted.append(sl.key))
             tier.add(s)
         tier.acquire(s)
@@ -78,9 +79,9 @@ def test_lru_before_the_order_is_known():
 
 def test_budget_and_classes():
     tier = HostTier(budget=2 * UNIT)
-    res = tier.add(Slice("r", torch.empty(UNIT, dtype=torch.uint8), resident=True))
-    a = tier.add(Slice("a", torch.empty(UNIT, dtype=torch.uint8), prefetched=True))
-    b = tier.add(Slice("b", torch.empty(UNIT, dtype=torch.uint8), prefetched=True))
+    res = tier.add(TieredUnit("r", torch.empty(UNIT, dtype=torch.uint8), resident=True))
+    a = tier.add(TieredUnit("a", torch.empty(UNIT, dtype=torch.uint8), prefetched=True))
+    b = tier.add(TieredUnit("b", torch.empty(UNIT, dtype=torch.uint8), prefetched=True))
     assert tier.held_bytes == 3 * UNIT  # prefetched slices are working memory, outside the budget
     tier.acquire(a)
     tier.acquire(b)
@@ -108,18 +109,18 @@ def test_clean_evictions_write_nothing_dirty_ones_write_once(store):
     def wb(key):
         return lambda sl: store.write(key, sl.buf, 0)
 
-    clean = tier.add(Slice("x", alloc_aligned(UNIT), prefetched=True, writeback=wb("x")))
+    clean = tier.add(TieredUnit("x", alloc_aligned(UNIT), prefetched=True, writeback=wb("x")))
     tier.acquire(clean)
     tier.release(clean)
     before = sum(store.bytes_written)
-    tier.add(Slice("y", alloc_aligned(UNIT), dirty=True, writeback=wb("y")))  # evicts clean x: no write
+    tier.add(TieredUnit("y", alloc_aligned(UNIT), dirty=True, writeback=wb("y")))  # evicts clean x: no write
     assert "x" not in tier
     store.drain()
     assert sum(store.bytes_written) == before
     store.flush_ledger()
     ledger = store.ledgers[0]
     assert ledger.run_bytes == before  # the ledger books only what was written
-    tier.add(Slice("z", alloc_aligned(UNIT), prefetched=True))
+    tier.add(TieredUnit("z", alloc_aligned(UNIT), prefetched=True))
     tier.enforce_budget()
     z = tier.get("z")
     tier.acquire(z)
@@ -135,7 +136,7 @@ def test_write_back_is_bounded(store):
         store.allocate(f"k{i}", UNIT)
     issued = []
     for i in range(8):
-        s = tier.add(Slice(f"k{i}", alloc_aligned(UNIT), dirty=True,
+        s = tier.add(TieredUnit(f"k{i}", alloc_aligned(UNIT), dirty=True,
                            writeback=lambda sl: store.write(sl.key, sl.buf, 0)))
         tier.write_back(s)
         issued.append(tier._pending_write_bytes())
@@ -149,12 +150,12 @@ def test_working_bytes_by_kind_and_waiting_for_the_oldest_write(store):
     cached); ``wait_oldest_write`` waits for one write and lets the budget evict what it no longer holds."""
     tier = HostTier(budget=0)
     store.allocate("w", UNIT)
-    ref = tier.add(Slice("ref", torch.empty(UNIT, dtype=torch.uint8), kind="opt", prefetched=True))
+    ref = tier.add(TieredUnit("ref", torch.empty(UNIT, dtype=torch.uint8), kind="opt", prefetched=True))
     tier.acquire(ref)
-    tier.add(Slice("pre", torch.empty(2 * UNIT, dtype=torch.uint8), kind="opt", prefetched=True))
-    tier.add(Slice("res", torch.empty(4 * UNIT, dtype=torch.uint8), kind="opt", resident=True))
-    tier.add(Slice("param", torch.empty(8 * UNIT, dtype=torch.uint8), kind="param", prefetched=True))
-    w = tier.add(Slice("w", alloc_aligned(UNIT), kind="opt", dirty=True,
+    tier.add(TieredUnit("pre", torch.empty(2 * UNIT, dtype=torch.uint8), kind="opt", prefetched=True))
+    tier.add(TieredUnit("res", torch.empty(4 * UNIT, dtype=torch.uint8), kind="opt", resident=True))
+    tier.add(TieredUnit("param", torch.empty(8 * UNIT, dtype=torch.uint8), kind="param", prefetched=True))
+    w = tier.add(TieredUnit("w", alloc_aligned(UNIT), kind="opt", dirty=True,
                        writeback=lambda sl: store.write(sl.key, sl.buf, 0)))
     tier.write_back(w)
     assert tier.working_bytes("opt") in (4 * UNIT, 3 * UNIT)  # the write may have finished (then it is cached)
@@ -171,7 +172,7 @@ def test_waiting_for_a_write_that_already_finished_still_evicts(store):
     wait_oldest_write()`` stops with memory it could free (the clean-clone CI run hit this race)."""
     tier = HostTier(budget=0)
     store.allocate("w", UNIT)
-    w = tier.add(Slice("w", alloc_aligned(UNIT), kind="opt", dirty=True,
+    w = tier.add(TieredUnit("w", alloc_aligned(UNIT), kind="opt", dirty=True,
                        writeback=lambda sl: store.write(sl.key, sl.buf, 0)))
     tier.write_back(w)
     w.writing.wait()  # the write is done before anyone asks
@@ -189,11 +190,11 @@ def test_training_ranks_optimizer_and_gradient_slices_before_parameters():
     def fill(tier, order, known):
         if known:
             order.set_order([1, 2, 3])
-        made = [Slice("stale-param", torch.empty(UNIT, dtype=torch.uint8), members=["gone"], kind="param"),
-                Slice(("opt", 0), torch.empty(UNIT, dtype=torch.uint8), kind="opt"),
-                Slice(2, torch.empty(UNIT, dtype=torch.uint8), members=[2], kind="param"),
-                Slice(("grad", 0), torch.empty(UNIT, dtype=torch.uint8), kind="grad"),
-                Slice(3, torch.empty(UNIT, dtype=torch.uint8), members=[3], kind="param")]
+        made = [TieredUnit("stale-param", torch.empty(UNIT, dtype=torch.uint8), members=["gone"], kind="param"),
+                TieredUnit(("opt", 0), torch.empty(UNIT, dtype=torch.uint8), kind="opt"),
+                TieredUnit(2, torch.empty(UNIT, dtype=torch.uint8), members=[2], kind="param"),
+                TieredUnit(("grad", 0), torch.empty(UNIT, dtype=torch.uint8), kind="grad"),
+                TieredUnit(3, torch.empty(UNIT, dtype=torch.uint8), members=[3], kind="param")]
         gone = []
         for s in made:
             s.on_drop = lambda sl: gone.append(sl.key)
@@ -229,7 +230,7 @@ def test_owners_are_told_of_a_drop_after_the_tiers_lock():
     thread can take it from inside the callback), in removal order, and before the operation returns."""
     import threading
 
-    from aidaptiv_ds.tiers.host_tier import HostTier, Slice
+    from aidaptiv_ds.tiers import HostTier, TieredUnit
 
     tier = HostTier(budget=0)
     seen = []
@@ -245,7 +246,7 @@ def test_owners_are_told_of_a_drop_after_the_tiers_lock():
         t.join()
 
     for k in ("a", "b"):
-        tier.add(Slice(k, torch.zeros(64, dtype=torch.uint8), kind="param", on_drop=dropped, prefetched=True))
+        tier.add(TieredUnit(k, torch.zeros(64, dtype=torch.uint8), kind="param", on_drop=dropped, prefetched=True))
     assert seen == []
     for s in tier.slices():
         tier.mark_used(s)
@@ -269,7 +270,7 @@ def test_write_backs_are_issued_after_the_tiers_lock(store):
         store.allocate(k, UNIT)
         buf = alloc_aligned(UNIT)
         buf.fill_(ord(k))
-        sl = Slice(k, buf, writeback=wb)
+        sl = TieredUnit(k, buf, writeback=wb)
         tier.acquire(sl)  # referenced before it is added: a budget of 0 keeps it
         tier.add(sl)
         tier.mark_dirty(sl)
@@ -299,7 +300,7 @@ def test_a_wait_on_a_decided_write_issues_it(store):
 
     for k in ("a", "b", "c"):
         store.allocate(k, UNIT)
-        tier.add(Slice(k, alloc_aligned(UNIT), dirty=True, writeback=wb))
+        tier.add(TieredUnit(k, alloc_aligned(UNIT), dirty=True, writeback=wb))
     tier.flush()
     assert len(under_lock) == 3 and under_lock[:2] == [True, True]  # waited for room inside flush
     assert tier._pending_write_bytes() == 0 and not any(s.dirty for s in tier.slices())
@@ -311,7 +312,7 @@ def test_a_failed_write_back_is_raised_by_the_operation_and_its_future(store):
     def wb(sl):
         raise OSError("no space left on the cache drive")
 
-    sl = tier.add(Slice("a", alloc_aligned(UNIT), dirty=True, writeback=wb))
+    sl = tier.add(TieredUnit("a", alloc_aligned(UNIT), dirty=True, writeback=wb))
     with pytest.raises(OSError, match="no space left"):
         tier.write_back(sl)
     with pytest.raises(OSError, match="no space left"):
@@ -334,7 +335,7 @@ def test_a_slice_is_updated_in_place_only_after_its_write_back():
                 self._chunk_done()
 
     tier = HostTier(budget=0)
-    sl = tier.add(Slice("g", alloc_aligned(UNIT), dirty=True, kind="opt", writeback=lambda s: Write(UNIT, 1)))
+    sl = tier.add(TieredUnit("g", alloc_aligned(UNIT), dirty=True, kind="opt", writeback=lambda s: Write(UNIT, 1)))
     tier.write_back(sl)
     assert not sl.writing.done()
     tier.acquire(sl)
@@ -373,10 +374,10 @@ def test_a_deferred_future_is_issued_once_by_whoever_comes_first():
 
 
 def test_a_slices_life_is_its_state_and_the_tier_refuses_a_gone_slice():
-    """[Note: a slice's life]: the state follows add, acquire, release, a dirty eviction's write and the budget;
+    """[Note: a unit's transitions]: the state follows add, acquire, release, a dirty eviction's write and the budget;
     acquiring or dirtying a slice that left the tier is an owner's bug and raises, naming the state."""
     from aidaptiv_ds.io.futures import IOFuture
-    from aidaptiv_ds.tiers.host_tier import HostTier, Slice, SliceState
+    from aidaptiv_ds.tiers import HostTier, TieredUnit, UnitState
 
     writes = []
 
@@ -386,18 +387,54 @@ def test_a_slices_life_is_its_state_and_the_tier_refuses_a_gone_slice():
         return fut
 
     tier = HostTier(budget=0)
-    s = Slice("a", torch.zeros(64, dtype=torch.uint8), kind="opt", writeback=writeback, prefetched=True)
-    assert s.state is SliceState.NEW
+    s = TieredUnit("a", torch.zeros(64, dtype=torch.uint8), kind="opt", writeback=writeback, prefetched=True)
+    assert s.state is UnitState.NEW
     tier.add(s)
-    assert s.state is SliceState.PREFETCHED
+    assert s.state is UnitState.PREFETCHED
     tier.acquire(s)
-    assert s.state is SliceState.IN_USE
+    assert s.state is UnitState.IN_USE
     tier.mark_dirty(s)
     tier.release(s)  # over the budget of 0: a dirty eviction writes it, and it stays until written
-    assert s.state is SliceState.WRITING and len(writes) == 1
+    assert s.state is UnitState.WRITING and len(writes) == 1
     writes[0]._chunk_done()  # the write completes
     tier.enforce_budget()
-    assert s.state is SliceState.GONE
+    assert s.state is UnitState.GONE
     for op in (tier.acquire, tier.mark_dirty):
-        with pytest.raises(RuntimeError, match=r"slice 'a', which is gone: no longer in the host tier"):
+        with pytest.raises(RuntimeError, match=r"of unit 'a', which is gone: no longer in the host tier"):
             op(s)
+
+
+def test_a_units_transitions_are_refused_outside_their_states():
+    """[Note: a unit's transitions]: every transition runs only from the states ``TRANSITIONS`` lists; the tier's
+    operations go through them, so a misuse raises :class:`UnitStateError` naming the unit, the transition and the
+    state, before any field changes."""
+    from aidaptiv_ds.tiers import UnitStateError
+    from aidaptiv_ds.tiers.unit import TRANSITIONS
+
+    assert set(TRANSITIONS) == {"enter", "pin", "unpin", "mark_dirty", "mark_used", "write_back", "written",
+                                "discard", "evict", "leave"}
+    one, two = HostTier(budget=4 * UNIT), HostTier(budget=4 * UNIT)
+    u = one.add(TieredUnit("u", torch.empty(UNIT, dtype=torch.uint8)))
+    assert u.state is UnitState.CACHED
+    with pytest.raises(UnitStateError, match=r"enter of unit 'u', which is cached"):
+        two.add(u)  # in one tier at a time
+    assert "u" not in two and u.state is UnitState.CACHED
+    one.acquire(u)
+    with pytest.raises(UnitStateError, match=r"evict of unit 'u', which is in_use"):
+        u.leave(evicted=True)
+    with pytest.raises(RuntimeError, match="in use and cannot be evicted"):
+        one.evict(u)
+    with pytest.raises(UnitStateError, match="clean or a write still in flight"):
+        u.write_back(IOFuture(UNIT, 1))  # a clean unit has nothing to write
+    one.release(u)
+    with pytest.raises(UnitStateError, match="released more often"):
+        one.release(u)
+    one.drop(u)
+    assert u.state is UnitState.GONE and u.refs == 0 and not u.dirty
+    with pytest.raises(UnitStateError, match=r"leave of unit 'u', which is gone"):
+        u.leave()
+    two.add(u)  # a gone unit may enter again (a re-read of the same bytes)
+    assert u.state is UnitState.CACHED and "u" in two
+    new = TieredUnit("n", torch.empty(UNIT, dtype=torch.uint8))
+    with pytest.raises(UnitStateError, match=r"evict of unit 'n', which is new"):
+        new.leave(evicted=True)

@@ -14,7 +14,7 @@ import torch
 
 from aidaptiv_ds.integration.backward_step import BackwardStepper
 from aidaptiv_ds.planner.auto import cpu_rank_working_set, in_backward_window_bytes
-from aidaptiv_ds.tiers import HostTier, Slice
+from aidaptiv_ds.tiers import HostTier, TieredUnit
 
 MiB = 1 << 20
 
@@ -69,7 +69,7 @@ class _Swapper:
         return True
 
     def prefetch(self, g, master_from_params: bool = False, demand: bool = False) -> None:
-        g.slice = self.rt.tier.add(Slice(("opt", g.index), torch.empty(self._bytes, dtype=torch.uint8), kind="opt",
+        g.slice = self.rt.tier.add(TieredUnit(("opt", g.index), torch.empty(self._bytes, dtype=torch.uint8), kind="opt",
                                          prefetched=True))
         self.prefetched.append(g.index)
 

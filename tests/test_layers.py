@@ -194,11 +194,31 @@ def test_the_checks_see_each_kind_of_violation(tmp_path):
                   "aidaptiv_ds/io/engine.py:3: imports deepspeed.runtime.engine (in f)"], ds
 
 
-#: fields of ``tiers.host_tier.Slice`` that only ``HostTier`` changes, under its lock (issue 39)
+#: fields of ``tiers.host_tier.TieredUnit`` that only ``HostTier`` changes, under its lock (issue 39)
 SLICE_FIELDS = {"refs", "dirty", "prefetched", "writing", "ready", "on_drop", "writeback", "members", "nbytes", "buf",
                 "last_use"}
-#: (file, attribute) assignments outside tiers/ that are not a Slice's: other records with a field of that name
+#: (file, attribute) assignments outside tiers/ that are not a TieredUnit's: other records with a field of that name
 NOT_SLICE = {("aidaptiv_ds/inference/block_store.py", "last_use")}
+
+
+#: a :class:`TieredUnit`'s transitions whose names no other record's method has ([Note: a unit's transitions])
+UNIT_TRANSITIONS = {"pin", "unpin", "enter", "leave", "written", "writing_from", "touch"}
+
+
+def test_only_the_tier_runs_a_units_transitions():
+    """A unit's transitions change the fields its state follows from; :class:`HostTier` runs them under its lock.
+    An owner calling one directly (``unit.pin()``) would race the budget check, so outside ``tiers/`` no call of a
+    transition method is allowed (owners call the tier: ``tier.acquire(unit)``)."""
+    bad = []
+    for path in _sources():
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith("aidaptiv_ds/tiers/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in UNIT_TRANSITIONS):
+                bad.append(f"{rel}:{node.lineno}: {ast.unparse(node.func)}(...)")
+    assert not bad, "\n".join(bad)
 
 
 def test_only_the_tier_writes_a_slices_fields():

@@ -12,6 +12,7 @@ import torch
 from aidaptiv_ds.integration.config import parse_section
 from aidaptiv_ds.integration.param_swapper import AidaptivParamSwapper, PartitionState
 from aidaptiv_ds.integration.runtime import Runtime
+from aidaptiv_ds.tiers import TieredUnit
 
 
 @pytest.fixture
@@ -228,12 +229,12 @@ def test_a_read_ahead_slice_no_partition_reads_is_evicted_at_budget_0():
     read-ahead working memory until used; when every partition detaches from one first (the next step gives them
     new copies), the tier's next budget check evicts it instead of keeping it for the rest of the run."""
     from aidaptiv_ds.integration.param_swapper import PartitionRecord, _Loc
-    from aidaptiv_ds.tiers.host_tier import HostTier, Slice
+    from aidaptiv_ds.tiers import HostTier, TieredUnit
 
     tier = HostTier(budget=0)
     loc = _Loc(None, 0, 256, torch.float32, 4)
     a, b = PartitionRecord(1, loc), PartitionRecord(2, loc)
-    s = Slice(("p", "r", 0, 0), torch.zeros(2048, dtype=torch.uint8), members=(1, 2), kind="param", prefetched=True)
+    s = TieredUnit(("p", "r", 0, 0), torch.zeros(2048, dtype=torch.uint8), members=(1, 2), kind="param", prefetched=True)
     a.host = b.host = s
     tier.add(s)
     a.detach_host(tier)
@@ -242,3 +243,43 @@ def test_a_read_ahead_slice_no_partition_reads_is_evicted_at_budget_0():
     b.detach_host(tier)
     tier.enforce_budget()
     assert tier.held_bytes == 0 and not s.prefetched
+
+
+def test_synchronize_writes_waits_for_the_tiers_parameter_write_backs(swapper, status):
+    """DeepSpeed's ``synchronize_writes`` means every partition write issued so far is below. A resident parameter
+    slice edited in DRAM is written by the host tier (its flush, a dirty eviction), not by the swapper's regions: the
+    call waits for those writes too, and only for the parameters' (issue 39)."""
+    from aidaptiv_ds.io.futures import IOFuture
+
+    class Write(IOFuture):  # a write in flight until someone waits for it (a waiter expedites it)
+        def expedite(self, priority):
+            if not self.done():
+                self._chunk_done()
+
+    a = make_param(swapper, status, 0, torch.zeros(1024, dtype=torch.float32))
+    swapper.synchronize_writes()
+    swapper.make_resident()
+    tier = swapper.rt.tier
+    (unit,) = [u for u in tier.slices() if u.kind == "param"]
+    assert unit.resident
+    swapper.swap_out_partitioned_params([a], [torch.ones(1024)])  # into the resident slice: marked dirty
+    assert unit.dirty
+    real, gates = unit.writeback, []
+
+    def gated(u):
+        real(u).wait()
+        gates.append(Write(u.nbytes, 1))
+        return gates[-1]
+
+    unit.writeback = gated  # the owner's write function: the unit's own field, set before the tier decides
+    other = tier.add(TieredUnit("other", torch.zeros(64, dtype=torch.uint8), kind="opt", dirty=True,
+                                resident=True, writeback=lambda u: Write(u.nbytes, 1)))
+    tier.write_back(unit)
+    tier.write_back(other)
+    assert len(gates) == 1 and not gates[0].done() and not other.writing.done()
+    swapper.synchronize_writes()
+    assert gates[0].done()  # the parameter's write is below
+    assert not other.writing.done()  # an optimizer slice's write is not the swapper's to wait for
+    tier.wait_writes()
+    swapper.swap_in([a], async_op=False)
+    assert torch.equal(a.ds_tensor.data, torch.ones(1024))

@@ -49,7 +49,8 @@ from ..io.futures import combine
 from ..store.layout import Namespace, check_cache_path
 from ..store.slab import free_bytes
 from ..store.store import PathSpec, SlabStore
-from ..tiers.host_tier import HostTier, Slice
+from ..tiers.host_tier import HostTier
+from ..tiers.unit import TieredUnit
 from ..units import format_bytes, parse_size
 from .fingerprint import Fingerprint, mismatches
 from .layout import LAYOUT_DEFAULTS, KVLayout
@@ -92,7 +93,7 @@ class LoadedBlock:
     record: BlockRecord
     payload: torch.Tensor
     source: str  # "dram" | "drive"
-    slice: Slice
+    slice: TieredUnit
 
 
 @dataclasses.dataclass
@@ -358,7 +359,7 @@ class KVBlockStore:
             fut = self.store.read(r.key, buf, 0, READ_DEMAND)
             fut = combine([fut], self.extent_bytes, finalizer=lambda v=view, g=got: g.append(zlib.crc32(v.numpy())),
                           keepalive=buf)
-            s = Slice(("kv", r.hash), buf, kind="kv", ready=fut, prefetched=True)
+            s = TieredUnit(("kv", r.hash), buf, kind="kv", ready=fut, prefetched=True)
             self.tier.add(s)
             self.tier.acquire(s)
             pending.append((r, s, "drive", got))
@@ -500,7 +501,7 @@ class KVBlockStore:
             old = self.tier.peek(("kv", rec.hash))
             if old is not None:
                 self.tier.drop(old)
-            self.tier.add(Slice(("kv", rec.hash), buf, kind="kv"))  # clean: kept while the DRAM budget allows
+            self.tier.add(TieredUnit(("kv", rec.hash), buf, kind="kv"))  # clean: kept while the DRAM budget allows
         for r in self._chain_records(first_parent):
             r.last_use = t
         self.counts["written"] += len(ok)

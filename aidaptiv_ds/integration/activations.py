@@ -25,7 +25,7 @@ import torch
 
 from ..io.buffers import alloc_aligned, round_up
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
-from ..tiers.host_tier import Slice
+from ..tiers.unit import TieredUnit
 from .runtime import Runtime
 
 
@@ -37,7 +37,7 @@ class _Kept:
     dtype: torch.dtype
     device: torch.device
     nbytes: int
-    slice: Slice | None = None
+    slice: TieredUnit | None = None
     on_drive: bool = False
 
 
@@ -62,7 +62,7 @@ class BoundaryStore:
         return "act{}/{}/{}".format(self.engine_id, *key)
 
     def _writeback(self, k: _Kept):
-        def write(s: Slice):
+        def write(s: TieredUnit):
             name = self._extent(k.key)
             have = self._extent_bytes.get(k.key, 0)
             if have < k.nbytes:
@@ -77,14 +77,14 @@ class BoundaryStore:
         return write
 
     def _on_drop(self, k: _Kept):
-        def dropped(s: Slice) -> None:
+        def dropped(s: TieredUnit) -> None:
             if k.slice is s:
                 k.slice = None
         return dropped
 
-    def _slice(self, k: _Kept, buf: torch.Tensor, dirty: bool, ready=None) -> Slice:
-        s = Slice(("act", self.engine_id) + k.key, buf, kind="act", dirty=dirty, ready=ready,
-                  prefetched=ready is not None, writeback=self._writeback(k), on_drop=self._on_drop(k))
+    def _slice(self, k: _Kept, buf: torch.Tensor, dirty: bool, ready=None) -> TieredUnit:
+        s = TieredUnit(("act", self.engine_id) + k.key, buf, kind="act", dirty=dirty, ready=ready,
+                       prefetched=ready is not None, writeback=self._writeback(k), on_drop=self._on_drop(k))
         k.slice = s
         return s
 
@@ -112,7 +112,7 @@ class BoundaryStore:
             if k is not None and k.slice is None and k.on_drive:
                 self._read(k, READ_PREFETCH)
 
-    def _read(self, k: _Kept, priority: int) -> Slice:
+    def _read(self, k: _Kept, priority: int) -> TieredUnit:
         buf = alloc_aligned(k.nbytes, dtype=torch.uint8)
         fut = self.rt.store.read(self._extent(k.key), buf, 0, priority)
         self.read_bytes += k.nbytes

@@ -48,7 +48,7 @@ import torch
 
 from ..io.buffers import alloc_aligned, round_up
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
-from ..tiers.host_tier import Slice
+from ..tiers.unit import TieredUnit
 from .runtime import Runtime
 
 log = logging.getLogger("aidaptiv_ds")
@@ -84,7 +84,7 @@ class SubGroupGrads:
     state: GradState = GradState.EMPTY
     arrived: set = dataclasses.field(default_factory=set)
     arrived_now: set = dataclasses.field(default_factory=set)
-    slice: Slice | None = None
+    slice: TieredUnit | None = None
     on_drive: bool = False
     extent: str | None = None
     pinned: bool = False
@@ -152,7 +152,7 @@ class GradientStore:
         return ("grad", self.engine_id, g.index)
 
     def _writeback(self, g: SubGroupGrads):
-        def write(s: Slice):
+        def write(s: TieredUnit):
             if self.device_sync is not None:
                 self.device_sync()
             if g.extent is None:
@@ -165,19 +165,19 @@ class GradientStore:
         return write
 
     def _on_drop(self, g: SubGroupGrads):
-        def dropped(s: Slice) -> None:
+        def dropped(s: TieredUnit) -> None:
             if g.slice is s:
                 g.slice = None
                 g.resident = False
         return dropped
 
-    def _new_slice(self, g: SubGroupGrads, buf: torch.Tensor, ready=None, dirty: bool = True) -> Slice:
+    def _new_slice(self, g: SubGroupGrads, buf: torch.Tensor, ready=None, dirty: bool = True) -> TieredUnit:
         if self.resident_subgroups is not None:
             g.resident = g.index in self.resident_subgroups
         else:
             g.resident = self.resident_bytes() + self._nbytes(g) <= self.resident_limit
-        s = Slice(self._key(g), buf, kind="grad", dirty=dirty, ready=ready, prefetched=ready is not None,
-                  resident=g.resident, writeback=self._writeback(g), on_drop=self._on_drop(g))
+        s = TieredUnit(self._key(g), buf, kind="grad", dirty=dirty, ready=ready, prefetched=ready is not None,
+                       resident=g.resident, writeback=self._writeback(g), on_drop=self._on_drop(g))
         g.slice = s
         return s
 
@@ -192,7 +192,7 @@ class GradientStore:
             if g.slice is not None:
                 self.rt.tier.release(g.slice)
 
-    def _load(self, g: SubGroupGrads, priority: int) -> Slice | None:
+    def _load(self, g: SubGroupGrads, priority: int) -> TieredUnit | None:
         """The slice of a HELD gradient, reading it back from its extent when not in DRAM."""
         if g.state is GradState.EMPTY:
             return None

@@ -35,8 +35,7 @@ from ..io.buffers import alloc_aligned, byte_view, round_down, round_up
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..planner.residency import ResidencyPlan
 from ..spans import spanned
-from ..tiers.host_tier import Slice
-from ..tiers.unit import MOMENT_FORMATS, MomentFormat, UnitLayout, optimizer_layout
+from ..tiers.unit import MOMENT_FORMATS, MomentFormat, TieredUnit, UnitLayout, optimizer_layout
 from ..errors import AidaptivConfigError
 from .errors import DeepSpeedContractError
 from .gradients import GradientStore
@@ -130,7 +129,7 @@ class _Group:
     index: int  # the sub-group's index (DeepSpeed's sub_group_id: creation order)
     state_names: list = dataclasses.field(default_factory=list)
     resident: bool = False
-    slice: Slice | None = None
+    slice: TieredUnit | None = None
     speculating: bool = False  # a speculative step's new state goes to the shadow extent
     keep_gradient: bool = False  # its gradient outlives the speculative step (a redo may need it)
     alias: tuple = ()  # (ds_id, byte offset, bytes) of the fp32 partitions read from its master slot
@@ -289,23 +288,23 @@ class AidaptivOptimizerSwapper:
         end to end, so only the extent's tail is padding)."""
         return round_up(g.layout.prefix_bytes(slots), self.rt.store.alignment)
 
-    def _slot(self, g: _Group, s: Slice, j: int) -> torch.Tensor:
+    def _slot(self, g: _Group, s: TieredUnit, j: int) -> torch.Tensor:
         return g.layout.slots[j].view(s.buf)
 
     def _writeback(self, g: _Group):
-        def write(s: Slice):
+        def write(s: TieredUnit):
             key = self._shadow_key(g) if g.speculating else self._extent_key(g)
             return self.rt.store.write(key, s.buf[: self._span(g, g.valid_slots)], 0, WRITE_BACK)
         return write
 
-    def _new_slice(self, g: _Group, buf: torch.Tensor) -> Slice:
+    def _new_slice(self, g: _Group, buf: torch.Tensor) -> TieredUnit:
         """Make ``buf`` the sub-group's host slice, holding new bytes (dirty: never dropped unwritten)."""
-        s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, dirty=True,
-                  writeback=self._writeback(g), on_drop=lambda sl, g=g: self._dropped(g, sl))
+        s = TieredUnit(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, dirty=True,
+                       layout=g.layout, writeback=self._writeback(g), on_drop=lambda sl, g=g: self._dropped(g, sl))
         g.slice = s
         return self.rt.tier.add(s)
 
-    def _dropped(self, g: _Group, s: Slice) -> None:
+    def _dropped(self, g: _Group, s: TieredUnit) -> None:
         if g.slice is s:
             g.slice = None
             self._forget_pending(g)
@@ -340,7 +339,7 @@ class AidaptivOptimizerSwapper:
     # The bytes are the master slot's own in every case, so the step is bit-identical with one that
     # read the slot (the parameters of a sub-group not yet stepped are its current master weights).
 
-    def _load(self, g: _Group, priority: int, master_from_params: bool = False) -> Slice:
+    def _load(self, g: _Group, priority: int, master_from_params: bool = False) -> TieredUnit:
         """The host slice of ``g``, reading it (master + valid state slots) if not in DRAM; with
         ``master_from_params`` (and ``g.alias``) the master slot's first blocks come from the parameter
         swapper instead (see [Note: master weights from the parameter reads])."""
@@ -353,9 +352,9 @@ class AidaptivOptimizerSwapper:
             master_from_params = False  # a parameter was edited away from its master: read the slot itself
         start = round_down(g.slot_bytes, self.rt.store.alignment) if master_from_params and g.alias and psw else 0
         fut = self.rt.store.read(self._extent_key(g), buf[start:n], start, priority) if n > start else None
-        s = Slice(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, ready=fut,
-                  prefetched=True, writeback=self._writeback(g),
-                  on_drop=lambda sl, g=g: self._dropped(g, sl))
+        s = TieredUnit(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, ready=fut,
+                       prefetched=True, layout=g.layout, writeback=self._writeback(g),
+                       on_drop=lambda sl, g=g: self._dropped(g, sl))
         g.slice = s
         if start:
             self._fill_from_params(g, buf, start)
@@ -432,7 +431,7 @@ class AidaptivOptimizerSwapper:
             for ds_id in list(grp.held):
                 self._unhold(grp, ds_id)
 
-    def wait_slice(self, g: _Group) -> Slice:
+    def wait_slice(self, g: _Group) -> TieredUnit:
         """Wait for ``g`` 's slice to hold all its bytes and return it: its read, then the master ranges no
         parameter slice supplied (from a parameter slice now in DRAM, else the parameter swapper reads
         those partitions on demand, coalesced)."""
@@ -573,7 +572,7 @@ class AidaptivOptimizerSwapper:
         else:
             parameter.grad = self.gradients.fp32_grad(g.index)
 
-    def _adopt_states(self, g: _Group, parameter, s: Slice) -> Slice:
+    def _adopt_states(self, g: _Group, parameter, s: TieredUnit) -> TieredUnit:
         """Move per-element state tensors the optimizer created into slots of the extent (once)."""
         state = self.optimizer.state.get(parameter, {})
         names = sorted(k for k, v in state.items()

@@ -36,7 +36,8 @@ from ..io.buffers import REGISTRY, alloc_aligned
 from ..io.engine import READ_DEMAND, READ_PREFETCH, WRITE_BACK
 from ..io.futures import wait_all
 from ..store.packed import PackedRegion
-from ..tiers.host_tier import HostTier, Slice
+from ..tiers.host_tier import HostTier
+from ..tiers.unit import TieredUnit
 from ..errors import AidaptivConfigError
 from ..spans import spanned
 from .errors import DeepSpeedContractError
@@ -58,7 +59,7 @@ def _status():
     return PartitionedParamStatus
 
 
-def _read_done(s: Slice) -> bool:
+def _read_done(s: TieredUnit) -> bool:
     """``s`` holds its bytes: no read, or a read that completed without error (never waits)."""
     return s.ready is None or (s.ready.done() and s.ready.exception() is None)
 
@@ -112,8 +113,8 @@ class PartitionRecord:
     ds_id: int
     loc: _Loc  # where its bytes are stored
     owner: weakref.ref | None = None  # its parameter, while anything holds it
-    host: Slice | None = None  # the host slice holding its current bytes
-    pinned: Slice | None = None  # the slice its published ds_tensor references
+    host: TieredUnit | None = None  # the host slice holding its current bytes
+    pinned: TieredUnit | None = None  # the slice its published ds_tensor references
     unadopted: bool = False  # a first partition not written: its bytes come from the unpacked store
     home: _Loc | None = None  # an fp32 partition edited away from its master slot: that slot ([Note: edits of aliased partitions])
 
@@ -229,13 +230,13 @@ class AidaptivParamSwapper:
     def largest_partition_bytes(self) -> int:
         return max((r.loc.nbytes for r in self._parts.values()), default=0)
 
-    def _partition_bytes(self, s: Slice, ds_id: int) -> torch.Tensor:
+    def _partition_bytes(self, s: TieredUnit, ds_id: int) -> torch.Tensor:
         """Partition ``ds_id`` 's bytes in host slice ``s`` (uint8, a view)."""
         loc = self._parts[ds_id].loc
         off = loc.start - s.key[2]
         return s.buf[off:off + loc.nbytes]
 
-    def _view(self, s: Slice, ds_id: int) -> torch.Tensor:
+    def _view(self, s: TieredUnit, ds_id: int) -> torch.Tensor:
         return self._partition_bytes(s, ds_id).view(self._parts[ds_id].loc.dtype)
 
     # ------------------------------------------------------------------ DeepSpeed API
@@ -348,10 +349,12 @@ class AidaptivParamSwapper:
             p.ds_tensor.status = S.AVAILABLE
 
     def synchronize_writes(self) -> None:
-        """Wait for every partition write issued so far."""
+        """Wait for every partition write issued so far: the swap-outs, and the write-backs of parameter slices
+        the host tier decided (a dirty eviction, a resident slice's flush)."""
         with self.rt.io_wait:
             for r in self._regions.values():
                 r.flush()
+            self.rt.tier.wait_writes(kind="param")
 
     def swap_into_buffer(self, param, dest_buffer: torch.Tensor) -> None:
         """Synchronously copy a partition into a caller-owned buffer (DeepSpeed then keeps it in CPU)."""
@@ -537,22 +540,22 @@ class AidaptivParamSwapper:
         locs = [self._parts[i].loc for i in run]
         return locs[0].region, min(x.start for x in locs), max(x.end for x in locs)
 
-    def _read_slices(self, ids, priority: int) -> list[Slice]:
+    def _read_slices(self, ids, priority: int) -> list[TieredUnit]:
         """Read coalesced slices for ``ids`` (none of which may be mapped already) into the tier."""
         out = []
         for run in self._runs(ids, GAP_BYTES):
             region, start, end = self._span(run)
             a, _ = region.aligned(start, end)
             fut, buf, _ = region.read(start, end, priority=priority)
-            s = Slice(("p", region.name, a, next(self._seq)), buf, members=run, kind="param", ready=fut,
-                      prefetched=True, on_drop=self._on_drop)  # working memory until first used
+            s = TieredUnit(("p", region.name, a, next(self._seq)), buf, members=run, kind="param", ready=fut,
+                           prefetched=True, on_drop=self._on_drop)  # working memory until first used
             for i in run:
                 self._parts[i].host = s
             self.rt.tier.add(s)
             out.append(s)
         return out
 
-    def _on_drop(self, s: Slice) -> None:
+    def _on_drop(self, s: TieredUnit) -> None:
         listen = self.drop_listeners and _read_done(s)
         for i in s.members:
             rec = self._parts.get(i)
@@ -617,8 +620,8 @@ class AidaptivParamSwapper:
             for i in run:
                 self._parts[i].detach_host(self.rt.tier)
             if keep:
-                s = Slice(("p", region.name, start - skip, next(self._seq)), staging, members=run, kind="param",
-                          on_drop=self._on_drop)
+                s = TieredUnit(("p", region.name, start - skip, next(self._seq)), staging, members=run, kind="param",
+                               on_drop=self._on_drop)
                 for i in run:
                     self._parts[i].host = s
                 self.rt.tier.add_writing(s, fut)
@@ -630,8 +633,8 @@ class AidaptivParamSwapper:
             for i in run:
                 loc = self._parts[i].loc
                 buf[loc.start - start:loc.end - start].view(loc.dtype).copy_(copies[i].reshape(-1))
-            s = Slice(("p", region.name, start, next(self._seq)), buf, members=run, kind="param", prefetched=True,
-                      on_drop=self._on_drop)  # clean: its bytes are the master's, which its write-back carries
+            s = TieredUnit(("p", region.name, start, next(self._seq)), buf, members=run, kind="param", prefetched=True,
+                           on_drop=self._on_drop)  # clean: its bytes are the master's, which its write-back carries
             for i in run:
                 self._parts[i].host = s
             self.rt.tier.add(s)
@@ -653,8 +656,8 @@ class AidaptivParamSwapper:
             def writeback(sl, region=region):
                 return region.write_all(sl.buf)
 
-            s = Slice(("p", region.name, 0, next(self._seq)), buf, members=ids, kind="param", resident=True,
-                      on_drop=self._on_drop, writeback=writeback)
+            s = TieredUnit(("p", region.name, 0, next(self._seq)), buf, members=ids, kind="param", resident=True,
+                           on_drop=self._on_drop, writeback=writeback)
             for i in ids:  # the newest bytes of a partition may sit in a host slice, not yet below
                 old = self._parts[i].host
                 if old is not None:

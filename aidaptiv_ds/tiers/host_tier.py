@@ -1,7 +1,9 @@
 """The host (DRAM) tier: slices of state in host memory under a byte budget.
 
-A *slice* is the unit the scheduler moves: the packed partitions one module fetch needs, or one
-optimizer sub-group's master weights and moments (one extent, one sequential transfer). Memory is
+The tier holds :class:`~aidaptiv_ds.tiers.unit.TieredUnit` s, the units the scheduler moves: the packed
+partitions one module fetch needs, one optimizer sub-group's master weights and moments, a gradient slice, a
+KV block (one extent, one sequential transfer); a unit's host bytes are its *slice*. The tier runs every
+transition of a unit's life under its lock ([Note: a unit's transitions], ``tiers/unit.py``). Memory is
 booked in three classes:
 
 * **resident** slices, chosen by the planner to live in DRAM for good (never evicted; dirty ones
@@ -22,102 +24,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import itertools
 import threading
-from collections.abc import Callable, Hashable
-
-import torch
+from collections.abc import Hashable
 
 from ..io.futures import DeferredFuture, IOFuture
 from .eviction import AccessOrder, EvictionPolicy
-
-
-class SliceState(enum.Enum):
-    """Where a slice is in its life ([Note: a slice's life]); :attr:`Slice.state` derives it from the slice's
-    fields, which only :class:`HostTier` changes."""
-    NEW = "new"  # built, not in a tier yet
-    READING = "reading"  # in the tier, its read still filling ``buf``
-    IN_USE = "in_use"  # referenced by compute (never evicted)
-    PREFETCHED = "prefetched"  # read ahead of use, not used yet (working memory)
-    WRITING = "writing"  # unreferenced, its write-back in flight (working memory)
-    RESIDENT = "resident"  # planned to stay in DRAM
-    CACHED = "cached"  # unreferenced, kept while the budget allows
-    GONE = "gone"  # left the tier (evicted or dropped); its owner was told (``on_drop``)
-
-
-#: [Note: a slice's life] NEW -add-> READING / PREFETCHED / CACHED / RESIDENT / WRITING; acquire -> IN_USE,
-#: release -> CACHED (or WRITING, PREFETCHED...); evict or drop -> GONE (a GONE slice may be added again).
-#: ``acquire``, ``mark_dirty`` and ``write_back`` of a slice that left the tier are bugs of its owner (a write of
-#: bytes nobody will read, or a reference the budget does not see) and raise. A NEW slice may be referenced or
-#: marked before it is added (so that adding it at a budget of 0 does not evict it at once).
-
-
-class Slice:
-    """Host bytes of one unit of state.
-
-    Attributes:
-        key: identity in the tier.
-        buf: the host buffer (any dtype; ``nbytes`` is what is booked).
-        members: ids used to compute the next use (default ``(key,)``).
-        resident: planned to stay in DRAM (never evicted).
-        refs: compute references (a referenced slice is never evicted).
-        dirty: the bytes differ from the copy below; ``writeback`` must run before it may be dropped.
-        ready: pending read filling ``buf`` (wait before use), or None.
-        writing: pending write-back from ``buf``, or None.
-        prefetched: read ahead of use and not used yet (booked as working memory).
-        writeback: ``fn(slice) -> IOFuture`` that writes ``buf`` below.
-        on_drop: ``fn(slice)`` called when the slice leaves the tier (owners unmap it there).
-    """
-
-    __slots__ = ("key", "buf", "nbytes", "members", "resident", "refs", "dirty", "ready", "writing", "prefetched",
-                 "writeback", "on_drop", "last_use", "kind", "in_tier", "was_in_tier")
-
-    def __init__(self, key: Hashable, buf: torch.Tensor, nbytes: int | None = None, members=None,
-                 resident: bool = False, kind: str = "", writeback: Callable | None = None,
-                 on_drop: Callable | None = None, ready: IOFuture | None = None, prefetched: bool = False,
-                 dirty: bool = False) -> None:
-        self.key = key
-        self.buf = buf
-        self.nbytes = int(nbytes if nbytes is not None else buf.numel() * buf.element_size())
-        self.members = tuple(members) if members is not None else (key,)
-        self.resident = resident
-        self.refs = 0
-        self.dirty = dirty
-        self.ready = ready
-        self.writing: IOFuture | None = None
-        self.prefetched = prefetched
-        self.writeback = writeback
-        self.on_drop = on_drop
-        self.last_use = 0
-        self.kind = kind
-        self.in_tier = False
-        self.was_in_tier = False
-
-    @property
-    def state(self) -> SliceState:
-        """The slice's :class:`SliceState` now (a read that completed counts as done)."""
-        if not self.in_tier:
-            return SliceState.GONE if self.was_in_tier else SliceState.NEW
-        if self.refs:
-            return SliceState.IN_USE
-        if self.ready is not None and not self.ready.done():
-            return SliceState.READING
-        if self.writing is not None:
-            return SliceState.WRITING
-        if self.prefetched:
-            return SliceState.PREFETCHED
-        return SliceState.RESIDENT if self.resident else SliceState.CACHED
-
-    def wait_ready(self) -> None:
-        """Block until the slice's read (if any) completed; raise its error."""
-        if self.ready is not None:
-            self.ready.wait()
-            self.ready = None
+from .unit import TieredUnit
 
 
 class HostTier:
-    """Slices in DRAM under ``budget`` bytes (see module docstring).
+    """TieredUnits in DRAM under ``budget`` bytes (see module docstring).
 
     Args:
         budget: bytes for resident + cached slices.
@@ -134,12 +51,12 @@ class HostTier:
         self.writeback_limit = int(writeback_limit)
         self.order = policy.order if policy is not None else (order or AccessOrder())
         self.policy = policy if policy is not None else EvictionPolicy(self.order)
-        self._slices: dict[Hashable, Slice] = {}
-        self._writes: collections.deque[tuple[int, IOFuture, Slice | None]] = collections.deque()
+        self._slices: dict[Hashable, TieredUnit] = {}
+        self._writes: collections.deque[tuple[int, IOFuture, TieredUnit | None]] = collections.deque()
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
         self._depth = 0  # nesting of the operation holding the lock ([Note: callbacks after the lock])
-        self._gone: list[Slice] = []  # slices removed during it, whose owners are told when it ends
+        self._gone: list[TieredUnit] = []  # slices removed during it, whose owners are told when it ends
         self._decided: list[DeferredFuture] = []  # write-backs decided during it, issued when it ends
         self.held_bytes = 0
         self.peak_bytes = 0
@@ -169,7 +86,7 @@ class HostTier:
     def _op(self):
         """The tier's lock for one operation; afterwards, the write-backs decided and the ``on_drop`` of each
         slice removed during it."""
-        gone: list[Slice] = []
+        gone: list[TieredUnit] = []
         decided: list[DeferredFuture] = []
         try:
             with self._lock:
@@ -194,7 +111,7 @@ class HostTier:
                 raise err
 
     # ------------------------------------------------------------------ lookup
-    def get(self, key: Hashable) -> Slice | None:
+    def get(self, key: Hashable) -> TieredUnit | None:
         """The slice under ``key`` (counts a hit or a miss)."""
         with self._op():
             s = self._slices.get(key)
@@ -202,10 +119,10 @@ class HostTier:
                 self.misses += 1
             else:
                 self.hits += 1
-                s.last_use = next(self._clock)
+                s.touch(next(self._clock))
             return s
 
-    def peek(self, key: Hashable) -> Slice | None:
+    def peek(self, key: Hashable) -> TieredUnit | None:
         with self._op():
             return self._slices.get(key)
 
@@ -213,7 +130,7 @@ class HostTier:
         with self._op():
             return key in self._slices
 
-    def slices(self) -> list[Slice]:
+    def slices(self) -> list[TieredUnit]:
         with self._op():
             return list(self._slices.values())
 
@@ -225,10 +142,10 @@ class HostTier:
         return sum(s.nbytes for s in self._slices.values() if self._cached(s))
 
     @staticmethod
-    def _cached(s: Slice) -> bool:
-        return not s.resident and s.refs == 0 and not s.prefetched and s.writing is None
+    def _cached(s: TieredUnit) -> bool:
+        return s.cached
 
-    def add(self, s: Slice) -> Slice:
+    def add(self, s: TieredUnit) -> TieredUnit:
         """Insert ``s`` (replacing nothing: the key must be free) and evict to stay in budget.
 
         A clean, unreferenced slice counts as cached and may be evicted at once (budget 0); create
@@ -240,32 +157,23 @@ class HostTier:
         with self._op():
             if s.key in self._slices:
                 raise KeyError(f"slice {s.key!r} already in the host tier")
-            s.last_use = next(self._clock)
+            s.enter(next(self._clock))
             self._slices[s.key] = s
-            s.in_tier = s.was_in_tier = True
             self.held_bytes += s.nbytes
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             self.enforce_budget()
             return s
 
-    def _refuse_gone(self, s: Slice, op: str) -> None:
-        if s.state is SliceState.GONE:
-            raise RuntimeError(f"{op} of slice {s.key!r}, which is {s.state.value}: no longer in the host tier "
-                               f"([Note: a slice's life])")
-
-    def acquire(self, s: Slice) -> None:
+    def acquire(self, s: TieredUnit) -> None:
         """Take a compute reference (the slice cannot be evicted until :meth:`release`).
 
         Raises:
             RuntimeError: ``s`` left the tier (evicted or dropped).
         """
         with self._op():
-            self._refuse_gone(s, "acquire")
-            s.refs += 1
-            s.prefetched = False
-            s.last_use = next(self._clock)
+            s.pin(next(self._clock))
 
-    def acquire_to_update(self, s: Slice) -> None:
+    def acquire_to_update(self, s: TieredUnit) -> None:
         """Take a compute reference to change ``s`` 's bytes in place: as :meth:`acquire`, then wait for the
         write-back of ``s`` in flight, if any (a write reads ``buf`` until it completes, ``SlabStore.write``;
         changed under it, the extent below would hold a mix of the old and the new bytes -- the state a
@@ -282,38 +190,34 @@ class HostTier:
         if writing is not None:
             writing.wait()
 
-    def release(self, s: Slice) -> None:
+    def release(self, s: TieredUnit) -> None:
         """Drop a compute reference; an unreferenced slice becomes cached and may be evicted."""
         with self._op():
-            if s.refs <= 0:
-                raise RuntimeError(f"slice {s.key!r} released more often than acquired")
-            s.refs -= 1
-            if s.refs == 0:
+            if s.unpin() == 0:
                 self.enforce_budget()
 
-    def mark_dirty(self, s: Slice) -> None:
+    def mark_dirty(self, s: TieredUnit) -> None:
         """The slice's bytes differ (or are about to) from the copy below: it is written before it may go.
 
         Raises:
             RuntimeError: ``s`` left the tier (its bytes would never be written).
         """
         with self._op():
-            self._refuse_gone(s, "mark_dirty")
-            s.dirty = True
+            s.mark_dirty()
 
-    def mark_used(self, s: Slice) -> None:
+    def mark_used(self, s: TieredUnit) -> None:
         """A read-ahead slice was used without a reference (its bytes copied out): it is cached from now on, and
         the next budget check may evict it."""
         with self._op():
-            s.prefetched = False
+            s.mark_used()
 
-    def set_members(self, s: Slice, members) -> None:
+    def set_members(self, s: TieredUnit, members) -> None:
         """The ids whose next use ranks ``s`` for eviction (an owner stopped using part of it)."""
         with self._op():
-            s.members = tuple(members)
+            s.set_members(members)
 
     # ------------------------------------------------------------------ write-back
-    def write_back(self, s: Slice) -> IOFuture | None:
+    def write_back(self, s: TieredUnit) -> IOFuture | None:
         """Write ``s`` below if dirty (at most ``writeback_limit`` bytes in flight); return the future (None when
         the slice is clean and no write of it is in flight). The owner's ``writeback`` is issued when the
         outermost tier operation has released the lock ([Note: callbacks after the lock]).
@@ -325,15 +229,14 @@ class HostTier:
         with self._op():
             if not s.dirty:
                 return s.writing
-            self._refuse_gone(s, "write_back")
+            s.expect("write_back")  # a unit that left the tier: its bytes would never be read
             if s.writing is not None:  # an older write of this slice is still running
                 s.writing.wait()
-                s.writing = None
+                s.written()
             self.reserve_write(s.nbytes)
-            s.dirty = False
             fut = DeferredFuture(s.nbytes, lambda s=s: s.writeback(s))
+            s.write_back(fut)
             self._decided.append(fut)
-            s.writing = fut
             self._writes.append((s.nbytes, fut, s))
             return fut
 
@@ -367,11 +270,11 @@ class HostTier:
                 self._writes[0][1].wait()
                 self._reap_writes()
 
-    def add_writing(self, s: Slice, fut: IOFuture) -> Slice:
+    def add_writing(self, s: TieredUnit, fut: IOFuture) -> TieredUnit:
         """Insert a clean slice whose bytes are being written below by ``fut`` (booked as working
         memory until the write completes; the caller reserved the bytes with :meth:`reserve_write`)."""
         with self._op():
-            s.writing = fut
+            s.writing_from(fut)
             self._writes.append((s.nbytes, fut, s))
             return self.add(s)
 
@@ -389,14 +292,20 @@ class HostTier:
         while self._writes and self._writes[0][1].done():
             reaped += 1
             n, fut, sl = self._writes.popleft()
-            if sl is not None and sl.writing is fut:
-                sl.writing = None
+            if sl is not None:
+                sl.written(fut)
             fut.wait()  # raises the write's error here, on the training thread
         return reaped
 
-    def wait_writes(self) -> None:
-        """Wait for every write-back in flight (raises the first error)."""
+    def wait_writes(self, kind: str | None = None) -> None:
+        """Wait for every write-back in flight, or only for those of ``kind`` units (raises the first error)."""
         with self._op():
+            if kind is not None:
+                for _, fut, unit in list(self._writes):
+                    if unit is not None and unit.kind == kind:
+                        fut.wait()
+                self._reap_writes()
+                return
             while self._writes:
                 self._writes[0][1].wait()
                 self._reap_writes()
@@ -430,7 +339,7 @@ class HostTier:
         with self._op():
             return sum(s.nbytes for s in self._slices.values() if s.resident or self._cached(s))
 
-    def evict(self, s: Slice) -> None:
+    def evict(self, s: TieredUnit) -> None:
         """Remove an unreferenced slice. A dirty one is written back first, without waiting: it stays
         (as working memory, bounded by ``writeback_limit``) until its write completes, then goes as a
         clean slice at the next budget check."""
@@ -443,24 +352,24 @@ class HostTier:
                 return
             if s.writing is not None:
                 s.writing.wait()
-                s.writing = None
+                s.written()
             self.evictions += 1
-            self._remove(s)
+            self._remove(s, evicted=True)
 
-    def drop(self, s: Slice) -> None:
+    def drop(self, s: TieredUnit) -> None:
         """Remove ``s`` without writing (its bytes are stale or no longer needed): a dirty slice is marked clean,
         so a reference still held to it can never write it later."""
         with self._op():
-            s.dirty = False
+            s.discard()
             if s.writing is not None:
                 s.writing.wait()
-                s.writing = None
+                s.written()
             self._remove(s)
 
-    def _remove(self, s: Slice) -> None:
+    def _remove(self, s: TieredUnit, evicted: bool = False) -> None:
         if self._slices.get(s.key) is s:
             del self._slices[s.key]
-            s.in_tier = False
+            s.leave(evicted)
             self.held_bytes -= s.nbytes
             if s.on_drop is not None:
                 self._gone.append(s)  # told after the lock ([Note: callbacks after the lock])

@@ -1,10 +1,17 @@
-"""The layout of a tiered unit: typed slots packed end to end in one extent (issue 39).
+"""A tiered unit: one record per unit of state the tiers move, its typed slots and its life (issue 39).
 
-A unit is what the tiers move as one: an optimizer sub-group (its fp32 master weights and the optimizer's
-per-element states), later a gradient slice or a KV block. Its bytes are one extent on the drives and one
-host slice in DRAM, read and written in one sequential transfer; the tensors the optimizer works on are
-views of that slice. :class:`UnitLayout` says where each tensor lies and in which dtype, so the swapper,
-the checkpoint writer and the planner read one record instead of each computing ``numel x elsize x slots``.
+A unit is what the tiers move as one: a run of packed parameter partitions, an optimizer sub-group (its fp32
+master weights and the optimizer's per-element states), a gradient slice, an activation, a KV block. Its bytes
+are one extent on the drives and one host buffer in DRAM, read and written in one sequential transfer; the
+tensors compute works on are views of that buffer. It is the counterpart of FSDP2's ``FSDPParam``:
+
+* :class:`UnitLayout` says where each tensor lies and in which dtype (typed :class:`Slot` s), so the swapper,
+  the checkpoint writer and the planner read one record instead of each computing ``numel x elsize x slots``;
+* :class:`TieredUnit` is the unit in the host tier: its buffer, its layout, its key, and the fields its
+  :class:`UnitState` follows from, changed only by the transitions below, which
+  :class:`~aidaptiv_ds.tiers.host_tier.HostTier` runs under its lock ([Note: a unit's transitions]). Owners (the
+  parameter and optimizer swappers, the gradient store, the activation and KV block stores) hold units and ask
+  the tier for transitions; they never change a unit themselves (``tests/test_layers.py`` checks both).
 
 [Note: packing] Slots are packed in order, each starting where the previous ends, rounded up to its own
 element size (a view of a dtype needs that alignment; for slots of one dtype nothing is rounded). A layout
@@ -22,10 +29,12 @@ only as fp32 through :meth:`Slot.read` / :meth:`Slot.write`, over ranges that st
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import enum
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from ..io.futures import IOFuture
 from . import blockwise
 
 
@@ -230,3 +239,208 @@ def optimizer_layout(numel: int, master: torch.dtype, moments: MomentFormat, slo
     specs = [("master", master)] + [moments.spec(f"state{j}", signed=j == 1) if j <= moment_slots
                                     else (f"state{j}", master) for j in range(1, slots)]
     return UnitLayout.packed(numel, specs)
+
+
+class UnitState(enum.Enum):
+    """Where a unit is in its life ([Note: a unit's transitions]); :attr:`TieredUnit.state` derives it from the
+    unit's fields."""
+    NEW = "new"  # built, not in a tier yet
+    READING = "reading"  # in the tier, its read still filling ``buf``
+    IN_USE = "in_use"  # referenced by compute (never evicted)
+    PREFETCHED = "prefetched"  # read ahead of use, not used yet (working memory)
+    WRITING = "writing"  # unreferenced, its write-back in flight (working memory)
+    RESIDENT = "resident"  # planned to stay in DRAM
+    CACHED = "cached"  # unreferenced, kept while the budget allows
+    GONE = "gone"  # left the tier (evicted or dropped); its owner was told (``on_drop``)
+
+
+class UnitStateError(RuntimeError):
+    """A transition a unit's state does not allow (a bug of its owner or of the tier)."""
+
+
+_ALL = frozenset(UnitState)
+_IN_TIER = _ALL - {UnitState.NEW, UnitState.GONE}
+
+# [Note: a unit's transitions]
+# A unit's state follows from its fields (in the tier or not, references, a read or write in flight, read ahead,
+# resident); the fields change only through the transitions below, each allowed from the states in
+# ``TRANSITIONS`` and refused otherwise (:class:`UnitStateError`, naming the unit, the transition and the state).
+# :class:`HostTier` runs them under its lock, so a state read under that lock is the unit's state.
+#   enter       NEW/GONE -> READING, PREFETCHED, RESIDENT, CACHED or WRITING (``HostTier.add``: a unit built with a
+#               read in flight is READING; one "loaded" is already filled)
+#   pin         any but GONE -> IN_USE        (``acquire``; a NEW unit may be pinned before it enters, so that
+#               entering at a budget of 0 does not evict it at once)
+#   unpin       IN_USE -> CACHED / RESIDENT / WRITING (``release``; refused without a reference)
+#   mark_dirty  any but GONE                  (the bytes will differ from the copy below: written before it goes)
+#   mark_used   any                           (a read-ahead unit was used by copy: it is cached from now on)
+#   write_back  any but GONE, dirty -> WRITING once unreferenced (the write is decided: the unit is clean)
+#   written     WRITING -> CACHED / RESIDENT  (its write completed)
+#   discard     any                           (its bytes are stale: clean, never written)
+#   evict       in the tier, unreferenced -> GONE (a dirty one is written back first and goes once written)
+#   leave       in the tier -> GONE           (evicted or dropped; the owner is told after the lock)
+# ``pin``, ``mark_dirty`` and ``write_back`` of a unit that left the tier are its owner's bugs (a reference the
+# budget does not see, a write of bytes nobody will read), so they raise.
+TRANSITIONS: dict[str, frozenset[UnitState]] = {
+    "enter": frozenset({UnitState.NEW, UnitState.GONE}),
+    "pin": _ALL - {UnitState.GONE},
+    "unpin": _ALL,  # and a reference held
+    "mark_dirty": _ALL - {UnitState.GONE},
+    "mark_used": _ALL,
+    "write_back": _ALL - {UnitState.GONE},  # and dirty
+    "written": _ALL,  # of the write in flight, when it is the one given
+    "discard": _ALL,
+    "evict": _IN_TIER - {UnitState.IN_USE},
+    "leave": _IN_TIER,
+}
+
+
+class TieredUnit:
+    """One unit of state in the host tier: its host bytes, its layout, and where it is in its life.
+
+    Owners build a unit and hand it to :class:`~aidaptiv_ds.tiers.host_tier.HostTier`; from then on only the
+    tier changes it, through the transitions of [Note: a unit's transitions].
+
+    Attributes:
+        key: identity in the tier.
+        buf: the host buffer (any dtype; ``nbytes`` is what is booked).
+        layout: the unit's typed slots (:class:`UnitLayout`), or None for a unit of one untyped run of bytes.
+        kind: which owner's unit (``"param"``, ``"opt"``, ``"grad"``, ``"act"``, ``"kv"``); the eviction policy
+            ranks kinds ([Note: ranking the kinds in training], ``tiers/eviction.py``).
+        members: ids used to compute the next use (default ``(key,)``).
+        resident: planned to stay in DRAM (never evicted).
+        refs: compute references (a referenced unit is never evicted).
+        dirty: the bytes differ from the copy below; ``writeback`` must run before it may be dropped.
+        ready: pending read filling ``buf`` (wait before use), or None.
+        writing: pending write-back from ``buf``, or None.
+        prefetched: read ahead of use and not used yet (booked as working memory).
+        writeback: ``fn(unit) -> IOFuture`` that writes ``buf`` below (the owner's: it names extent and span).
+        on_drop: ``fn(unit)`` called when the unit leaves the tier (owners unmap it there), after the tier's lock.
+    """
+
+    __slots__ = ("key", "buf", "nbytes", "layout", "members", "resident", "refs", "dirty", "ready", "writing",
+                 "prefetched", "writeback", "on_drop", "last_use", "kind", "in_tier", "was_in_tier")
+
+    def __init__(self, key: Hashable, buf: torch.Tensor, nbytes: int | None = None, members=None,
+                 resident: bool = False, kind: str = "", writeback: Callable | None = None,
+                 on_drop: Callable | None = None, ready: IOFuture | None = None, prefetched: bool = False,
+                 dirty: bool = False, layout: UnitLayout | None = None) -> None:
+        self.key = key
+        self.buf = buf
+        self.nbytes = int(nbytes if nbytes is not None else buf.numel() * buf.element_size())
+        self.layout = layout
+        self.members = tuple(members) if members is not None else (key,)
+        self.resident = resident
+        self.refs = 0
+        self.dirty = dirty
+        self.ready = ready
+        self.writing: IOFuture | None = None
+        self.prefetched = prefetched
+        self.writeback = writeback
+        self.on_drop = on_drop
+        self.last_use = 0
+        self.kind = kind
+        self.in_tier = False
+        self.was_in_tier = False
+
+    def __repr__(self) -> str:
+        return f"TieredUnit({self.key!r}, {self.kind or 'untyped'}, {self.nbytes} B, {self.state.value})"
+
+    @property
+    def state(self) -> UnitState:
+        """The unit's :class:`UnitState` now (a read that completed counts as done)."""
+        if not self.in_tier:
+            return UnitState.GONE if self.was_in_tier else UnitState.NEW
+        if self.refs:
+            return UnitState.IN_USE
+        if self.ready is not None and not self.ready.done():
+            return UnitState.READING
+        if self.writing is not None:
+            return UnitState.WRITING
+        if self.prefetched:
+            return UnitState.PREFETCHED
+        return UnitState.RESIDENT if self.resident else UnitState.CACHED
+
+    @property
+    def cached(self) -> bool:
+        """Unreferenced, not read ahead, no write in flight and not resident: what the budget may evict."""
+        return not self.resident and self.refs == 0 and not self.prefetched and self.writing is None
+
+    def wait_ready(self) -> None:
+        """Block until the unit's read (if any) completed; raise its error."""
+        if self.ready is not None:
+            self.ready.wait()
+            self.ready = None
+
+    # ---------------------------------------------------------------- transitions (HostTier, under its lock)
+    def expect(self, transition: str) -> None:
+        """Raise :class:`UnitStateError` unless ``transition`` is allowed in the unit's state now."""
+        state = self.state
+        if state not in TRANSITIONS[transition]:
+            where = "no longer in the host tier" if state is UnitState.GONE else "not allowed there"
+            raise UnitStateError(f"{transition} of unit {self.key!r}, which is {state.value}: {where} "
+                                 f"([Note: a unit's transitions])")
+
+    def enter(self, tick: int) -> None:
+        """Into the tier (``HostTier.add``)."""
+        self.expect("enter")
+        self.in_tier = self.was_in_tier = True
+        self.last_use = tick
+
+    def pin(self, tick: int) -> None:
+        """Take a compute reference (``HostTier.acquire``)."""
+        self.expect("pin")
+        self.refs += 1
+        self.prefetched = False
+        self.last_use = tick
+
+    def unpin(self) -> int:
+        """Drop a compute reference; returns the references left."""
+        self.expect("unpin")
+        if self.refs <= 0:
+            raise UnitStateError(f"unit {self.key!r} released more often than acquired")
+        self.refs -= 1
+        return self.refs
+
+    def touch(self, tick: int) -> None:
+        """Used now (a lookup hit)."""
+        self.last_use = tick
+
+    def mark_dirty(self) -> None:
+        self.expect("mark_dirty")
+        self.dirty = True
+
+    def mark_used(self) -> None:
+        self.expect("mark_used")
+        self.prefetched = False
+
+    def set_members(self, members) -> None:
+        self.members = tuple(members)
+
+    def write_back(self, fut: IOFuture) -> None:
+        """Its write-back is decided: ``fut`` writes ``buf`` below; the unit is clean from now on."""
+        self.expect("write_back")
+        if not self.dirty or self.writing is not None:
+            raise UnitStateError(f"write_back of unit {self.key!r}: clean or a write still in flight")
+        self.dirty = False
+        self.writing = fut
+
+    def writing_from(self, fut: IOFuture) -> None:
+        """A clean unit whose bytes ``fut`` is writing below (``HostTier.add_writing``), before it enters."""
+        self.expect("enter")
+        self.writing = fut
+
+    def written(self, fut: IOFuture | None = None) -> None:
+        """The write in flight completed (``fut``: only when it is that write; None: whichever it was)."""
+        self.expect("written")
+        if fut is None or self.writing is fut:
+            self.writing = None
+
+    def discard(self) -> None:
+        """Its bytes are stale: clean, never written (``HostTier.drop``)."""
+        self.expect("discard")
+        self.dirty = False
+
+    def leave(self, evicted: bool = False) -> None:
+        """Out of the tier (dropped, or ``evicted``: unreferenced, checked)."""
+        self.expect("evict" if evicted else "leave")
+        self.in_tier = False
