@@ -205,19 +205,22 @@ NOT_SLICE = {("aidaptiv_ds/inference/block_store.py", "last_use")}
 UNIT_TRANSITIONS = {"pin", "unpin", "enter", "leave", "written", "writing_from", "touch"}
 
 
+def _outside_tiers():
+    """``(rel, node)`` for every AST node of the package's modules outside ``tiers/``."""
+    for path in _sources():
+        rel = path.relative_to(REPO).as_posix()
+        if not rel.startswith("aidaptiv_ds/tiers/"):
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                yield rel, node
+
+
 def test_only_the_tier_runs_a_units_transitions():
     """A unit's transitions change the fields its state follows from; :class:`HostTier` runs them under its lock.
     An owner calling one directly (``unit.pin()``) would race the budget check, so outside ``tiers/`` no call of a
     transition method is allowed (owners call the tier: ``tier.acquire(unit)``)."""
-    bad = []
-    for path in _sources():
-        rel = path.relative_to(REPO).as_posix()
-        if rel.startswith("aidaptiv_ds/tiers/"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), rel)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in UNIT_TRANSITIONS):
-                bad.append(f"{rel}:{node.lineno}: {ast.unparse(node.func)}(...)")
+    bad = [f"{rel}:{node.lineno}: {ast.unparse(node.func)}(...)" for rel, node in _outside_tiers()
+           if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+           and node.func.attr in UNIT_TRANSITIONS]
     assert not bad, "\n".join(bad)
 
 
@@ -226,16 +229,12 @@ def test_only_the_tier_writes_a_slices_fields():
     budget check (issue 39). Owners ask the tier instead (``mark_dirty``, ``mark_used``, ``set_members``,
     ``drop``); assignments to those field names on anything but ``self`` outside ``tiers/`` are refused."""
     bad = []
-    for path in _sources():
-        rel = path.relative_to(REPO).as_posix()
-        if rel.startswith("aidaptiv_ds/tiers/"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), rel)):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-            for t in targets:
-                if (isinstance(t, ast.Attribute) and t.attr in SLICE_FIELDS
-                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")
-                        and (rel, t.attr) not in NOT_SLICE):
-                    bad.append(f"{rel}:{node.lineno}: {ast.unparse(t)} = ...")
+    for rel, node in _outside_tiers():
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            if (isinstance(t, ast.Attribute) and t.attr in SLICE_FIELDS
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                    and (rel, t.attr) not in NOT_SLICE):
+                bad.append(f"{rel}:{node.lineno}: {ast.unparse(t)} = ...")
     assert not bad, "\n".join(bad)

@@ -8,15 +8,16 @@ import types
 
 import torch
 
+from aidaptiv_ds.integration.master_links import Fill, MasterLinks
 from aidaptiv_ds.integration.optimizer_swapper import AidaptivOptimizerSwapper, _Group
 from aidaptiv_ds.tiers.unit import UnitLayout
 
 
 def _swapper(limit: int, waiting: set[int]) -> AidaptivOptimizerSwapper:
     sw = object.__new__(AidaptivOptimizerSwapper)
-    sw.groups, sw._pending_owner, sw._alias_owner, sw._held_storage = {}, {}, {}, {}
+    sw.groups = {}
+    sw.master_links = MasterLinks(limit)
     sw.master_copied_bytes = sw.master_held_bytes = sw.master_demand_bytes = 0
-    sw.master_hold_limit = limit
     sw.holds_master = lambda index: index in waiting
     sw.rt = types.SimpleNamespace(param_swapper=types.SimpleNamespace(host_bytes=lambda ds_id: None))
     return sw
@@ -35,6 +36,14 @@ def _group(sw, index: int, parts: list[tuple[int, int]]) -> _Group:
     return g
 
 
+def _held(sw, g) -> set[int]:
+    return {k.ds_id for k in sw.master_links.held(g)}
+
+
+def _waiting(sw, g) -> dict[int, tuple[int, int]]:
+    return {k.ds_id: (k.offset, k.waiting) for k in sw.master_links.waiting(g)}
+
+
 def test_kept_bytes_fill_the_master_slot_bit_for_bit():
     sw = _swapper(limit=1 << 20, waiting={0})
     g = _group(sw, 0, [(1, 4096), (2, 8192)])
@@ -42,11 +51,11 @@ def test_kept_bytes_fill_the_master_slot_bit_for_bit():
     b = torch.randint(0, 256, (8192,), dtype=torch.uint8)
     sw.take_master_bytes(1, a)
     sw.take_master_bytes(2, b)
-    assert set(g.held) == {1, 2} and sw.held_bytes() == 4096 + 8192
+    assert _held(sw, g) == {1, 2} and sw.held_bytes() == 4096 + 8192
     buf = torch.zeros(3 * 12288, dtype=torch.uint8)
     sw._fill_from_params(g, buf, 12288)
     assert torch.equal(buf[:4096], a) and torch.equal(buf[4096:12288], b)
-    assert not g.pending and not g.held and sw.held_bytes() == 0
+    assert not _waiting(sw, g) and not _held(sw, g) and sw.held_bytes() == 0
     assert sw.master_held_bytes == sw.master_copied_bytes == 12288
 
 
@@ -57,10 +66,10 @@ def test_nothing_kept_past_the_limit_or_for_a_sub_group_not_waiting():
     sw.take_master_bytes(1, torch.ones(4096, dtype=torch.uint8))
     sw.take_master_bytes(2, torch.ones(4096, dtype=torch.uint8))  # a second buffer would pass 6000 bytes
     sw.take_master_bytes(3, torch.ones(4096, dtype=torch.uint8))  # sub-group 1 is not waiting
-    assert set(g0.held) == {1} and not g1.held
+    assert _held(sw, g0) == {1} and not _held(sw, g1)
     buf = torch.zeros(3 * 8192, dtype=torch.uint8)
     sw._fill_from_params(g0, buf, 8192)
-    assert g0.pending == {2: (4096, 4096)}  # read on demand (or filled when a slice holds it again)
+    assert _waiting(sw, g0) == {2: (4096, 4096)}  # read on demand (or filled when a slice holds it again)
 
 
 def test_views_of_one_buffer_count_once_and_are_let_go_at_the_end_of_backward():
@@ -69,17 +78,40 @@ def test_views_of_one_buffer_count_once_and_are_let_go_at_the_end_of_backward():
     run = torch.arange(3072, dtype=torch.int32).view(torch.uint8)  # one parameter slice (12288 B), two partitions
     sw.take_master_bytes(1, run[:4096])
     sw.take_master_bytes(2, run[4096:])
-    assert set(g.held) == {1, 2} and sw.held_bytes() == run.untyped_storage().nbytes()
+    assert _held(sw, g) == {1, 2} and sw.held_bytes() == run.untyped_storage().nbytes()
     sw.release_held()
-    assert not g.held and sw.held_bytes() == 0 and not sw._held_storage
+    assert not _held(sw, g) and sw.held_bytes() == 0
 
 
 def test_a_slice_that_exists_takes_the_bytes_directly():
     sw = _swapper(limit=1 << 20, waiting={0})
     g = _group(sw, 0, [(1, 4096)])
     g.slice = types.SimpleNamespace(buf=torch.zeros(3 * 4096, dtype=torch.uint8))
-    g.pending = {1: (0, 4096)}
-    sw._pending_owner[1] = g
+    sw.master_links.wait(sw.master_links.get(1), 4096)
     src = torch.full((4096,), 7, dtype=torch.uint8)
     sw.take_master_bytes(1, src)
-    assert torch.equal(g.slice.buf[:4096], src) and not g.held and not g.pending
+    assert torch.equal(g.slice.buf[:4096], src) and not _held(sw, g) and not _waiting(sw, g)
+    assert sw.master_links.get(1).fill is Fill.NONE
+
+
+def test_a_links_fill_walks_its_states():
+    """[Note: a link's fill]: NONE -wait-> WAITING -filled-> NONE, NONE -hold-> HELD -unhold-> NONE; a wait or an
+    unhold from another state is refused, a second hold is not taken."""
+    import pytest
+
+    links = MasterLinks(hold_limit=1 << 20)
+    grp = object()
+    (a, b) = links.set(grp, [(1, 0, 4096), (2, 4096, 4096)])
+    assert links.of(grp) == (a, b) and links.get(2) is b and a.fill is Fill.NONE
+    links.wait(a, 100)
+    with pytest.raises(RuntimeError, match="wait from waiting"):
+        links.wait(a, 100)
+    assert not links.hold(a, torch.ones(8, dtype=torch.uint8))  # a waiting link takes the bytes, not a hold
+    links.filled(a)
+    assert a.fill is Fill.NONE and a.waiting == 0
+    src = torch.ones(4096, dtype=torch.uint8)
+    assert links.hold(b, src) and b.fill is Fill.HELD and links.held_bytes() == 4096
+    assert not links.hold(b, src) and links.held_bytes() == 4096
+    with pytest.raises(RuntimeError, match="unhold from none"):
+        links.unhold(a)
+    assert links.unhold(b) is src and b.fill is Fill.NONE and links.held_bytes() == 0

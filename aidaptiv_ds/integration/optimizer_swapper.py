@@ -40,6 +40,7 @@ from ..errors import AidaptivConfigError
 from .errors import DeepSpeedContractError
 from .gradients import GradientStore
 from .host_step import is_torch_adam
+from .master_links import Fill, MasterLinks
 from .phase import EnginePhase, Phase
 from .runtime import Runtime
 
@@ -132,9 +133,6 @@ class _Group:
     slice: TieredUnit | None = None
     speculating: bool = False  # a speculative step's new state goes to the shadow extent
     keep_gradient: bool = False  # its gradient outlives the speculative step (a redo may need it)
-    alias: tuple = ()  # (ds_id, byte offset, bytes) of the fp32 partitions read from its master slot
-    pending: dict = dataclasses.field(default_factory=dict)  # ds_id -> (offset, bytes) of master not filled yet
-    held: dict = dataclasses.field(default_factory=dict)  # ds_id -> bytes kept from a dropped parameter slice
 
     @property
     def valid_slots(self) -> int:
@@ -205,16 +203,13 @@ class AidaptivOptimizerSwapper:
         self.plan = links.plan
         self.gradients = links.gradients
         self.wanted = links.wanted
-        self._pending_owner: dict[int, _Group] = {}  # ds_id -> the sub-group whose master slot awaits its bytes
         self.master_copied_bytes = 0  # master bytes filled from parameter slices instead of read
         self.master_demand_bytes = 0  # master bytes read on demand because no parameter slice had them
         self.master_held_bytes = 0  # of the copied bytes, those kept from a dropped slice until the slice came
-        # [Note: master weights from the parameter reads]: which sub-group's master slot a partition is
-        # read from; whether a sub-group waits for its slice; the hold's bound
-        self._alias_owner: dict[int, _Group] = {}
+        # [Note: master weights from the parameter reads]: which partition fills which master slot, how far each
+        # fill is, and the kept buffers' bound; whether a sub-group waits for its slice
+        self.master_links = MasterLinks(links.master_hold_limit)
         self.holds_master = links.holds_master
-        self.master_hold_limit = int(links.master_hold_limit)
-        self._held_storage: dict[int, list[int]] = {}  # storage address -> [bytes, holds]
         self.swap_folder = os.path.join(runtime.namespace.rank_dir(0), f"optimizer{engine_id}")
         os.makedirs(self.swap_folder, exist_ok=True)
 
@@ -307,14 +302,8 @@ class AidaptivOptimizerSwapper:
     def _dropped(self, g: _Group, s: TieredUnit) -> None:
         if g.slice is s:
             g.slice = None
-            self._forget_pending(g)
+            self.master_links.forget_waiting(g)
             self.release_held(g)
-
-    def _forget_pending(self, g: _Group) -> None:
-        for ds_id in g.pending:
-            if self._pending_owner.get(ds_id) is g:
-                del self._pending_owner[ds_id]
-        g.pending = {}
 
     # [Note: master weights from the parameter reads]
     #
@@ -324,8 +313,8 @@ class AidaptivOptimizerSwapper:
     #
     # * at once, for the partitions a host slice holds when the slice is created (``_fill_from_params``);
     # * when a host slice leaves DRAM, for those backward reads later (``take_master_bytes``, a drop
-    #   listener of the parameter swapper: ``g.pending``);
-    # * from a kept slice (``g.held``), for those backward read and left *before* the sub-group had a
+    #   listener of the parameter swapper: a WAITING link, ``master_links.py``);
+    # * from a kept slice (a HELD link), for those backward read and left *before* the sub-group had a
     #   slice: the in-backward window ([Note: the in-backward window] in ``backward_step.py``) holds two
     #   optimizer slices, and while both are taken (one stepping, one being written back) backward goes
     #   on through the next sub-group's layers. Without the hold their bytes were read again on demand
@@ -341,16 +330,17 @@ class AidaptivOptimizerSwapper:
 
     def _load(self, g: _Group, priority: int, master_from_params: bool = False) -> TieredUnit:
         """The host slice of ``g``, reading it (master + valid state slots) if not in DRAM; with
-        ``master_from_params`` (and ``g.alias``) the master slot's first blocks come from the parameter
+        ``master_from_params`` (and master links for ``g``) the master slot's first blocks come from the parameter
         swapper instead (see [Note: master weights from the parameter reads])."""
         if g.slice is not None:
             return g.slice
         n = self._span(g, g.valid_slots)
         buf = alloc_aligned(self._span(g, g.slots))
         psw = self.rt.param_swapper
-        if master_from_params and psw is not None and not all(psw.is_master_alias(d) for d, _, _ in g.alias):
+        links = self.master_links.of(g)
+        if master_from_params and psw is not None and not all(psw.is_master_alias(k.ds_id) for k in links):
             master_from_params = False  # a parameter was edited away from its master: read the slot itself
-        start = round_down(g.slot_bytes, self.rt.store.alignment) if master_from_params and g.alias and psw else 0
+        start = round_down(g.slot_bytes, self.rt.store.alignment) if master_from_params and links and psw else 0
         fut = self.rt.store.read(self._extent_key(g), buf[start:n], start, priority) if n > start else None
         s = TieredUnit(("opt", self.engine_id, g.key), buf, kind="opt", resident=g.resident, ready=fut,
                        prefetched=True, layout=g.layout, writeback=self._writeback(g),
@@ -374,20 +364,17 @@ class AidaptivOptimizerSwapper:
         return True
 
     def _fill_from_params(self, g: _Group, buf: torch.Tensor, end: int) -> None:
-        """Copy the master bytes below ``end`` from the parameter partitions in DRAM now; the rest wait in
-        ``g.pending`` (filled by :meth:`take_master_bytes` or :meth:`wait_slice`)."""
-        for ds_id, off, nbytes in g.alias:
-            n = min(nbytes, end - off)
+        """Copy the master bytes below ``end`` from the parameter partitions in DRAM now; the others' links wait
+        (filled by :meth:`take_master_bytes` or :meth:`wait_slice`)."""
+        for link in self.master_links.of(g):
+            n = min(link.nbytes, end - link.offset)
             if n <= 0:
                 continue
-            kept = g.held.get(ds_id)
-            if kept is not None:
-                self._copy_param_bytes(buf, ds_id, off, n, kept)
+            if link.fill is Fill.HELD:
+                self._copy_param_bytes(buf, link.ds_id, link.offset, n, self.master_links.unhold(link))
                 self.master_held_bytes += n
-                self._unhold(g, ds_id)
-            elif not self._copy_param_bytes(buf, ds_id, off, n):
-                g.pending[ds_id] = (off, n)
-                self._pending_owner[ds_id] = g
+            elif not self._copy_param_bytes(buf, link.ds_id, link.offset, n):
+                self.master_links.wait(link, n)
         self.release_held(g)  # bytes kept past the slot's filled part (none in practice)
 
     def take_master_bytes(self, ds_id: int, src: torch.Tensor) -> None:
@@ -395,41 +382,27 @@ class AidaptivOptimizerSwapper:
         into the master slot that waits for them, or keep them for a sub-group still to be stepped in
         this backward that has no slice yet (a drop listener; [Note: master weights from the parameter
         reads])."""
-        g = self._pending_owner.pop(ds_id, None)
-        if g is not None and g.slice is not None and ds_id in g.pending:
-            off, n = g.pending.pop(ds_id)
-            self._copy_param_bytes(g.slice.buf, ds_id, off, n, src)
+        link = self.master_links.get(ds_id)
+        if link is None:
             return
-        g = self._alias_owner.get(ds_id)
-        if (g is None or g.slice is not None or ds_id in g.held or self.holds_master is None
-                or not self.holds_master(g.index)):
-            return
-        storage = src.untyped_storage()
-        key = storage.data_ptr()
-        extra = 0 if key in self._held_storage else storage.nbytes()
-        if self.held_bytes() + extra > self.master_hold_limit:
-            return
-        self._held_storage.setdefault(key, [storage.nbytes(), 0])[1] += 1
-        g.held[ds_id] = src
+        g: _Group = link.group  # type: ignore[assignment]
+        if link.fill is Fill.WAITING:
+            n = link.waiting
+            self.master_links.filled(link)
+            if g.slice is not None:
+                self._copy_param_bytes(g.slice.buf, ds_id, link.offset, n, src)
+                return
+        if g.slice is None and self.holds_master is not None and self.holds_master(g.index):
+            self.master_links.hold(link, src)  # within the hold limit, else read on demand later
 
     def held_bytes(self) -> int:
         """Host bytes of parameter slices kept alive for master slots now (whole buffers, each once)."""
-        return sum(n for n, _ in self._held_storage.values())
-
-    def _unhold(self, g: _Group, ds_id: int) -> None:
-        src = g.held.pop(ds_id)
-        key = src.untyped_storage().data_ptr()
-        entry = self._held_storage[key]
-        entry[1] -= 1
-        if not entry[1]:
-            del self._held_storage[key]
+        return self.master_links.held_bytes()
 
     def release_held(self, g: _Group | None = None) -> None:
         """Let go of the parameter bytes kept for ``g`` 's master slot (every sub-group's when None): the
         end of a backward, a dropped slice."""
-        for grp in (self.groups.values() if g is None else (g,)):
-            for ds_id in list(grp.held):
-                self._unhold(grp, ds_id)
+        self.master_links.release(g)
 
     def wait_slice(self, g: _Group) -> TieredUnit:
         """Wait for ``g`` 's slice to hold all its bytes and return it: its read, then the master ranges no
@@ -438,9 +411,11 @@ class AidaptivOptimizerSwapper:
         s = g.slice
         with self.rt.io_wait:
             s.wait_ready()
-        if g.pending:
-            missing = [(d, off, n) for d, (off, n) in g.pending.items() if not self._copy_param_bytes(s.buf, d, off, n)]
-            self._forget_pending(g)
+        waiting = self.master_links.waiting(g)
+        if waiting:
+            missing = [(k.ds_id, k.offset, k.waiting) for k in waiting
+                       if not self._copy_param_bytes(s.buf, k.ds_id, k.offset, k.waiting)]
+            self.master_links.forget_waiting(g)
             psw = self.rt.param_swapper
             edited = [m for m in missing if not psw.is_master_alias(m[0])]  # the parameter no longer is its master
             missing = [m for m in missing if psw.is_master_alias(m[0])]
@@ -460,9 +435,7 @@ class AidaptivOptimizerSwapper:
 
     def set_alias(self, g: _Group, entries) -> None:
         """``entries``: ``(ds_id, byte offset, bytes)`` of the fp32 partitions read from ``g`` 's master slot."""
-        g.alias = tuple((int(d), int(o), int(n)) for d, o, n in entries)
-        for d, _, _ in g.alias:
-            self._alias_owner[d] = g
+        self.master_links.set(g, entries)
 
     # ------------------------------------------------------------------ DeepSpeed API
     def init_timers(self) -> None:
