@@ -94,6 +94,19 @@ class _Request:
     deps: list = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A request still transferring logical bytes ``[start, end)``: later requests over those bytes are ordered
+    after it (a write after any overlapping request, a read after overlapping writes)."""
+    start: int
+    end: int
+    future: IOFuture
+    request: _Request
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.start < end and start < self.end
+
+
 class _Segment:
     def __init__(self, start: int, end: int, layout: StripeLayout) -> None:
         self.start, self.end, self.layout = start, end, layout
@@ -158,8 +171,8 @@ class SlabStore:
         self.bytes_read = [0] * len(paths)
         self.bytes_read_by_kind: dict[str, int] = {}  # extent_kind(key) -> bytes read (io_counters_by_kind)
         self._ledgered = [0] * len(paths)
-        self._writes_inflight: list[tuple[int, int, IOFuture, _Request]] = []  # (logical start, end, future, request)
-        self._reads_inflight: list[tuple[int, int, IOFuture, _Request]] = []
+        self._writes_inflight: list[_InFlight] = []
+        self._reads_inflight: list[_InFlight] = []
         self._inflight: set[IOFuture] = set()  # requests not yet complete; close() waits for them
         self._ledger_warned: set = set()  # (ledger file, errno) already reported by flush_ledger
         self._closed = False
@@ -405,23 +418,23 @@ class SlabStore:
             else:
                 finalizer = self._verifier(key, logical, raw)
         with self._lock:
-            self._writes_inflight = [w for w in self._writes_inflight if not w[2].done()]
-            self._reads_inflight = [r for r in self._reads_inflight if not r[2].done()]
+            self._writes_inflight = [w for w in self._writes_inflight if not w.future.done()]
+            self._reads_inflight = [r for r in self._reads_inflight if not r.future.done()]
             req = _Request(priority, self.engine.next_order())
-            before = [(f, r) for a, b, f, r in self._writes_inflight if a < logical + n and logical < b]
+            before = [w for w in self._writes_inflight if w.overlaps(logical, logical + n)]
             if write:  # nor may a write change bytes an earlier read is still transferring
-                before += [(f, r) for a, b, f, r in self._reads_inflight if a < logical + n and logical < b]
+                before += [r for r in self._reads_inflight if r.overlaps(logical, logical + n)]
             if before:  # ordered after the overlapping requests issued before it, without blocking the caller
-                req.deps = [r for _, r in before]
+                req.deps = [b.request for b in before]
                 for r in req.deps:  # [Note: priority inheritance] (io/engine.py)
                     self._boost(r, priority)
                 out = IOFuture(n, 1, keepalive=buf)
-                after = combine([f for f, _ in before], 0)
+                after = combine([b.future for b in before], 0)
                 after.add_done_callback(lambda _f: self._chain(out, write, logical, n, raw, req, finalizer))
             else:
                 out = self._submit(write, logical, n, raw, req, finalizer, buf)
             self._inflight.add(out)
-            (self._writes_inflight if write else self._reads_inflight).append((logical, logical + n, out, req))
+            (self._writes_inflight if write else self._reads_inflight).append(_InFlight(logical, logical + n, out, req))
         if not write:
             out.add_done_callback(self._kind_counter(extent_kind(key), n))
         out._expedite = lambda p, req=req: self._expedite(req, p)

@@ -26,11 +26,19 @@ import collections
 import contextlib
 import itertools
 import threading
+import typing
 from collections.abc import Hashable
 
 from ..io.futures import DeferredFuture, IOFuture
 from .eviction import AccessOrder, EvictionPolicy
 from .unit import TieredUnit
+
+
+class _Write(typing.NamedTuple):
+    """A write-back in flight, in the tier's write queue (oldest first)."""
+    nbytes: int
+    future: IOFuture
+    unit: TieredUnit | None  # None: a write no unit keeps (``track_write``)
 
 
 class HostTier:
@@ -52,7 +60,7 @@ class HostTier:
         self.order = policy.order if policy is not None else (order or AccessOrder())
         self.policy = policy if policy is not None else EvictionPolicy(self.order)
         self._slices: dict[Hashable, TieredUnit] = {}
-        self._writes: collections.deque[tuple[int, IOFuture, TieredUnit | None]] = collections.deque()
+        self._writes: collections.deque[_Write] = collections.deque()
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
         self._depth = 0  # nesting of the operation holding the lock ([Note: callbacks after the lock])
@@ -237,7 +245,7 @@ class HostTier:
             fut = DeferredFuture(s.nbytes, lambda s=s: s.writeback(s))
             s.write_back(fut)
             self._decided.append(fut)
-            self._writes.append((s.nbytes, fut, s))
+            self._writes.append(_Write(s.nbytes, fut, s))
             return fut
 
     def working_bytes(self, kind: str) -> int:
@@ -258,7 +266,7 @@ class HostTier:
                 held = self.resident_bytes() + self.cached_bytes()
                 self.enforce_budget()
                 return reaped > 0 or self.resident_bytes() + self.cached_bytes() < held
-            self._writes[0][1].wait()
+            self._writes[0].future.wait()
             self.enforce_budget()
             return True
 
@@ -267,7 +275,7 @@ class HostTier:
         with self._op():
             self._reap_writes()
             while self._writes and self._pending_write_bytes() + nbytes > self.writeback_limit:
-                self._writes[0][1].wait()
+                self._writes[0].future.wait()
                 self._reap_writes()
 
     def add_writing(self, s: TieredUnit, fut: IOFuture) -> TieredUnit:
@@ -275,23 +283,23 @@ class HostTier:
         memory until the write completes; the caller reserved the bytes with :meth:`reserve_write`)."""
         with self._op():
             s.writing_from(fut)
-            self._writes.append((s.nbytes, fut, s))
+            self._writes.append(_Write(s.nbytes, fut, s))
             return self.add(s)
 
     def track_write(self, fut: IOFuture, nbytes: int) -> None:
         """Count a write that no slice keeps (its staging buffer is the future's keep-alive)."""
         with self._op():
-            self._writes.append((int(nbytes), fut, None))
+            self._writes.append(_Write(int(nbytes), fut, None))
 
     def _pending_write_bytes(self) -> int:
-        return sum(n for n, f, _ in self._writes if not f.done())
+        return sum(w.nbytes for w in self._writes if not w.future.done())
 
     def _reap_writes(self) -> int:
         """Drop the finished writes at the head of the queue; returns how many."""
         reaped = 0
-        while self._writes and self._writes[0][1].done():
+        while self._writes and self._writes[0].future.done():
             reaped += 1
-            n, fut, sl = self._writes.popleft()
+            _, fut, sl = self._writes.popleft()
             if sl is not None:
                 sl.written(fut)
             fut.wait()  # raises the write's error here, on the training thread
@@ -301,13 +309,13 @@ class HostTier:
         """Wait for every write-back in flight, or only for those of ``kind`` units (raises the first error)."""
         with self._op():
             if kind is not None:
-                for _, fut, unit in list(self._writes):
-                    if unit is not None and unit.kind == kind:
-                        fut.wait()
+                for w in list(self._writes):
+                    if w.unit is not None and w.unit.kind == kind:
+                        w.future.wait()
                 self._reap_writes()
                 return
             while self._writes:
-                self._writes[0][1].wait()
+                self._writes[0].future.wait()
                 self._reap_writes()
             self.enforce_budget()
 
