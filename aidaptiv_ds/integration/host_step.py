@@ -122,10 +122,12 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
         tile_numel = max(block, tile_numel // block * block)  # [Note: tiles and blocks] in tiers/blockwise.py
         n, last = param.numel(), step
         scratch = [torch.empty(min(n, tile_numel)) if t.dtype != torch.float32 else None for t in tensors[2:]]
+        index = torch.empty(min(n, tile_numel), dtype=torch.int32) if block > 1 else None  # int8 codes' map indices
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
             for a in range(0, n, tile_numel):
                 sl = [t[a:a + tile_numel] for t in tensors]
-                states = [_read_tile(t, c, a, o) for t, c, o in zip(sl[2:], codecs, scratch)]  # [Note: narrow moments]
+                states = [_read_tile(t, c, a, o, index)  # [Note: narrow moments]
+                          for t, c, o in zip(sl[2:], codecs, scratch)]
                 last = step.clone()
                 adam([sl[0]], [sl[1]], [states[0]], [states[1]], states[2:], [last], **kw)
                 for t, c, w in zip(sl[2:], codecs, states):
@@ -138,12 +140,14 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
     return True
 
 
-def _read_tile(t: torch.Tensor, codec, start: int, out: torch.Tensor | None) -> torch.Tensor:
-    """A tile of a state as fp32: decoded from its slot (``codec``: ``(Slot, buf)``) or widened into ``out`` (the
-    call's scratch tile, reused by every tile: a fresh tensor per tile costs more in page faults than the
-    widening, docs/profiling.md "Narrow moments"), or ``t`` itself when it is fp32."""
+def _read_tile(t: torch.Tensor, codec, start: int, out: torch.Tensor | None,
+               index: torch.Tensor | None = None) -> torch.Tensor:
+    """A tile of a state as fp32: decoded from its slot (``codec``: ``(Slot, buf)``; ``index``: the call's int32
+    scratch for the codes' map indices) or widened into ``out`` (the call's scratch tile, reused by every tile: a
+    fresh tensor per tile costs more in page faults than the widening, docs/profiling.md "Narrow moments"), or
+    ``t`` itself when it is fp32."""
     if codec is not None:
-        return codec[0].read(codec[1], start, t.numel(), out=out)
+        return codec[0].read(codec[1], start, t.numel(), out=out, index=index)
     if t.dtype == torch.float32:
         return t
     return out[:t.numel()].copy_(t)

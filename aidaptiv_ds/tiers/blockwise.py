@@ -140,14 +140,16 @@ def quantize(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signe
         codes[full:].copy_(_codes(tail / s, signed))
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: torch.Tensor | None = None,
+               index: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 values of ``codes`` (uint8, ``(n,)``) with their blocks' ``scales`` (fp32,
     ``(n_blocks(n),)``): ``qmap[code] * scale`` (torchao's ``dequant_with_qmap``), into ``out`` (fp32
-    ``(n,)``) when given; returns the values."""
+    ``(n,)``) when given; returns the values. ``index``: int32 scratch of >= ``n`` elements for the map indices
+    (the tiled step's, reused by every tile: a fresh index tensor per tile is fresh pages when no heap is kept)."""
     n = codes.numel()
     out = torch.empty(n, dtype=torch.float32) if out is None else out
-    torch.index_select(qmap(signed), 0, codes.to(torch.int32), out=out)
+    idx = codes.to(torch.int32) if index is None else index[:n].copy_(codes)
+    torch.index_select(qmap(signed), 0, idx, out=out)
     full = n - n % BLOCK
     if full:
         out[:full].view(-1, BLOCK).mul_(scales[:full // BLOCK].view(-1, 1))

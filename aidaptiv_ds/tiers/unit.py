@@ -99,10 +99,11 @@ class Slot:
         return length
 
     def read(self, buf: torch.Tensor, start: int = 0, length: int | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, index: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, start + length)`` (default: to the end) as fp32 ``(length,)``: a view for an fp32
         slot, else widened exactly or dequantized (``tiers/blockwise.py``) into ``out`` (fp32, at least
-        ``length`` elements; its first ``length`` are used) or a new tensor.
+        ``length`` elements; its first ``length`` are used) or a new tensor. ``index``: int32 scratch of at least
+        ``length`` elements for a quantized slot's map indices (``blockwise.dequantize``).
 
         Raises:
             ValueError: the range is outside the slot, or does not start on a block of a quantized slot.
@@ -113,7 +114,7 @@ class Slot:
             return codes
         dst = None if out is None else out[:length]
         if self.quantized:
-            return blockwise.dequantize(codes, self._scales(buf, start, length), self.signed, out=dst)
+            return blockwise.dequantize(codes, self._scales(buf, start, length), self.signed, out=dst, index=index)
         return codes.float() if dst is None else dst.copy_(codes)
 
     def write(self, buf: torch.Tensor, values: torch.Tensor, start: int = 0, overwrite: bool = False) -> None:
