@@ -438,3 +438,44 @@ def test_a_units_transitions_are_refused_outside_their_states():
     new = TieredUnit("n", torch.empty(UNIT, dtype=torch.uint8))
     with pytest.raises(UnitStateError, match=r"evict of unit 'n', which is new"):
         new.leave(evicted=True)
+
+
+def test_waiting_for_one_kinds_writes_settles_them_and_raises_a_failure_once():
+    """``wait_writes(kind=)`` (the parameter swapper's ``synchronize_writes``): the units of that kind whose writes
+    it waited for are no longer WRITING (at a budget of 0 they go), another kind's write is left in flight, and a
+    failed write's error is raised by this call only, not again by the next operation."""
+    from aidaptiv_ds.io.errors import StorageIOError
+
+    class Write(IOFuture):  # in flight until waited for
+        fail = False
+
+        def expedite(self, priority):
+            if not self.done():
+                self._chunk_done(StorageIOError("write", "slab", 0, UNIT, 5, "param write failed") if self.fail else None)
+
+    def unit(key, kind, fail=False):
+        def writeback(u):
+            w = Write(UNIT, 1)
+            w.fail = fail
+            return w
+        return TieredUnit(key, torch.zeros(UNIT, dtype=torch.uint8), kind=kind, dirty=True, writeback=writeback)
+
+    tier = HostTier(budget=0)
+    p, o = unit("p", "param"), unit("o", "opt")
+    for u in (o, p):
+        tier.add(u)
+        tier.acquire(u)
+        tier.release(u)  # over the budget: a dirty eviction writes it
+    assert p.state is UnitState.WRITING and o.state is UnitState.WRITING
+    tier.wait_writes(kind="param")
+    assert p.state is UnitState.GONE and "p" not in tier  # written, then evicted at a budget of 0
+    assert o.state is UnitState.WRITING and not o.writing.done()
+    bad = tier.add(unit("bad", "param", fail=True))
+    tier.acquire(bad)
+    tier.release(bad)
+    with pytest.raises(StorageIOError, match="param write failed"):
+        tier.wait_writes(kind="param")
+    assert bad.state is not UnitState.WRITING
+    tier.enforce_budget()  # the failure was raised once
+    tier.wait_writes()
+    assert o.state is UnitState.GONE

@@ -115,3 +115,20 @@ def test_a_links_fill_walks_its_states():
     with pytest.raises(RuntimeError, match="unhold from none"):
         links.unhold(a)
     assert links.unhold(b) is src and b.fill is Fill.NONE and links.held_bytes() == 0
+
+
+def test_replacing_a_groups_links_lets_go_of_what_the_old_ones_kept():
+    """``set`` for a group that has links: the old links' kept buffers go (not leaked against the hold limit), a
+    partition no longer listed is no longer found, and a slice still waiting for old links' bytes refuses it."""
+    import pytest
+
+    links = MasterLinks(hold_limit=1 << 20)
+    grp = object()
+    (a, b) = links.set(grp, [(1, 0, 4096), (2, 4096, 4096)])
+    assert links.hold(a, torch.ones(4096, dtype=torch.uint8)) and links.held_bytes() == 4096
+    (c,) = links.set(grp, [(1, 0, 8192)])
+    assert links.held_bytes() == 0 and a.fill is Fill.NONE
+    assert links.get(2) is None and links.get(1) is c and links.of(grp) == (c,)
+    links.wait(c, 8192)
+    with pytest.raises(RuntimeError, match=r"waits for partitions \[1\]"):
+        links.set(grp, [(1, 0, 8192)])

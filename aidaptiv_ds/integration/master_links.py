@@ -64,7 +64,19 @@ class MasterLinks:
         self._storages: dict[int, list[int]] = {}  # a kept buffer's storage address -> [bytes, links holding it]
 
     def set(self, group, entries: Iterable[tuple[int, int, int]]) -> tuple[MasterLink, ...]:
-        """``entries``: ``(ds_id, byte offset, bytes)`` of the partitions read from ``group``'s master slot."""
+        """``entries``: ``(ds_id, byte offset, bytes)`` of the partitions read from ``group``'s master slot;
+        replaces ``group``'s links (the kept buffers of the old ones are let go).
+
+        Raises:
+            RuntimeError: ``group``'s slice still waits for bytes of its old links (they would never come).
+        """
+        if self.waiting(group):
+            raise RuntimeError(f"master links replaced while the sub-group's slice waits for partitions "
+                               f"{[k.ds_id for k in self.waiting(group)]} ([Note: a link's fill])")
+        self.release(group)
+        for old in self.of(group):
+            if self._by_part.get(old.ds_id) is old:
+                del self._by_part[old.ds_id]
         links = tuple(MasterLink(int(d), group, int(o), int(n)) for d, o, n in entries)
         self._by_group[id(group)] = links
         for link in links:

@@ -274,7 +274,7 @@ def master_hold_bytes(largest_master_slot_bytes: int) -> int:
     """Host bytes of parameter slices backward may keep alive for a sub-group's master slot until the
     sub-group's slice is read (fp32 parameters read from their master slots, steps inside backward):
     one master slot, ``largest_master_slot_bytes`` (4 B x the largest sub-group's elements in fp32).
-    The runtime keeps no more (``AidaptivOptimizerSwapper.master_hold_limit``; [Note: master weights from
+    The runtime keeps no more (``MasterLinks.hold_limit``, ``integration/master_links.py``; [Note: master weights from
     the parameter reads] in ``integration/optimizer_swapper.py``); what does not fit is read again.
 
     Args:

@@ -282,6 +282,8 @@ class HostTier:
         """Insert a clean slice whose bytes are being written below by ``fut`` (booked as working
         memory until the write completes; the caller reserved the bytes with :meth:`reserve_write`)."""
         with self._op():
+            if s.key in self._slices:
+                raise KeyError(f"slice {s.key!r} already in the host tier")
             s.writing_from(fut)
             self._writes.append(_Write(s.nbytes, fut, s))
             return self.add(s)
@@ -306,13 +308,23 @@ class HostTier:
         return reaped
 
     def wait_writes(self, kind: str | None = None) -> None:
-        """Wait for every write-back in flight, or only for those of ``kind`` units (raises the first error)."""
+        """Wait for every write-back in flight, or only for those of ``kind`` units, then evict what the budget no
+        longer holds. Raises the first error of a write waited for (each write's error is raised once)."""
         with self._op():
             if kind is not None:
-                for w in list(self._writes):
-                    if w.unit is not None and w.unit.kind == kind:
+                mine = [w for w in self._writes if w.unit is not None and w.unit.kind == kind]
+                for w in mine:  # out of the queue: their errors are raised here, not again by a later reap
+                    self._writes.remove(w)
+                err = None
+                for w in mine:
+                    try:
                         w.future.wait()
-                self._reap_writes()
+                    except BaseException as e:  # noqa: BLE001 - every write is waited for; the first error is raised
+                        err = err or e
+                    w.unit.written(w.future)  # type: ignore[union-attr]
+                if err is not None:
+                    raise err
+                self.enforce_budget()
                 return
             while self._writes:
                 self._writes[0].future.wait()
