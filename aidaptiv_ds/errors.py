@@ -14,6 +14,8 @@ and keeps the builtin base it had, so ``except ValueError`` / ``except OSError``
     │                                          (integration/errors.py)
     ├── StaleBuildLockError (RuntimeError)     a torch build lock left by a killed build, on which
     │                                          DeepSpeed would wait forever (integration/build_locks.py)
+    ├── UnitStateError (RuntimeError)          a tiered unit asked for a transition its state forbids (an
+    │                                          owner's bug: a unit used after it left the tier; tiers/unit.py)
     ├── StorageError (RuntimeError)            cache drives                         (io/errors.py)
     │   ├── StorageIOError (OSError)           a read/write failed after retries: path, offset, errno
     │   ├── StorageFullError                   not enough space: path, bytes needed, bytes free
@@ -76,6 +78,7 @@ LOCATIONS = {
     "PipelineError": "aidaptiv_ds.integration.errors",
     "UnsupportedKVCacheError": "aidaptiv_ds.inference.vllm.paged",
     "StaleBuildLockError": "aidaptiv_ds.integration.build_locks",
+    "UnitStateError": "aidaptiv_ds.tiers.unit",
     "BuildLockWarning": "aidaptiv_ds.integration.build_locks",
     "StorageError": "aidaptiv_ds.io.errors",
     "StorageIOError": "aidaptiv_ds.io.errors",

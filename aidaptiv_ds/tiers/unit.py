@@ -34,6 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from ..errors import AidaptivError
 from ..io.futures import IOFuture
 from . import blockwise
 
@@ -255,7 +256,7 @@ class UnitState(enum.Enum):
     GONE = "gone"  # left the tier (evicted or dropped); its owner was told (``on_drop``)
 
 
-class UnitStateError(RuntimeError):
+class UnitStateError(AidaptivError, RuntimeError):
     """A transition a unit's state does not allow (a bug of its owner or of the tier)."""
 
 
