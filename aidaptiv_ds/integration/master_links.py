@@ -38,15 +38,20 @@ class MasterLink:
 
     Attributes:
         group: the sub-group's record (the optimizer swapper's ``_Group``).
-        fill: :class:`Fill`; ``waiting`` bytes (WAITING) or the ``held`` uint8 bytes (HELD) with it.
+        waiting: bytes the sub-group's slice waits for (> 0: WAITING).
+        held: the uint8 bytes kept for the slot (not None: HELD).
     """
     ds_id: int
     group: object
     offset: int
     nbytes: int
-    fill: Fill = Fill.NONE
     waiting: int = 0
     held: torch.Tensor | None = None
+
+    @property
+    def fill(self) -> Fill:
+        """The link's :class:`Fill`, from ``waiting`` and ``held`` (never both)."""
+        return Fill.WAITING if self.waiting else Fill.HELD if self.held is not None else Fill.NONE
 
 
 class MasterLinks:
@@ -96,7 +101,9 @@ class MasterLinks:
         """The sub-group's slice waits for the link's first ``n`` bytes."""
         if link.fill is not Fill.NONE:
             raise RuntimeError(f"partition {link.ds_id}: wait from {link.fill.value} ([Note: a link's fill])")
-        link.fill, link.waiting = Fill.WAITING, int(n)
+        if n <= 0:
+            raise ValueError(f"partition {link.ds_id}: a wait for {n} bytes")
+        link.waiting = int(n)
 
     def waiting(self, group) -> list[MasterLink]:
         """``group``'s links whose bytes its slice still waits for."""
@@ -104,8 +111,7 @@ class MasterLinks:
 
     def filled(self, link: MasterLink) -> None:
         """A WAITING link's bytes are in the slot now (or no longer wanted: the slice left)."""
-        if link.fill is Fill.WAITING:
-            link.fill, link.waiting = Fill.NONE, 0
+        link.waiting = 0
 
     def forget_waiting(self, group) -> None:
         for link in self.waiting(group):
@@ -123,14 +129,15 @@ class MasterLinks:
         if self.held_bytes() + extra > self.hold_limit:
             return False
         self._storages.setdefault(key, [storage.nbytes(), 0])[1] += 1
-        link.fill, link.held = Fill.HELD, src
+        link.held = src
         return True
 
     def unhold(self, link: MasterLink) -> torch.Tensor:
         """Let go of a HELD link's bytes (returned, for a last copy)."""
-        if link.fill is not Fill.HELD or link.held is None:
+        src = link.held
+        if src is None:
             raise RuntimeError(f"partition {link.ds_id}: unhold from {link.fill.value} ([Note: a link's fill])")
-        src, link.fill, link.held = link.held, Fill.NONE, None
+        link.held = None
         key = src.untyped_storage().data_ptr()
         entry = self._storages[key]
         entry[1] -= 1

@@ -147,11 +147,11 @@ class HostTier:
         return sum(s.nbytes for s in self._slices.values() if s.resident)
 
     def cached_bytes(self) -> int:
-        return sum(s.nbytes for s in self._slices.values() if self._cached(s))
+        return sum(s.nbytes for s in self._slices.values() if s.cached)
 
-    @staticmethod
-    def _cached(s: TieredUnit) -> bool:
-        return s.cached
+    def _refuse_taken(self, s: TieredUnit) -> None:
+        if s.key in self._slices:
+            raise KeyError(f"slice {s.key!r} already in the host tier")
 
     def add(self, s: TieredUnit) -> TieredUnit:
         """Insert ``s`` (replacing nothing: the key must be free) and evict to stay in budget.
@@ -163,8 +163,7 @@ class HostTier:
             KeyError: a slice with that key is already in the tier.
         """
         with self._op():
-            if s.key in self._slices:
-                raise KeyError(f"slice {s.key!r} already in the host tier")
+            self._refuse_taken(s)
             s.enter(next(self._clock))
             self._slices[s.key] = s
             self.held_bytes += s.nbytes
@@ -253,7 +252,7 @@ class HostTier:
         written back (not resident, not cached)."""
         with self._op():
             return sum(s.nbytes for s in self._slices.values()
-                       if s.kind == kind and not s.resident and not self._cached(s))
+                       if s.kind == kind and not s.resident and not s.cached)
 
     def wait_oldest_write(self) -> bool:
         """Wait for the oldest write-back in flight, then evict what the budget no longer holds
@@ -282,8 +281,7 @@ class HostTier:
         """Insert a clean slice whose bytes are being written below by ``fut`` (booked as working
         memory until the write completes; the caller reserved the bytes with :meth:`reserve_write`)."""
         with self._op():
-            if s.key in self._slices:
-                raise KeyError(f"slice {s.key!r} already in the host tier")
+            self._refuse_taken(s)
             s.writing_from(fut)
             self._writes.append(_Write(s.nbytes, fut, s))
             return self.add(s)
@@ -313,8 +311,8 @@ class HostTier:
         with self._op():
             if kind is not None:
                 mine = [w for w in self._writes if w.unit is not None and w.unit.kind == kind]
-                for w in mine:  # out of the queue: their errors are raised here, not again by a later reap
-                    self._writes.remove(w)
+                # out of the queue: their errors are raised here, not again by a later reap
+                self._writes = collections.deque(w for w in self._writes if w.unit is None or w.unit.kind != kind)
                 err = None
                 for w in mine:
                     try:
@@ -346,7 +344,7 @@ class HostTier:
             self._reap_writes()
             over = self.resident_bytes() + self.cached_bytes() - self.budget
             while over > 0:
-                candidates = [s for s in self._slices.values() if self._cached(s)]
+                candidates = [s for s in self._slices.values() if s.cached]
                 if not candidates:
                     break
                 victim = self.policy.victim(candidates)
@@ -357,7 +355,7 @@ class HostTier:
     def budgeted_bytes(self) -> int:
         """Bytes the budget books now: resident and cached slices (``held_bytes`` less working memory)."""
         with self._op():
-            return sum(s.nbytes for s in self._slices.values() if s.resident or self._cached(s))
+            return sum(s.nbytes for s in self._slices.values() if s.resident or s.cached)
 
     def evict(self, s: TieredUnit) -> None:
         """Remove an unreferenced slice. A dirty one is written back first, without waiting: it stays

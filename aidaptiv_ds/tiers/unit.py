@@ -376,8 +376,11 @@ class TieredUnit:
     # ---------------------------------------------------------------- transitions (HostTier, under its lock)
     def expect(self, transition: str) -> None:
         """Raise :class:`UnitStateError` unless ``transition`` is allowed in the unit's state now."""
+        allowed = TRANSITIONS[transition]
+        if allowed is _ALL:  # nothing to check: skip deriving the state (unpin: once per module fetch)
+            return
         state = self.state
-        if state not in TRANSITIONS[transition]:
+        if state not in allowed:
             where = "no longer in the host tier" if state is UnitState.GONE else "not allowed there"
             raise UnitStateError(f"{transition} of unit {self.key!r}, which is {state.value}: {where} "
                                  f"([Note: a unit's transitions])")
