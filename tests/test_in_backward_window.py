@@ -53,6 +53,31 @@ def test_planner_counts_the_window_only_where_steps_may_run_inside_backward():
     assert on.cpu_rank_host["in_backward"] >= 20_000_000 * 12 and off.cpu_rank_host["in_backward"] == 0
 
 
+def test_a_drive_without_room_for_a_second_copy_plans_the_budget_of_steps_after_backward():
+    """``step_in_backward: "auto"`` on a drive that holds the state and the gradients but not a second copy of the
+    state: the steps run after backward, so the plan, like the runtime ([Note: the budget follows the resolved
+    path] in ``integration/stage3.py``), cuts the ``"auto"`` budget by the working set without the in-backward
+    window and the master hold: the budget gets those bytes."""
+    from aidaptiv_ds.planner.model_size import shape_from_config
+    from aidaptiv_ds.planner.plan import CacheDrive, PlanInput, make_plan
+
+    cfg = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 8,
+           "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 8192}
+    base = dict(shape=shape_from_config(cfg, "t"), gpus=1, vram=0, dram=7 << 30, micro_batch=1, seq_len=128,
+                dtype="fp32", cpu_ranks=True, sub_group_size=20_000_000)  # DeepSpeed's max_live, clipping 1.0
+    roomy = make_plan(PlanInput(**base, drives=[CacheDrive(capacity=1 << 50)]))
+    small_drive = [CacheDrive(capacity=2_500_000_000)]  # what the budget leaves of the state fits, not a second copy
+    small = make_plan(PlanInput(**base, drives=small_drive))
+    after = make_plan(PlanInput(**base, drives=small_drive, step_in_backward=False))
+    assert roomy.residency["step_in_backward"] and not small.residency["step_in_backward"]
+    assert roomy.cpu_rank_host["in_backward"] > 0 and small.cpu_rank_host == after.cpu_rank_host
+    assert small.cpu_rank_host["in_backward"] == 0 and small.dram == after.dram
+    freed = roomy.dram["working_set_bytes"] - small.dram["working_set_bytes"]
+    assert freed >= roomy.cpu_rank_host["in_backward"]  # the window, and the master hold with it
+    assert small.dram["budget_bytes"] - roomy.dram["budget_bytes"] == freed > 0
+    assert small.schedules["layer-major"]["rank_host_bytes"] == after.schedules["layer-major"]["rank_host_bytes"]
+
+
 class _Swapper:
     """What the stepper asks of the optimizer swapper: slice sizes, the tier, prefetch."""
 

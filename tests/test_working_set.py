@@ -16,7 +16,7 @@ import torch
 from _engine import nvme_config, one_rank_env
 from aidaptiv_ds.bench.models import LlamaShape, describe
 from aidaptiv_ds.planner.model_size import shape_from_config
-from aidaptiv_ds.planner.plan import CacheDrive, PlanInput, cpu_rank_policy, rank_state
+from aidaptiv_ds.planner.plan import DEEPSPEED_MAX_LIVE_PARAMETERS, CacheDrive, PlanInput, cpu_rank_policy, rank_state
 from aidaptiv_ds.planner.working_set import RankPolicy, RankState, rank_working_set
 
 SHAPE = LlamaShape(hidden=128, intermediate=352, layers=2, heads=4, kv_heads=2, vocab=1024)
@@ -73,6 +73,66 @@ def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, 
         assert cpu_rank_policy(inp, planned, 0) == policy
         # "auto" resolved to bytes (how many depends on the memory free now: a busy machine may leave none)
         assert isinstance(engine.optimizer._aidaptiv.rt.budget, int) and engine.optimizer._aidaptiv.rt.budget >= 0
+    finally:
+        rt = engine.optimizer._aidaptiv.rt
+        engine.destroy()
+        rt.close()
+
+
+@pytest.mark.engine
+def test_steps_after_backward_for_want_of_drive_room_take_the_window_into_the_budget(tmp_path, monkeypatch):
+    """``step_in_backward: "auto"`` and cache paths without room for a second copy of the optimizer state: the
+    steps run after backward, and the ``"auto"`` budget is cut again by the working set without the in-backward
+    window and the master hold ([Note: the budget follows the resolved path]); that working set is the planner's
+    for the same choice. The store's refusal is stood in for (a real full drive: ``tests/test_training_faults.py``)."""
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    import aidaptiv_ds  # noqa: F401  (installs the hooks)
+    from aidaptiv_ds.integration import stage3
+    from aidaptiv_ds.io.errors import StorageFullError
+    from aidaptiv_ds.store.store import SlabStore
+
+    one_rank_env(monkeypatch)
+    preflight = SlabStore.preflight
+
+    def no_room_for_a_second_copy(self, nbytes, what="the training state"):
+        if "second copy" in what:
+            raise StorageFullError("/stand-in", nbytes, nbytes - 1, what)
+        return preflight(self, nbytes, what)
+
+    cuts = []
+
+    def recorded_cut(**kw):
+        cuts.append((kw["working_set_bytes"], budget(**kw)))
+        return cuts[-1][1]
+
+    budget = stage3.auto_dram_budget
+    monkeypatch.setattr(SlabStore, "preflight", no_room_for_a_second_copy)
+    monkeypatch.setattr(stage3, "auto_dram_budget", recorded_cut)
+    cfg = nvme_config(tmp_path / "cache", dram_budget="auto")
+    cfg["gradient_clipping"] = 1.0
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(SHAPE.hf_config())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    try:
+        opt = engine.optimizer
+        ran_state, policy, ran = opt._aidaptiv.working_set
+        assert policy.step_in_backward is False and not opt._aidaptiv.stepper.enabled
+        assert ran.in_backward_window == 0 and ran.master_hold == 0
+        speculating = rank_working_set(ran_state, dataclasses.replace(policy, step_in_backward="auto"))
+        assert speculating.in_backward_window > 0 and speculating.total > ran.total
+        # cut twice, the second time by the smaller working set, and that cut is the budget the run took
+        assert len(cuts) == 2 and cuts[1][0] < cuts[0][0] and opt._aidaptiv.rt.budget == cuts[1][1]
+        inp = PlanInput(shape=shape_from_config(SHAPE.hf_config().to_dict(), describe(SHAPE)), gpus=1, vram=0,
+                        dram=64 << 30, drives=[CacheDrive(capacity=1 << 40)], cpu_ranks=True, dtype="fp32",
+                        sub_group_size=cfg["zero_optimization"]["sub_group_size"], step_in_backward=False,
+                        max_live_parameters=cfg["zero_optimization"].get("stage3_max_live_parameters",
+                                                                         DEEPSPEED_MAX_LIVE_PARAMETERS))
+        planned = rank_state(inp)
+        assert cpu_rank_policy(inp, planned, 0) == policy
+        assert rank_working_set(dataclasses.replace(planned, staging_partition_bytes=0), policy) == \
+            rank_working_set(dataclasses.replace(ran_state, staging_partition_bytes=0), policy)
     finally:
         rt = engine.optimizer._aidaptiv.rt
         engine.destroy()

@@ -97,6 +97,7 @@ def large_run(shape: LlamaShape, settings: TrainSettings, *, steps: int = 3, bac
     runs, outcomes = [], []
     for k, b in enumerate(backends):
         run_dir = os.path.join(work_dir, f"{stamp}-large", f"{k:02d}-{b}")
+        free = None
         if b != "cpu":
             st = os.statvfs(work_dir)
             free = st.f_bavail * st.f_frsize
@@ -116,8 +117,11 @@ def large_run(shape: LlamaShape, settings: TrainSettings, *, steps: int = 3, bac
         runs.append(res)
         outcomes.append(outcome(res))
         if b.startswith("aidaptiv") and res.get("budget_bytes") is not None:
-            # what aidaptiv-ds plan --cpu-ranks says this rank needs besides the budget, plus the budget it ran with
-            outcomes[-1]["planned_host_bytes"] = planned_host_bytes(shape, settings, ram)["total"] + res["budget_bytes"]
+            # what aidaptiv-ds plan --cpu-ranks says this rank needs besides the budget, plus the budget it ran with;
+            # planned with the room the cache path had (steps inside backward or after it, as the runtime chose)
+            planned = planned_host_bytes(shape, settings, ram, cache_bytes=free)
+            outcomes[-1]["planned_host_bytes"] = planned["total"] + res["budget_bytes"]
+            outcomes[-1]["planned_step_in_backward"] = planned["step_in_backward"]
     result = {
         "config": {"model": describe(shape), "shape": shape.as_dict(), **settings.as_dict(), "steps": steps,
                    "seed": seed, "backends": backends, "state_bytes": state, "ram_bytes": ram,

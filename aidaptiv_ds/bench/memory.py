@@ -46,19 +46,22 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: int | None = None,
-                       layer_major: bool = False) -> dict:
+                       layer_major: bool = False, cache_bytes: int | None = None) -> dict:
     """What ``aidaptiv-ds plan --cpu-ranks`` says one CPU rank of this run needs besides a DRAM budget of 0
     (:func:`aidaptiv_ds.planner.plan.cpu_rank_host_bytes`: the baseline plus the larger of the backward
     and optimizer phases), for the shape and DeepSpeed knobs the sweep's worker runs with; bytes by part.
     ``layer_major``: the run's steps are ``engine.train_batch`` (its activations:
-    :func:`aidaptiv_ds.planner.plan.layer_major_cpu_activation_bytes`); then ``{"total", "activations"}``."""
+    :func:`aidaptiv_ds.planner.plan.layer_major_cpu_activation_bytes`); then ``{"total", "activations"}``.
+    ``cache_bytes``: the bytes free on the run's cache path (default: unbounded); a drive without room for a second
+    copy of the optimizer state plans the steps after backward, as the runtime resolves ``step_in_backward: "auto"``
+    (the plan's ``"step_in_backward"`` says which)."""
     from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL
     from ..planner.model_size import shape_from_config
     from ..planner.plan import DEEPSPEED_MAX_LIVE_PARAMETERS, CacheDrive, PlanInput, make_plan
     from ..planner.schedule import LAYER_MAJOR
     hf = shape.hf_config().to_dict()
     inp = PlanInput(shape=shape_from_config(hf, describe(shape)), gpus=1, vram=0, dram=int(ram_bytes or 64 * GiB),
-                    drives=[CacheDrive(capacity=1 << 50)], dram_budget=0, micro_batch=settings.micro_batch,
+                    drives=[CacheDrive(capacity=int(cache_bytes) if cache_bytes else 1 << 50)], dram_budget=0, micro_batch=settings.micro_batch,
                     seq_len=settings.seq, dtype=settings.dtype,
                     activation_checkpointing=bool(settings.activation_checkpointing),
                     sub_group_size=int(settings.sub_group_size), cpu_ranks=True,
@@ -70,7 +73,7 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
     if layer_major:
         lm = (plan.schedules or {})[LAYER_MAJOR]
         return {"total": lm["rank_host_bytes"], "activations": lm["rank_activations"]["total"]}
-    return dict(plan.cpu_rank_host)
+    return {**plan.cpu_rank_host, "step_in_backward": plan.residency["step_in_backward"]}
 
 
 def sweep(shapes: list[LlamaShape], settings: TrainSettings, *, backends: list[str], steps: int = 3,

@@ -15,6 +15,7 @@ Overrides (``docs/deepspeed-seams.md`` §2.5, §6.4):
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import weakref
@@ -337,21 +338,23 @@ def make_stage3_class(base: type) -> type:
                 readahead_bytes=psw.prefetch_window() if psw is not None and cpu_rank else 0, deepspeed_bytes=ds_bytes,
                 activation_bytes=0,  # the sequence length is not known yet: the safety margin holds them
                 step_tile_numel=TILE_NUMEL)
-            rank_ws = rank_working_set(state, policy)
-            # what the budget was cut by, and from what (tests/test_working_set.py compares it with the plan)
-            self._aidaptiv.working_set = (state, policy, rank_ws)
-            grad_window, may_speculate, rides = rank_ws.grad_window, rank_ws.may_step_in_backward, rank_ws.rides
-            ws, overhead, pool_bytes = rank_ws.total, rank_ws.overhead, rank_ws.pool_bytes
-            in_backward_window = rank_ws.in_backward_window
-            largest_opt_slice = rank_ws.largest_opt_slice
-            if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
-                held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, but the plan's to give
-                rt.set_budget(auto_dram_budget(working_set_bytes=ws - held))
-                rt.release_host_memory()  # what the smaller budget evicted goes back to the OS
+
+            def cut_budget(policy: RankPolicy):
+                """The working set under ``policy``, and the ``"auto"`` budget cut by it."""
+                rank_ws = rank_working_set(state, policy)
+                # what the budget was cut by, and from what (tests/test_working_set.py compares it with the plan)
+                self._aidaptiv.working_set = (state, policy, rank_ws)
+                if rt.cfg.dram_budget == "auto":  # now the working set is known: take it out of the budget
+                    held = rt.tier.resident_bytes() + rt.tier.cached_bytes()  # ours: in use now, the plan's to give
+                    rt.set_budget(auto_dram_budget(working_set_bytes=rank_ws.total - held))
+                    rt.release_host_memory()  # what the smaller budget evicted goes back to the OS
+                return rank_ws
+
+            rank_ws = cut_budget(policy)
             clip = float(getattr(self, "clip_grad", 0.0) or 0.0) > 0.0
             state_bytes = sum(state.opt_slice_bytes(n) for n in numels)
-            sw_span_max = largest_opt_slice
-            speculate = may_speculate
+            sw_span_max = rank_ws.largest_opt_slice
+            speculate = rank_ws.may_step_in_backward
             while True:
                 sizes.grads_transient = speculate and not clip
                 sizes.steps_in_backward = speculate
@@ -379,6 +382,12 @@ def make_stage3_class(base: type) -> type:
                     if rt.rank == 0:
                         log.warning("aidaptiv_ds: the cache paths lack room for a second copy of the optimizer "
                                     "state, so optimizer steps run after backward (step_in_backward: \"auto\")")
+                    # [Note: the budget follows the resolved path] the in-backward window and the master hold are
+                    # not held after backward: the budget is cut again without them, as the planner plans it
+                    policy = dataclasses.replace(policy, step_in_backward=False)
+                    rank_ws = cut_budget(policy)
+            grad_window, rides, pool_bytes = rank_ws.grad_window, rank_ws.rides, rank_ws.pool_bytes
+            ws, overhead, in_backward_window = rank_ws.total, rank_ws.overhead, rank_ws.in_backward_window
             rt.settle_host_memory_reuse(ws - overhead, plan.cache_bytes, pool_bytes)
             device_sync = None
             if not get_accelerator().is_synchronized_device() and self.reduce_and_partition_stream is not None:

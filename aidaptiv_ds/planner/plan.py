@@ -544,25 +544,13 @@ def usable_cache_bytes(drives: list[CacheDrive]) -> int:
     return lay.logical_capacity({i: d.usable // STRIPE_UNIT * STRIPE_UNIT for i, d in enumerate(drives)})
 
 
-def _core(inp: PlanInput) -> dict:
-    """The numbers of the three checks (shared by :func:`make_plan` and the change search)."""
-    shape, N, dp, ranks = inp.shape, inp.params, inp.dp, inp.gpus
-    pb, mb = PARAM_BYTES[inp.dtype], inp.moment_bytes
-    sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_size, cpu_ranks=inp.cpu_ranks)
-    slice_numel = shape.largest_slice_params
-    if inp.n_params is not None and shape.n_params:
-        slice_numel = int(slice_numel * N / shape.n_params)
-    slice_part = -(-slice_numel // dp) * pb
-    act = activation_bytes(shape, inp.seq_len, inp.micro_batch, inp.activation_checkpointing, inp.flash_attention,
-                           inp.dropout)
-    if inp.cpu_ranks:
-        act = cpu_activation_bytes(inp, act)
-    vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
-            "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
-            "overhead": inp.vram_overhead}
-    vram["total"] = sum(vram.values())
+def _host_and_budget(inp: PlanInput, sizes: StateSizes, activations: int) -> tuple:
+    """One rank's host working set besides the budget and the DRAM budget it leaves, under ``inp``'s policy:
+    ``(cpu_rank_host or None, gpu_host or None, ws, DramBudget)``; ``ws`` is the node's (all local ranks)."""
+    ranks, dp, pb, mb = inp.gpus, inp.dp, PARAM_BYTES[inp.dtype], inp.moment_bytes
+    gpu_host = None
     if inp.cpu_ranks:  # the "GPU" working set is host memory outside the budget (integration/stage3.py: the same)
-        cpu = cpu_rank_host_bytes(inp, sizes, act["total"])
+        cpu = cpu_rank_host_bytes(inp, sizes, activations)
         ws = cpu["total"] * ranks
     else:
         cpu = None
@@ -580,9 +568,28 @@ def _core(inp: PlanInput) -> dict:
         ws = gpu_host["peak"] * ranks
     auto = explain_dram_budget(inp.dram, ws, total_host_bytes=inp.dram, local_ranks=ranks)
     if inp.dram_budget is not None:
-        dram = DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
-    else:
-        dram = auto
+        return cpu, gpu_host, ws, DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
+    return cpu, gpu_host, ws, auto
+
+
+def _core(inp: PlanInput) -> dict:
+    """The numbers of the three checks (shared by :func:`make_plan` and the change search)."""
+    shape, N, dp, ranks = inp.shape, inp.params, inp.dp, inp.gpus
+    pb, mb = PARAM_BYTES[inp.dtype], inp.moment_bytes
+    sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_size, cpu_ranks=inp.cpu_ranks)
+    slice_numel = shape.largest_slice_params
+    if inp.n_params is not None and shape.n_params:
+        slice_numel = int(slice_numel * N / shape.n_params)
+    slice_part = -(-slice_numel // dp) * pb
+    act = activation_bytes(shape, inp.seq_len, inp.micro_batch, inp.activation_checkpointing, inp.flash_attention,
+                           inp.dropout)
+    if inp.cpu_ranks:
+        act = cpu_activation_bytes(inp, act)
+    vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
+            "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
+            "overhead": inp.vram_overhead}
+    vram["total"] = sum(vram.values())
+    cpu, gpu_host, ws, dram = _host_and_budget(inp, sizes, act["total"])
     # steps inside backward (integration/stage3.py: the same choice, from the same record, and the same preflight)
     speculate = rank_working_set(rank_state(inp), rank_policy(inp)).may_step_in_backward
     usable = usable_cache_bytes(inp.drives)
@@ -600,6 +607,10 @@ def _core(inp: PlanInput) -> dict:
         if not speculate or inp.step_in_backward is True or nonres_rank * ranks <= usable:
             break
         speculate = False
+        # the runtime cuts its budget again without the in-backward window ([Note: the budget follows the resolved
+        # path], integration/stage3.py)
+        cpu, gpu_host, ws, dram = _host_and_budget(dataclasses.replace(inp, step_in_backward=False), sizes,
+                                                   act["total"])
     return {"sizes": sizes, "slice_numel": slice_numel, "slice_part": slice_part, "dram": dram, "res": res,
             "act": act, "vram": vram, "cache_need": nonres_rank * ranks, "cache_usable": usable,
             "step_in_backward": speculate, "shadow_bytes": shadows * ranks,
@@ -901,7 +912,8 @@ def schedule_costs(inp: PlanInput, c: dict) -> dict:
     if inp.cpu_ranks:  # what a CPU rank holds besides the DRAM budget under each schedule
         out[SCHEDULES[0]]["rank_host_bytes"] = c["cpu_rank"]["total"]
         lm = layer_major_cpu_activation_bytes(inp, c["act"])
-        out[LAYER_MAJOR]["rank_host_bytes"] = cpu_rank_host_bytes(inp, c["sizes"], lm["total"])["total"]
+        resolved = inp if c["step_in_backward"] else dataclasses.replace(inp, step_in_backward=False)
+        out[LAYER_MAJOR]["rank_host_bytes"] = cpu_rank_host_bytes(resolved, c["sizes"], lm["total"])["total"]
         out[LAYER_MAJOR]["rank_activations"] = lm
     return out
 
