@@ -16,7 +16,7 @@ import torch
 from _engine import nvme_config, one_rank_env
 from aidaptiv_ds.bench.models import LlamaShape, describe
 from aidaptiv_ds.planner.model_size import shape_from_config
-from aidaptiv_ds.planner.plan import DEEPSPEED_MAX_LIVE_PARAMETERS, CacheDrive, PlanInput, cpu_rank_policy, rank_state
+from aidaptiv_ds.planner.plan import CacheDrive, PlanInput, cpu_rank_policy, rank_state
 from aidaptiv_ds.planner.working_set import RankPolicy, RankState, rank_working_set
 
 SHAPE = LlamaShape(hidden=128, intermediate=352, layers=2, heads=4, kv_heads=2, vocab=1024)
@@ -111,7 +111,11 @@ def test_steps_after_backward_for_want_of_drive_room_take_the_window_into_the_bu
     monkeypatch.setattr(SlabStore, "preflight", no_room_for_a_second_copy)
     monkeypatch.setattr(stage3, "auto_dram_budget", recorded_cut)
     cfg = nvme_config(tmp_path / "cache", dram_budget="auto")
-    cfg["gradient_clipping"] = 1.0
+    cfg["gradient_clipping"] = 1.0  # HF Trainer's default
+    zero = cfg["zero_optimization"]
+    for k in ("sub_group_size", "stage3_param_persistence_threshold"):  # DeepSpeed's defaults
+        zero.pop(k)
+    zero["offload_param"].pop("max_in_cpu")
     torch.manual_seed(0)
     model = LlamaForCausalLM(SHAPE.hf_config())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -126,9 +130,7 @@ def test_steps_after_backward_for_want_of_drive_room_take_the_window_into_the_bu
         assert len(cuts) == 2 and cuts[1][0] < cuts[0][0] and opt._aidaptiv.rt.budget == cuts[1][1]
         inp = PlanInput(shape=shape_from_config(SHAPE.hf_config().to_dict(), describe(SHAPE)), gpus=1, vram=0,
                         dram=64 << 30, drives=[CacheDrive(capacity=1 << 40)], cpu_ranks=True, dtype="fp32",
-                        sub_group_size=cfg["zero_optimization"]["sub_group_size"], step_in_backward=False,
-                        max_live_parameters=cfg["zero_optimization"].get("stage3_max_live_parameters",
-                                                                         DEEPSPEED_MAX_LIVE_PARAMETERS))
+                        step_in_backward=False)
         planned = rank_state(inp)
         assert cpu_rank_policy(inp, planned, 0) == policy
         assert rank_working_set(dataclasses.replace(planned, staging_partition_bytes=0), policy) == \

@@ -60,8 +60,9 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
     from ..planner.plan import DEEPSPEED_MAX_LIVE_PARAMETERS, CacheDrive, PlanInput, make_plan
     from ..planner.schedule import LAYER_MAJOR
     hf = shape.hf_config().to_dict()
+    drive = CacheDrive(capacity=int(cache_bytes) if cache_bytes else 1 << 50)
     inp = PlanInput(shape=shape_from_config(hf, describe(shape)), gpus=1, vram=0, dram=int(ram_bytes or 64 * GiB),
-                    drives=[CacheDrive(capacity=int(cache_bytes) if cache_bytes else 1 << 50)], dram_budget=0, micro_batch=settings.micro_batch,
+                    drives=[drive], dram_budget=0, micro_batch=settings.micro_batch,
                     seq_len=settings.seq, dtype=settings.dtype,
                     activation_checkpointing=bool(settings.activation_checkpointing),
                     sub_group_size=int(settings.sub_group_size), cpu_ranks=True,

@@ -589,7 +589,8 @@ def _core(inp: PlanInput) -> dict:
             "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
             "overhead": inp.vram_overhead}
     vram["total"] = sum(vram.values())
-    cpu, gpu_host, ws, dram = _host_and_budget(inp, sizes, act["total"])
+    resolved = inp  # the input under the path the steps take (step_in_backward resolved below)
+    cpu, gpu_host, ws, dram = _host_and_budget(resolved, sizes, act["total"])
     # steps inside backward (integration/stage3.py: the same choice, from the same record, and the same preflight)
     speculate = rank_working_set(rank_state(inp), rank_policy(inp)).may_step_in_backward
     usable = usable_cache_bytes(inp.drives)
@@ -609,11 +610,11 @@ def _core(inp: PlanInput) -> dict:
         speculate = False
         # the runtime cuts its budget again without the in-backward window ([Note: the budget follows the resolved
         # path], integration/stage3.py)
-        cpu, gpu_host, ws, dram = _host_and_budget(dataclasses.replace(inp, step_in_backward=False), sizes,
-                                                   act["total"])
+        resolved = dataclasses.replace(inp, step_in_backward=False)
+        cpu, gpu_host, ws, dram = _host_and_budget(resolved, sizes, act["total"])
     return {"sizes": sizes, "slice_numel": slice_numel, "slice_part": slice_part, "dram": dram, "res": res,
             "act": act, "vram": vram, "cache_need": nonres_rank * ranks, "cache_usable": usable,
-            "step_in_backward": speculate, "shadow_bytes": shadows * ranks,
+            "step_in_backward": speculate, "resolved": resolved, "shadow_bytes": shadows * ranks,
             "cpu_rank": cpu, "rank_host_phases": cpu if inp.cpu_ranks else gpu_host,
             "dram_need": dram.margin_bytes + ws + (dram.budget_bytes if inp.dram_budget is not None else 0)}
 
@@ -912,8 +913,7 @@ def schedule_costs(inp: PlanInput, c: dict) -> dict:
     if inp.cpu_ranks:  # what a CPU rank holds besides the DRAM budget under each schedule
         out[SCHEDULES[0]]["rank_host_bytes"] = c["cpu_rank"]["total"]
         lm = layer_major_cpu_activation_bytes(inp, c["act"])
-        resolved = inp if c["step_in_backward"] else dataclasses.replace(inp, step_in_backward=False)
-        out[LAYER_MAJOR]["rank_host_bytes"] = cpu_rank_host_bytes(resolved, c["sizes"], lm["total"])["total"]
+        out[LAYER_MAJOR]["rank_host_bytes"] = cpu_rank_host_bytes(c["resolved"], c["sizes"], lm["total"])["total"]
         out[LAYER_MAJOR]["rank_activations"] = lm
     return out
 
