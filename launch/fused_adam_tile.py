@@ -1,82 +1,99 @@
-"""Time one AdamW tile eagerly (torch's ``adam``, what ``integration/host_step.py`` runs) against one fused loop
-compiled by ``torch.compile``, with fp32 and bf16 moments, and count the elements where the compiled fp32 step
-differs from torch's (docs/profiling.md, "A compiled, fused Adam tile").
+"""Time an AdamW sub-group step in tiles: torch's eager ``adam`` per tile (what ``integration/host_step.py`` runs
+with fp32 moments, and with bf16 moments and ``"fused_step": "off"``) against the fused bf16 tile
+(``tiers/fused_adam.py``, the default for bf16 moments), and count the elements where a compiled fp32 tile
+differs from torch's step (docs/profiling.md, "A compiled, fused Adam tile").
 
-    python launch/fused_adam_tile.py [--numel 2097152] [--rounds 15]
+    python launch/fused_adam_tile.py [--numel 20000000] [--tile 2097152] [--rounds 7]
 
-Needs a C++ compiler for inductor. The variants run interleaved, so each tile comes cold from DRAM as in a step.
+Needs a C++ compiler for inductor. The variants run interleaved; a sub-group of 20M elements (320 MB of fp32
+state) comes from DRAM as in a training step, a single tile (``--numel 2097152``) mostly from the caches.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
 import torch
 from torch.optim.adam import adam
 
-B1, B2, LR, WD, EPS = 0.9, 0.999, 1e-4, 0.01, 1e-8
-KW = dict(amsgrad=False, has_complex=False, beta1=B1, beta2=B2, lr=LR, weight_decay=WD, eps=EPS, maximize=False,
-          foreach=False, capturable=False, differentiable=False, fused=False, grad_scale=None, found_inf=None,
-          decoupled_weight_decay=True)
+from aidaptiv_ds.tiers.fused_adam import bf16_tile, step_scalars
+
+GROUP = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "maximize": False,
+         "decoupled_weight_decay": True}
+KW = dict(amsgrad=False, has_complex=False, beta1=0.9, beta2=0.999, lr=GROUP["lr"], weight_decay=GROUP["weight_decay"],
+          eps=GROUP["eps"], maximize=False, foreach=False, capturable=False, differentiable=False, fused=False,
+          grad_scale=None, found_inf=None, decoupled_weight_decay=True)
 
 
-@torch.compile(dynamic=True, fullgraph=True)
-def _fused(p, g, m, v, step_size: float, bc2_sqrt: float):
-    mf, vf = m.float(), v.float()
-    p.mul_(1 - LR * WD)
-    mf = mf.lerp(g, 1 - B1)
-    vf = vf.mul(B2).addcmul(g, g, value=1 - B2)
-    p.addcdiv_(mf, (vf.sqrt() / bc2_sqrt).add(EPS), value=-step_size)
-    m.copy_(mf)
-    v.copy_(vf)
-
-
-def fused_step(p, g, m, v, step: int) -> None:
-    _fused(p, g, m, v, LR / (1 - B1 ** step), math.sqrt(1 - B2 ** step))
-
-
-def eager_step(p, g, m, v, step: int, wm=None, wv=None) -> None:
-    if wm is None:
-        adam([p], [g], [m], [v], [], [torch.tensor(float(step - 1))], **KW)
-        return
-    wm.copy_(m)
-    wv.copy_(v)
-    adam([p], [g], [wm], [wv], [], [torch.tensor(float(step - 1))], **KW)
-    m.copy_(wm)
-    v.copy_(wv)
+def compiled_fp32_mismatches(n: int = 2 << 20) -> dict:
+    """Elements where the fused formulas compiled for fp32 moments differ from torch's eager step after one step
+    ([Note: not torch's bits] in ``tiers/fused_adam.py``)."""
+    def fp32_tile(p, g, m, v, s):
+        grad = g * s[0] + p * s[1]
+        mf = torch.lerp(m, grad, s[2])
+        vf = v * s[3] + (s[4] * grad) * grad
+        p.copy_(p * s[7] + (s[8] * mf) / (vf.sqrt() / s[5] + s[6]))
+        m.copy_(mf)
+        v.copy_(vf)
+    kernel = torch.compile(fp32_tile, dynamic=True, fullgraph=True)
+    torch.manual_seed(0)
+    p, g, m, v = torch.randn(n), torch.randn(n) * 1e-3, torch.randn(n) * 1e-3, torch.rand(n) * 1e-6
+    ref = [t.clone() for t in (p, g, m, v)]
+    adam([ref[0]], [ref[1]], [ref[2]], [ref[3]], [], [torch.tensor(0.0)], **KW)
+    with torch.no_grad():
+        kernel(p, g, m, v, step_scalars(GROUP, 1))
+    return {k: int((x != y).sum()) for k, x, y in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v),
+                                                      (ref[0], ref[2], ref[3]))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--numel", type=int, default=2 << 20)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--numel", type=int, default=20_000_000, help="elements of the sub-group")
+    ap.add_argument("--tile", type=int, default=2 << 20, help="elements per tile (the step's TILE_NUMEL)")
+    ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
+    fused = bf16_tile("on")
+    print("compiled fp32 step against torch's, elements that differ:",
+          ", ".join(f"{k} {v:,}" for k, v in compiled_fp32_mismatches().items()))
     torch.manual_seed(0)
-    n = a.numel
-    p, g, m, v = torch.randn(n), torch.randn(n) * 1e-3, torch.randn(n) * 1e-3, torch.rand(n) * 1e-6
-    ref = [t.clone() for t in (p, g, m, v)]
-    eager_step(*ref, 1)
-    fused_step(p, g, m, v, 1)
-    print("compiled fp32 step against torch's, elements that differ: "
-          + ", ".join(f"{k} {(x != y).sum().item():,}" for k, x, y in zip(("param", "exp_avg", "exp_avg_sq"),
-                                                                            (p, m, v), (ref[0], ref[2], ref[3]))))
-    mb, vb, wm, wv = m.bfloat16(), v.bfloat16(), torch.empty(n), torch.empty(n)
-    variants = {"eager fp32": lambda: eager_step(p, g, m, v, 5),
-                "eager bf16 (widen, step, round)": lambda: eager_step(p, g, mb, vb, 5, wm, wv),
-                "compiled fp32": lambda: fused_step(p, g, m, v, 5),
-                "compiled bf16": lambda: fused_step(p, g, mb, vb, 5)}
-    for fn in variants.values():
-        fn()
-    times = {k: [] for k in variants}
-    for _ in range(a.rounds):
-        for k, fn in variants.items():
-            t = time.perf_counter()
+    n, tile = a.numel, a.tile
+    p, g = torch.randn(n), torch.randn(n) * 1e-3
+    m, v = torch.randn(n) * 1e-3, torch.rand(n) * 1e-6
+    mb, vb = m.bfloat16(), v.bfloat16()
+    wm, wv = torch.empty(min(n, tile)), torch.empty(min(n, tile))
+
+    def eager_fp32():
+        for s in range(0, n, tile):
+            adam([p[s:s + tile]], [g[s:s + tile]], [m[s:s + tile]], [v[s:s + tile]], [], [torch.tensor(4.0)], **KW)
+
+    def eager_bf16():
+        for s in range(0, n, tile):
+            k = min(tile, n - s)
+            x, y = wm[:k].copy_(mb[s:s + k]), wv[:k].copy_(vb[s:s + k])
+            adam([p[s:s + k]], [g[s:s + k]], [x], [y], [], [torch.tensor(4.0)], **KW)
+            mb[s:s + k].copy_(x)
+            vb[s:s + k].copy_(y)
+
+    def fused_bf16():
+        sc = step_scalars(GROUP, 5)
+        for s in range(0, n, tile):
+            fused(p[s:s + tile], g[s:s + tile], mb[s:s + tile], vb[s:s + tile], sc)
+
+    variants = {"eager, fp32 moments": eager_fp32, "eager, bf16 moments (widen, step, round)": eager_bf16,
+                "fused, bf16 moments": fused_bf16}
+    times: dict = {k: [] for k in variants}
+    with torch.no_grad():
+        for fn in variants.values():
             fn()
-            times[k].append(time.perf_counter() - t)
+        for _ in range(a.rounds):
+            for k, fn in variants.items():
+                t = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t)
     for k, ts in times.items():
-        print(f"{k}: median {statistics.median(ts) * 1e3:.2f} ms per {n:,}-element tile")
+        print(f"{k}: median {statistics.median(ts) * 1e3:.1f} ms per {n:,}-element sub-group "
+              f"(tiles of {tile:,}; {a.rounds} rounds, {torch.get_num_threads()} threads)")
 
 
 if __name__ == "__main__":

@@ -101,9 +101,11 @@ def _prebuild_extensions() -> None:
 
 
 TIERS = ("engine", "subprocess", "multirank", "benchmark")
-#: programs a library may run as a short probe inside a unit test (basename of argv[0])
+#: programs a library may run as a short probe inside a unit test (basename of argv[0]); ``openssl``: torch
+#: inductor's checksum of its precompiled header (``codecache._get_file_checksum``), when the fused Adam tile
+#: compiles (``tiers/fused_adam.py``)
 PROBES = {"ldconfig", "uname", "gcc", "cc", "c++", "g++", "clang", "nvcc", "nvidia-smi", "lscpu", "which",
-          "hipcc", "rocm-smi", "ld", "ar"}
+          "hipcc", "rocm-smi", "ld", "ar", "openssl"}
 
 _current: dict = {"item": None}
 
@@ -120,13 +122,21 @@ def _violate(what: str, marker: str) -> None:
                             f"see tests/conftest.py")
 
 
+def _inductor_isa_probe(args) -> bool:
+    """torch inductor's check that a compiled ISA probe loads (``torch/_inductor/cpu_vec_isa.py``
+    ``_probe_load``: ``python -c "...cdll.LoadLibrary(...)"``, once per process), run by the fused Adam tile's
+    first compile (``tiers/fused_adam.py``): a library's short probe like those of :data:`PROBES`."""
+    argv = [] if isinstance(args, (str, bytes)) else list(args)
+    return len(argv) == 3 and argv[1] == "-c" and "cdll.LoadLibrary(" in str(argv[2])
+
+
 def _guard_processes() -> None:
     orig_execute = subprocess.Popen._execute_child
 
     def _execute_child(self, args, executable, *rest, **kw):
         argv0 = executable or (args if isinstance(args, (str, bytes)) else list(args)[0])
         name = os.path.basename(os.fsdecode(argv0)).split()[0]
-        if name not in PROBES:
+        if name not in PROBES and not _inductor_isa_probe(args):
             _violate(f"starts a child process ({name})", "subprocess")
         return orig_execute(self, args, executable, *rest, **kw)
 

@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from _oracle import assert_identical, assert_resume_exact, oracle, run, written_per_param_per_step
+from _oracle import (assert_identical, assert_resume_exact, differences, oracle, run,
+                     written_per_param_per_step)
 from aidaptiv_ds.errors import AidaptivConfigError
 from aidaptiv_ds.integration.config import parse_section
 from aidaptiv_ds.integration.host_step import tiled_adam_step
@@ -148,6 +149,8 @@ def test_narrow_moments_need_torch_adam():
 
 # ---------------------------------------------------------------------------- a real engine, exact
 BF16 = '{"optimizer_state": {"moments": "bf16"}}'
+#: the eager widened tile ([Note: narrow moments]): the path whose oracle is bit-identity
+BF16_EAGER = '{"optimizer_state": {"moments": "bf16", "fused_step": "off"}}'
 
 
 @pytest.mark.subprocess
@@ -155,9 +158,11 @@ BF16 = '{"optimizer_state": {"moments": "bf16"}}'
 def test_engine_with_bf16_moments_matches_rounded_oracle(tmp_path, case):
     """Llama, DeepSpeed's default sub_group_size and a small one: fp32 with HF's clipping 1.0 and GA 2 (the
     norm clips at this lr: speculative steps inside backward are redone), clipping off with the state in DRAM
-    (budget 64 MiB), and a bf16 model whose updates ride the next forward: bit-identical with the rounded
-    CPU-offload reference, and the drives see 4 B/param/step fewer than with fp32 moments."""
-    extra = BF16
+    (budget 64 MiB), and a bf16 model whose updates ride the next forward: with the eager tile, bit-identical
+    with the rounded CPU-offload reference, and the drives see 4 B/param/step fewer than with fp32 moments. With
+    the default fused tile (``tiers/fused_adam.py``, [Note: not torch's bits]) the same run within the fused
+    tile's tolerance of that reference, and not equal to the eager run (so the fused tile did run)."""
+    riding = ', "step_rides_forward": true' if case == "bf16-model-riding" else ""
     if case == "clip1-ga2":
         args = ["--model", "llama", "--steps", "4", "--ga", "2", "--clip", "1.0", "--lr", "1e-2"]
         budget = "0"
@@ -168,9 +173,9 @@ def test_engine_with_bf16_moments_matches_rounded_oracle(tmp_path, case):
         args = ["--model", "llama", "--dtype", "bf16", "--steps", "4", "--clip", "1.0", "--lr", "1e-2",
                 "--sub_group_size", "2e5"]
         budget = "0"
-        extra = '{"optimizer_state": {"moments": "bf16"}, "step_rides_forward": true}'
     ref = oracle(args + ["--round_moments", "bf16"], str(tmp_path))
-    got = run("aidaptiv", args + ["--budget", budget, "--extra", extra], str(tmp_path / "aid"))
+    got = run("aidaptiv", args + ["--budget", budget, "--extra", BF16_EAGER[:-1] + riding + "}"],
+              str(tmp_path / "aid"))
     assert_identical(ref, got)
     plain = oracle(args, str(tmp_path))
     assert plain["losses"][-1] != got["losses"][-1]  # the rounding does change the run: the test can fail
@@ -180,6 +185,31 @@ def test_engine_with_bf16_moments_matches_rounded_oracle(tmp_path, case):
         fp32 = run("aidaptiv", args + ["--budget", budget], str(tmp_path / "fp32"))
         w16, w32 = written_per_param_per_step(got), written_per_param_per_step(fp32)
         assert w16 < w32 - 3.5, (w16, w32)  # 4 B/param of moments fewer per step
+    if case != "clip0-dram":  # the default, fused tile: the same run within its tolerance
+        fused = run("aidaptiv", args + ["--budget", budget, "--extra", BF16[:-1] + riding + "}"],
+                    str(tmp_path / "fused"))
+        assert_close_to_rounded_oracle(ref, fused, lr=float(args[args.index("--lr") + 1]), steps=4,
+                                       model_dtype=torch.bfloat16 if "bf16" in args else torch.float32)
+        assert differences(got, fused), "the fused tile did not run (its results equal the eager tile's)"
+        if case == "clip1-ga2":
+            assert abs(written_per_param_per_step(fused) - w16) < 0.5  # the same bytes as the eager tile
+
+
+def assert_close_to_rounded_oracle(ref: dict, got: dict, lr: float, steps: int,
+                                   model_dtype: torch.dtype = torch.float32) -> None:
+    """The fused tile's tolerance ([Note: not torch's bits] in ``tiers/fused_adam.py``): every fp32 master and
+    gathered parameter within ``1e-6`` relative (two steps of ``model_dtype``,
+    the model's rounding of masters that differ) plus 1% of ``lr`` per step of the rounded-moment oracle (a wrong
+    formula moves a parameter by about ``lr`` per step), and every loss within 1e-4 relative."""
+    tol = 0.01 * lr * steps
+    for a, b in zip(ref["masters"], got["masters"], strict=True):
+        assert ((a - b).abs() - 1e-6 * a.abs()).max().item() <= tol
+    for name, a in ref["params"].items():
+        rel = 1e-6 if model_dtype == torch.float32 else 2 * torch.finfo(model_dtype).eps  # masters apart round apart
+        d = ((a.float() - got["params"][name].float()).abs() - rel * a.float().abs()).max().item()
+        assert d <= tol, (name, d)
+    for x, y in zip(ref["losses"], got["losses"], strict=True):  # each step's micro-batch losses
+        assert all(abs(p - q) <= 1e-4 * abs(p) for p, q in zip(x, y, strict=True)), (ref["losses"], got["losses"])
 
 
 @pytest.mark.subprocess

@@ -14,7 +14,8 @@ Backends:
   once the gradients fit" case);
 * ``aidaptiv0_bf16m`` (optional): ``aidaptiv0`` with Adam's moments kept in bf16
   (``"optimizer_state": {"moments": "bf16"}``): 8 bytes of optimizer state per parameter instead of 12;
-  opt-in and not bit-identical (its losses differ from ``cpu``'s by the rounding);
+  opt-in and not bit-identical (its losses differ from ``cpu``'s by the rounding); stepped by the fused tile
+  (``tiers/fused_adam.py``), and ``aidaptiv0_bf16m_eager`` by the eager widened tile (``"fused_step": "off"``);
 * ``aidaptiv0_int8m`` (optional): the same with int8 moments (``"moments": "int8"``, block-quantized with
   torchao's map): 6.03 bytes of optimizer state per parameter; needs torchao;
 * ``aidaptiv0_lm`` and ``aidaptiv_auto_lm`` (optional): ``aidaptiv0`` and ``aidaptiv_auto`` trained layer-major:
@@ -33,7 +34,8 @@ import copy
 import dataclasses
 
 BACKENDS = ("native", "cpu", "aidaptiv0", "aidaptiv_auto")
-OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "aidaptiv0_int8m", "aidaptiv0_lm", "aidaptiv_auto_lm", "gpu")
+OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "aidaptiv0_bf16m_eager", "aidaptiv0_int8m", "aidaptiv0_lm",
+                     "aidaptiv_auto_lm", "gpu")
 LABELS = {
     "native": "DeepSpeed native NVMe",
     "cpu": "DeepSpeed CPU offload",
@@ -41,13 +43,16 @@ LABELS = {
     "aidaptiv_auto": "aidaptiv_ds, DRAM budget auto",
     "aidaptiv_grads": "aidaptiv_ds, DRAM budget = gradients",
     "aidaptiv0_bf16m": "aidaptiv_ds, DRAM budget 0, bf16 moments",
+    "aidaptiv0_bf16m_eager": "aidaptiv_ds, DRAM budget 0, bf16 moments, eager tile",
     "aidaptiv0_int8m": "aidaptiv_ds, DRAM budget 0, int8 moments",
     "aidaptiv0_lm": "aidaptiv_ds, DRAM budget 0, layer-major",
     "aidaptiv_auto_lm": "aidaptiv_ds, DRAM budget auto, layer-major",
     "gpu": "no offload (all on the accelerator)",
 }
-#: backends that store Adam's moments narrower than fp32, and how (``aidaptiv.optimizer_state.moments``)
-MOMENT_BACKENDS = {"aidaptiv0_bf16m": "bf16", "aidaptiv0_int8m": "int8"}
+#: backends that store Adam's moments narrower than fp32, and how (``aidaptiv.optimizer_state``)
+MOMENT_BACKENDS = {"aidaptiv0_bf16m": {"moments": "bf16"},
+                   "aidaptiv0_bf16m_eager": {"moments": "bf16", "fused_step": "off"},
+                   "aidaptiv0_int8m": {"moments": "int8"}}
 #: backends that train each optimizer step layer-major (``engine.train_batch``)
 LAYER_MAJOR_BACKENDS = ("aidaptiv0_lm", "aidaptiv_auto_lm")
 #: The backend every ratio is taken against.
@@ -61,7 +66,8 @@ def dram_budget(backend: str, n_params: int) -> int | str:
     Raises:
         KeyError: ``backend`` is not an aidaptiv_ds backend.
     """
-    return {"aidaptiv0": 0, "aidaptiv0_bf16m": 0, "aidaptiv0_int8m": 0, "aidaptiv_auto": "auto",
+    return {"aidaptiv0": 0, "aidaptiv0_bf16m": 0, "aidaptiv0_bf16m_eager": 0, "aidaptiv0_int8m": 0,
+            "aidaptiv_auto": "auto",
             "aidaptiv0_lm": 0, "aidaptiv_auto_lm": "auto",
             "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
 
@@ -216,7 +222,7 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
         budget = dram_budget(backend, n_params)
         section = {"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget}
         if backend in MOMENT_BACKENDS:
-            section["optimizer_state"] = {"moments": MOMENT_BACKENDS[backend]}
+            section["optimizer_state"] = dict(MOMENT_BACKENDS[backend])
         cfg["aidaptiv"] = _merged(section, s.aidaptiv_extra or {})
     return copy.deepcopy(cfg)
 

@@ -132,8 +132,14 @@ class OptimizerStateConfig(_Model):
     torchao's dynamic map and an fp32 scale (``tiers/blockwise.py``; needs torchao, the ``int8`` extra): 6.03
     bytes per parameter. Both need torch's Adam or AdamW (``"torch_adam": true`` in the optimizer's params),
     stepped in tiles (``integration/host_step.py``).
+
+    ``fused_step``: with bf16 moments, step each tile in one loop compiled by ``torch.compile``
+    (``tiers/fused_adam.py``: torch's formulas, not its bits; about 2x faster than the eager tile): ``"auto"``
+    (default: where it compiles, else the eager tile with a warning), ``"on"`` (refuse without it) or ``"off"``
+    (the eager widened tile, bit-identical with DeepSpeed's CPU offload whose moments are rounded to bf16).
     """
     moments: Literal["fp32", "bf16", "int8"] = "fp32"
+    fused_step: Literal["auto", "on", "off"] = "auto"
 
 
 class AidaptivConfig(_Model):
@@ -291,6 +297,7 @@ _EXAMPLES = {
     "profile.steps": 'a step such as 3, or a range such as "3-4" or [3, 4]',
     "profile.dir": 'a directory such as "output/run"', "profile.modules": '"blocks" or "all"',
     "optimizer_state": 'an object such as {"moments": "bf16"}', "optimizer_state.moments": '"fp32", "bf16" or "int8"',
+    "optimizer_state.fused_step": '"auto", "on" or "off"',
 }
 
 
