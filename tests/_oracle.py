@@ -111,6 +111,23 @@ def assert_identical(ref: dict, got: dict) -> None:
     assert not diff, "\n".join(diff)
 
 
+def assert_close_to_rounded_oracle(ref: dict, got: dict, lr: float, steps: int,
+                                   model_dtype: torch.dtype = torch.float32, per_step: float = 0.01) -> None:
+    """The fused tile's tolerance ([Note: not torch's bits] in ``tiers/fused_adam.py``): every fp32 master and
+    gathered parameter within ``1e-6`` relative (two steps of ``model_dtype``: the model's rounding of masters
+    that differ) plus ``per_step`` (1%) of ``lr`` per step of the rounded-moment oracle (a wrong formula moves a
+    parameter by about ``lr`` per step), and every loss within 1e-4 relative."""
+    tol = per_step * lr * steps
+    for a, b in zip(ref["masters"], got["masters"], strict=True):
+        assert ((a - b).abs() - 1e-6 * a.abs()).max().item() <= tol
+    for name, a in ref["params"].items():
+        rel = 1e-6 if model_dtype == torch.float32 else 2 * torch.finfo(model_dtype).eps  # masters apart round apart
+        d = ((a.float() - got["params"][name].float()).abs() - rel * a.float().abs()).max().item()
+        assert d <= tol, (name, d)
+    for x, y in zip(ref["losses"], got["losses"], strict=True):  # each step's micro-batch losses
+        assert all(abs(p - q) <= 1e-4 * abs(p) for p, q in zip(x, y, strict=True)), (ref["losses"], got["losses"])
+
+
 def assert_resume_exact(args: list[str], tmp_path, save_after: int = 2) -> None:
     """Train ``args`` on our backend whole, and again saving a checkpoint after ``save_after`` steps and resuming
     from it in a new process: the resumed losses, parameters and fp32 masters equal the whole run's, bit for bit."""

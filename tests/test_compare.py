@@ -160,7 +160,8 @@ def test_gpu_backend_has_no_offload_and_no_drive():
     assert "nvme_path" not in z["offload_param"] and "aio" not in cfg and "aidaptiv" not in cfg
     assert [b for b in BACKENDS + OPTIONAL_BACKENDS if uses_drive(b)] == ["native", "aidaptiv0", "aidaptiv_auto",
                                                                          "aidaptiv_grads", "aidaptiv0_bf16m",
-                                                                         "aidaptiv0_bf16m_eager", "aidaptiv0_int8m", "aidaptiv0_lm",
+                                                                         "aidaptiv0_bf16m_eager", "aidaptiv0_int8m",
+                                                                         "aidaptiv0_int8m_eager", "aidaptiv0_lm",
                                                                          "aidaptiv_auto_lm"]
     from aidaptiv_ds.bench.compare import disk_needed
     assert disk_needed(SMALL, "bf16", ["gpu", "cpu"]) == 0 and disk_needed(SMALL, "bf16", ["gpu", "native"]) > 0

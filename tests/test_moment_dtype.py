@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from _oracle import (assert_identical, assert_resume_exact, differences, oracle, run,
-                     written_per_param_per_step)
+from _oracle import (assert_close_to_rounded_oracle, assert_identical, assert_resume_exact, differences, oracle,
+                     run, written_per_param_per_step)
 from aidaptiv_ds.errors import AidaptivConfigError
 from aidaptiv_ds.integration.config import parse_section
 from aidaptiv_ds.integration.host_step import tiled_adam_step
@@ -193,23 +193,6 @@ def test_engine_with_bf16_moments_matches_rounded_oracle(tmp_path, case):
         assert differences(got, fused), "the fused tile did not run (its results equal the eager tile's)"
         if case == "clip1-ga2":
             assert abs(written_per_param_per_step(fused) - w16) < 0.5  # the same bytes as the eager tile
-
-
-def assert_close_to_rounded_oracle(ref: dict, got: dict, lr: float, steps: int,
-                                   model_dtype: torch.dtype = torch.float32) -> None:
-    """The fused tile's tolerance ([Note: not torch's bits] in ``tiers/fused_adam.py``): every fp32 master and
-    gathered parameter within ``1e-6`` relative (two steps of ``model_dtype``,
-    the model's rounding of masters that differ) plus 1% of ``lr`` per step of the rounded-moment oracle (a wrong
-    formula moves a parameter by about ``lr`` per step), and every loss within 1e-4 relative."""
-    tol = 0.01 * lr * steps
-    for a, b in zip(ref["masters"], got["masters"], strict=True):
-        assert ((a - b).abs() - 1e-6 * a.abs()).max().item() <= tol
-    for name, a in ref["params"].items():
-        rel = 1e-6 if model_dtype == torch.float32 else 2 * torch.finfo(model_dtype).eps  # masters apart round apart
-        d = ((a.float() - got["params"][name].float()).abs() - rel * a.float().abs()).max().item()
-        assert d <= tol, (name, d)
-    for x, y in zip(ref["losses"], got["losses"], strict=True):  # each step's micro-batch losses
-        assert all(abs(p - q) <= 1e-4 * abs(p) for p, q in zip(x, y, strict=True)), (ref["losses"], got["losses"])
 
 
 @pytest.mark.subprocess

@@ -17,7 +17,8 @@ Backends:
   opt-in and not bit-identical (its losses differ from ``cpu``'s by the rounding); stepped by the fused tile
   (``tiers/fused_adam.py``), and ``aidaptiv0_bf16m_eager`` by the eager widened tile (``"fused_step": "off"``);
 * ``aidaptiv0_int8m`` (optional): the same with int8 moments (``"moments": "int8"``, block-quantized with
-  torchao's map): 6.03 bytes of optimizer state per parameter; needs torchao;
+  torchao's map): 6.03 bytes of optimizer state per parameter; needs torchao; ``aidaptiv0_int8m_eager`` with the
+  eager tile;
 * ``aidaptiv0_lm`` and ``aidaptiv_auto_lm`` (optional): ``aidaptiv0`` and ``aidaptiv_auto`` trained layer-major:
   each optimizer step is one ``engine.train_batch`` over its ``gradient_accumulation`` micro-batches, block by
   block (``integration/layer_major.py``); the same losses bit for bit;
@@ -34,8 +35,8 @@ import copy
 import dataclasses
 
 BACKENDS = ("native", "cpu", "aidaptiv0", "aidaptiv_auto")
-OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "aidaptiv0_bf16m_eager", "aidaptiv0_int8m", "aidaptiv0_lm",
-                     "aidaptiv_auto_lm", "gpu")
+OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "aidaptiv0_bf16m_eager", "aidaptiv0_int8m",
+                     "aidaptiv0_int8m_eager", "aidaptiv0_lm", "aidaptiv_auto_lm", "gpu")
 LABELS = {
     "native": "DeepSpeed native NVMe",
     "cpu": "DeepSpeed CPU offload",
@@ -45,6 +46,7 @@ LABELS = {
     "aidaptiv0_bf16m": "aidaptiv_ds, DRAM budget 0, bf16 moments",
     "aidaptiv0_bf16m_eager": "aidaptiv_ds, DRAM budget 0, bf16 moments, eager tile",
     "aidaptiv0_int8m": "aidaptiv_ds, DRAM budget 0, int8 moments",
+    "aidaptiv0_int8m_eager": "aidaptiv_ds, DRAM budget 0, int8 moments, eager tile",
     "aidaptiv0_lm": "aidaptiv_ds, DRAM budget 0, layer-major",
     "aidaptiv_auto_lm": "aidaptiv_ds, DRAM budget auto, layer-major",
     "gpu": "no offload (all on the accelerator)",
@@ -52,7 +54,8 @@ LABELS = {
 #: backends that store Adam's moments narrower than fp32, and how (``aidaptiv.optimizer_state``)
 MOMENT_BACKENDS = {"aidaptiv0_bf16m": {"moments": "bf16"},
                    "aidaptiv0_bf16m_eager": {"moments": "bf16", "fused_step": "off"},
-                   "aidaptiv0_int8m": {"moments": "int8"}}
+                   "aidaptiv0_int8m": {"moments": "int8"},
+                   "aidaptiv0_int8m_eager": {"moments": "int8", "fused_step": "off"}}
 #: backends that train each optimizer step layer-major (``engine.train_batch``)
 LAYER_MAJOR_BACKENDS = ("aidaptiv0_lm", "aidaptiv_auto_lm")
 #: The backend every ratio is taken against.
@@ -67,7 +70,7 @@ def dram_budget(backend: str, n_params: int) -> int | str:
         KeyError: ``backend`` is not an aidaptiv_ds backend.
     """
     return {"aidaptiv0": 0, "aidaptiv0_bf16m": 0, "aidaptiv0_bf16m_eager": 0, "aidaptiv0_int8m": 0,
-            "aidaptiv_auto": "auto",
+            "aidaptiv0_int8m_eager": 0, "aidaptiv_auto": "auto",
             "aidaptiv0_lm": 0, "aidaptiv_auto_lm": "auto",
             "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
 

@@ -47,10 +47,12 @@ no other step: where the tiled path does not apply, :class:`HostStepMixin` raise
 moments to DeepSpeed's or torch's whole-partition step.
 
 [Note: the fused tile]
-With bf16 moments and ``"fused_step"`` ``"auto"`` (the default) or ``"on"``, each tile is one compiled loop instead
-(``tiers/fused_adam.py``: [Note: why a fused tile], [Note: not torch's bits]): torch's formulas, not its bits,
-and about 2x faster than the eager fp32 tile. The step counter is incremented once, as torch does. amsgrad,
-tensor hyperparameters and int8 moments keep the eager tile.
+With bf16 or int8 moments and ``"fused_step"`` ``"auto"`` (the default) or ``"on"``, each tile is one compiled
+loop instead (``tiers/fused_adam.py``: [Note: why a fused tile], [Note: not torch's bits]): torch's formulas, not
+its bits; bf16 about 2x faster than the eager fp32 tile, int8 about 2x faster than the eager int8 tile. The step
+counter is incremented once, as torch does. int8's fused tile takes whole blocks, two or more: a unit's short
+last block (or a last tile of one block) takes the eager tile after it, in the same step. amsgrad and tensor
+hyperparameters keep the eager tile.
 
 The tiled path runs only where it is exactly torch's step: the optimizer is ``torch.optim.Adam`` or
 ``AdamW`` (not a subclass), the partition is a real fp32 CPU tensor with a dense gradient, its state is
@@ -67,7 +69,8 @@ from torch.optim.adam import adam
 from ..errors import AidaptivConfigError
 from ..planner.auto import OPTIMIZER_TILE_NUMEL
 from ..spans import span
-from ..tiers.fused_adam import step_scalars
+from ..tiers import blockwise
+from ..tiers.fused_adam import FusedTile, step_scalars
 
 #: elements per tile: 8 MiB of fp32 (see [Note: the tile size]); the planner counts its temporaries
 #: (:func:`aidaptiv_ds.planner.auto.optimizer_scratch_bytes`)
@@ -75,7 +78,8 @@ TILE_NUMEL = OPTIMIZER_TILE_NUMEL
 
 
 def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
-                    tile_numel: int | None = None, slots: dict | None = None, fused=None) -> bool:
+                    tile_numel: int | None = None, slots: dict | None = None,
+                    fused: FusedTile | None = None) -> bool:
     """One Adam/AdamW step of ``param`` (the only tensor of ``group``) in tiles of ``tile_numel`` elements.
 
     Args:
@@ -87,9 +91,10 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
         slots: ``{state name: (Slot, buf)}`` of states stored in another format (``tiers/unit.py``; the swapper's
             ``moment_slots``): each tile is read from and written to the slot ([Note: narrow moments]). Needed for
             int8 moments, whose state tensors are the codes; bf16 moments are widened from their tensors without it.
-        fused: the fused bf16 tile (``tiers/fused_adam.py``, :func:`~aidaptiv_ds.tiers.fused_adam.bf16_tile`) or
-            None. Given, bf16 moments step in it instead of the eager widened tile, where the group is one it
-            computes (no amsgrad, number hyperparameters): [Note: the fused tile].
+        fused: the fused tile of the moments' format (``tiers/fused_adam.py``,
+            :func:`~aidaptiv_ds.tiers.fused_adam.fused_tile`) or None. Given, bf16 or int8 moments step in it instead
+            of the eager widened tile, where the group is one it computes (no amsgrad, number hyperparameters):
+            [Note: the fused tile].
 
     Returns:
         True when the step ran here (tiled); False when it did not and nothing was changed, so the caller
@@ -131,19 +136,21 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
         block = max([c[0].block for c in codecs if c is not None] + [1])
         tile_numel = max(block, tile_numel // block * block)  # [Note: tiles and blocks] in tiers/blockwise.py
         n, last = param.numel(), step
-        moments = _fused_moments(group, tensors, codecs) if fused is not None else None
+        start = 0  # elements before it were stepped by the fused tile ([Note: the fused tile])
+        usable = fused is not None and fused.usable
+        moments = _fused_moments(fused, group, tensors, codecs) if usable else None
         if moments is not None:
             with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
-                step.add_(1)  # torch's increment, once per step
-                scalars = step_scalars(group, step.item())
-                for a in range(0, n, tile_numel):
-                    fused(*(t[a:a + tile_numel] for t in tensors[:2] + moments), scalars)
-            optimizer._opt_called = True
-            return True
-        scratch = [torch.empty(min(n, tile_numel)) if t.dtype != torch.float32 else None for t in tensors[2:]]
-        index = torch.empty(min(n, tile_numel), dtype=torch.int32) if block > 1 else None  # int8 codes' map indices
+                scalars = step_scalars(group, step.item() + 1)  # after torch's increment, once per step
+                start = _fused_tiles(fused, tensors[:2], moments, n, tile_numel, scalars)
+            if start == n:
+                step.add_(1)
+                optimizer._opt_called = True
+                return True
+        scratch = [torch.empty(min(n - start, tile_numel)) if t.dtype != torch.float32 else None for t in tensors[2:]]
+        index = torch.empty(min(n - start, tile_numel), dtype=torch.int32) if block > 1 else None  # codes' map indices
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
-            for a in range(0, n, tile_numel):
+            for a in range(start, n, tile_numel):
                 sl = [t[a:a + tile_numel] for t in tensors]
                 states = [_read_tile(t, c, a, o, index)  # [Note: narrow moments]
                           for t, c, o in zip(sl[2:], codecs, scratch)]
@@ -159,17 +166,50 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
     return True
 
 
-def _fused_moments(group: dict, tensors: list, codecs: list) -> list | None:
-    """The two bf16 moment tensors the fused tile steps in place (the slot's own view where the swapper handed
-    the slot, else the state tensor), or None where it does not compute this step: a moment not bf16 (int8
-    codes; the first step's moments, still torch's fp32), amsgrad, or a tensor hyperparameter."""
+def _fused_moments(fused: FusedTile, group: dict, tensors: list, codecs: list) -> list | None:
+    """What the fused tile steps in place: the two bf16 moment tensors (the slot's own view where the swapper handed
+    the slot, else the state tensor), or the int8 slots' ``(codes, scales)``; None where it does not compute this
+    step: moments of another format than the tile's (the first step's moments are still torch's fp32), amsgrad,
+    or a tensor hyperparameter."""
     if (len(tensors) != 4 or group["amsgrad"] or any(torch.is_tensor(group[k]) for k in ("lr", "eps", "weight_decay"))
             or any(torch.is_tensor(b) for b in group["betas"])):
         return None
+    if fused.moments == "int8":
+        if any(c is None or not c[0].quantized or c[0].numel != tensors[0].numel() for c in codecs):
+            return None
+        return [(c[0].view(c[1]), c[0].scales(c[1])) for c in codecs]
     out = [t if c is None else c[0].view(c[1]) for t, c in zip(tensors[2:], codecs)]
     if any(t.dtype != torch.bfloat16 or t.shape != tensors[0].shape for t in out):
         return None
     return out
+
+
+def _fused_tiles(fused: FusedTile, pg: list, moments: list, n: int, tile_numel: int, scalars: torch.Tensor) -> int:
+    """Step tiles ``[0, end)`` of the partition with the fused tile; returns ``end``, where the eager tile takes
+    over. ``pg``: the partition and its gradient ``(n,)``; ``moments``: :func:`_fused_moments`. bf16 takes every
+    tile of two elements or more; int8 its whole blocks, at least ``fused.min_numel`` elements, so only the last
+    tile's remainder (the unit's short last block, or a last tile of one block) is left. A call that fails has
+    written nothing: the eager tile takes over from it ([Note: a failure inside the step] in
+    ``tiers/fused_adam.py``)."""
+    block = blockwise.BLOCK if fused.moments == "int8" else 1
+    for a in range(0, n, tile_numel):
+        whole = min(tile_numel, n - a) // block * block
+        if whole < fused.min_numel:
+            return a
+        b = a + whole
+        if fused.moments == "int8":
+            (cm, sm), (cv, sv) = moments
+            args = (cm[a:b], sm[a // block:b // block], cv[a:b], sv[a // block:b // block])
+        else:
+            args = tuple(t[a:b] for t in moments)
+        try:
+            fused(pg[0][a:b], pg[1][a:b], *args, scalars)
+        except Exception as e:  # nothing of this tile was written: the eager tile takes it from here
+            fused.failed(e)
+            return a
+        if b < n and whole < tile_numel:
+            return b
+    return n
 
 
 def _read_tile(t: torch.Tensor, codec, start: int, out: torch.Tensor | None,

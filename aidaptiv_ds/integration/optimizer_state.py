@@ -9,10 +9,12 @@ yet is None until the plan builds it (issue 39, "one composed state object on th
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from ..tiers.fused_adam import FusedTile
 
     from .backward_step import BackwardStepper
     from .config import AidaptivConfig
@@ -47,8 +49,8 @@ class AidaptivOptimizerState:
         listening: the parameter swapper's drop and use listeners are registered for this engine.
         narrow_edits: sub-group index -> ``[(Slot, buf, first element, fp32 rows)]`` a state-API setter changed,
             encoded into the slots at the sub-group's swap-out ([Note: narrow moments in the state API]).
-        fused_tile: the compiled bf16-moment tile the host step uses (``tiers/fused_adam.py``), None: the eager
-            tile (fp32 or int8 moments, ``"fused_step": "off"``, or no compiler).
+        fused_tile: the compiled tile of the narrow moments the host step uses (``tiers/fused_adam.py``), None: the
+            eager tile (fp32 moments, ``"fused_step": "off"``, or no compiler).
     """
     cfg: AidaptivConfig
     rt: Runtime
@@ -66,7 +68,7 @@ class AidaptivOptimizerState:
     norm_scratch: NormScratch | None = None
     listening: bool = False
     narrow_edits: dict = dataclasses.field(default_factory=dict)
-    fused_tile: Callable | None = None
+    fused_tile: FusedTile | None = None
 
 
 def state_of(optimizer: Any) -> AidaptivOptimizerState | None:

@@ -28,7 +28,7 @@ from ..planner.working_set import RankPolicy, RankState, rank_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
 from ..tiers.blockwise import quantizer_available
-from ..tiers.fused_adam import bf16_tile
+from ..tiers.fused_adam import fused_tile
 from ..tiers.unit import MOMENT_FORMATS
 from ..units import format_bytes
 from .config import AidaptivConfigError, section_enabled, validate
@@ -182,8 +182,8 @@ def make_stage3_class(base: type) -> type:
                     f"\"fp32\"")
             if moments.block:
                 quantizer_available()  # torchao imports (else the fix is named) before any state exists
-            if fmt.narrow and fmt.moments.dtype == torch.bfloat16:  # compiled on this thread, before any state
-                self._aidaptiv.fused_tile = bf16_tile(self._aidaptiv.cfg.optimizer_state.fused_step)
+            if fmt.narrow:  # compiled and probed on this thread, before any state exists
+                self._aidaptiv.fused_tile = fused_tile(moments.name, self._aidaptiv.cfg.optimizer_state.fused_step)
             links = self._aidaptiv_plan(fmt)
             # the swapper is built with what it works with (the plan, the gradient store, the stepper's choices)
             self.optimizer_swapper = sw = AidaptivOptimizerSwapper(

@@ -15,7 +15,7 @@ where int8 moments are configured (the ``int8`` extra).
 [Note: the code table]
 torchao finds each code by an 8-step branchless binary search over the map: 83 ms per 2M-element tile on
 this project's 2-core VM, 41 ms with ``torch.bucketize``, against a tile's whole Adam update of about 25 ms.
-Here a scaled value's fp32 bit pattern shifted right by :data:`_SHIFT` bits (sign, exponent and 11 mantissa
+Here a scaled value's fp32 bit pattern shifted right by :data:`TABLE_SHIFT` bits (sign, exponent and 11 mantissa
 bits) indexes a table of 2^20 codes, each torchao's code for the middle of its bucket: 3.4 ms per tile. A
 bucket spans a relative width of 2^-11; only a value within that of the midpoint between two map values can
 get the neighbouring code (0.19% of the codes of a normal sample, never off by more than one;
@@ -49,7 +49,7 @@ def n_blocks(numel: int) -> int:
 
 
 #: bits dropped from a scaled value's fp32 pattern to index the code table ([Note: the code table])
-_SHIFT = 12
+TABLE_SHIFT = 12
 
 
 def _torchao():
@@ -90,9 +90,9 @@ def qmap(signed: bool) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=2)
-def _code_table(signed: bool) -> torch.Tensor:
+def code_table(signed: bool) -> torch.Tensor:
     """uint8 ``(2**20,)``: torchao's code of the middle of each bucket of fp32 patterns ([Note: the code table])."""
-    mid = (torch.arange(1 << (32 - _SHIFT), dtype=torch.int64) << _SHIFT) | (1 << (_SHIFT - 1))
+    mid = (torch.arange(1 << (32 - TABLE_SHIFT), dtype=torch.int64) << TABLE_SHIFT) | (1 << (TABLE_SHIFT - 1))
     vals = mid.to(torch.int32).view(torch.float32)
     vals = torch.nan_to_num(vals, nan=0.0, posinf=1.0, neginf=-1.0).clamp(-1.0 if signed else 0.0, 1.0)
     return _torchao().quantize_8bit_with_qmap(vals, qmap(signed))
@@ -103,11 +103,11 @@ def _codes(scaled: torch.Tensor, signed: bool, out: torch.Tensor | None = None,
     """uint8 codes of fp32 values in the map's range (shape kept), into ``out`` (uint8, contiguous, same
     numel) when given; ``overwrite``: ``scaled`` (contiguous) is scratch, its bits become the table indices."""
     bits = scaled.contiguous().view(torch.int32)
-    idx = bits.bitwise_right_shift_(_SHIFT) if overwrite else torch.bitwise_right_shift(bits, _SHIFT)
-    idx.bitwise_and_((1 << (32 - _SHIFT)) - 1)
+    idx = bits.bitwise_right_shift_(TABLE_SHIFT) if overwrite else torch.bitwise_right_shift(bits, TABLE_SHIFT)
+    idx.bitwise_and_((1 << (32 - TABLE_SHIFT)) - 1)
     if out is None:
-        return torch.index_select(_code_table(signed), 0, idx.view(-1)).view(scaled.shape)
-    return torch.index_select(_code_table(signed), 0, idx.view(-1), out=out.view(-1))
+        return torch.index_select(code_table(signed), 0, idx.view(-1)).view(scaled.shape)
+    return torch.index_select(code_table(signed), 0, idx.view(-1), out=out.view(-1))
 
 
 def quantize(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool,

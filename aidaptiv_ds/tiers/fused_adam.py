@@ -24,26 +24,40 @@ take it by default; ``"fused_step": "off"`` keeps the eager tile, bit-identical 
 oracle.
 
 [Note: compiling once]
-:func:`bf16_tile` compiles the tile at configuration time, on the calling (main) thread, with dynamic shapes
-and under ``no_grad`` as the step runs it, in this process (``compile_threads=1``: no pool of compile
-workers inside a training rank), and checks it on a probe tile against the eager tile. Tiles of any
-length and offset then reuse that one kernel (``tests/test_fused_adam.py`` counts the compiles), from any
-thread. The step's scalars (learning rate, betas, bias corrections) travel in one fp32 tensor, so a
-learning-rate schedule does not recompile. Inductor caches the kernel on disk: the first process compiles in
-about 6 s, later ones load it in about 2. Where no C++ compiler works, ``"auto"`` warns once and keeps the eager
-tile; ``"on"`` refuses, naming the fix.
+:func:`fused_tile` compiles the tile at configuration time, on the calling (main) thread, with dynamic shapes
+and under ``no_grad`` as the step runs it, and checks it on probe tiles against the eager tile. Every compile
+of the tile, then or later, runs in this process (``compile_threads=1``: no pool of compile workers inside a
+training rank) and without duck shapes (:func:`_compile_settings`). Dynamic shapes cover the tiles' lengths and
+offsets, but the compiler also guards on how each tile views its buffer: storage offsets of 0 and 1, and
+whether a tile is its base's whole length. The probe's tiles are cut from larger buffers, at offset 0 and past
+it, as a step's are: the engine tests' steps then compile nothing more (``TORCH_LOGS=recompiles``, bf16 and
+int8), and every step, length, learning rate (the scalars travel in one fp32 tensor) and thread reuses the
+probed kernels (``tests/test_fused_adam.py`` counts the compiles). A variant a step does need compiles there,
+under the same settings. Tiles shorter than :attr:`FusedTile.min_numel` go to the
+eager tile (a dimension of 1 is specialized too). Inductor caches the kernels on disk: the first process
+compiles in about 6 s, later ones load them in about 2. Where no C++ compiler works, ``"auto"`` warns once
+and keeps the eager tile; ``"on"`` refuses, naming the fix.
+
+[Note: a failure inside the step]
+A call that raises inside a step (a compile the probe did not foresee failing, say) has written nothing of its
+tile: the host step finishes that step's remaining tiles with the eager tile, and :meth:`FusedTile.failed`
+retires the fused tile for the process with a warning. The step is never left half-updated.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..errors import AidaptivConfigError, AidaptivWarning
+from . import blockwise
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +66,17 @@ SCALARS = ("grad_sign", "coupled_decay", "lerp_weight", "beta2", "one_minus_beta
            "eps", "decoupled_decay", "neg_step_size")
 
 
+def _grad(p: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The gradient the moments see: maximize's sign, plus Adam's L2 term where there is one (skipped, not
+    multiplied by 0, as torch skips it: an inf parameter must not make the moments NaN)."""
+    return torch.where(s[1] != 0, g * s[0] + p * s[1], g * s[0])
+
+
 def _tile(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
     """The update of ``_single_tensor_adam`` (torch/optim/adam.py) for one tile, in place: ``p`` fp32, ``g``
     fp32, ``m``/``v`` bf16 (widened here, rounded back to nearest even), all ``(n,)``; ``s``: fp32
     ``(len(SCALARS),)``."""
-    grad = g * s[0] + p * s[1]  # maximize's sign; Adam's L2 term (0 for AdamW)
+    grad = _grad(p, g, s)
     mf = torch.lerp(m.float(), grad, s[2])
     vf = v.float() * s[3] + (s[4] * grad) * grad
     denom = vf.sqrt() / s[5] + s[6]
@@ -71,7 +91,8 @@ def step_scalars(group: dict, step: float) -> torch.Tensor:
     tensor (:data:`SCALARS` order).
 
     Raises:
-        TypeError: a hyperparameter is not a number (a tensor learning rate: the caller steps eagerly).
+        TypeError: a hyperparameter is not a number (a tensor learning rate is refused earlier: the host step
+            keeps the eager tile for one).
     """
     lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
@@ -83,85 +104,193 @@ def step_scalars(group: dict, step: float) -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.float32)
 
 
+def _int8_tile(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, sm: torch.Tensor, cv: torch.Tensor,
+               sv: torch.Tensor, s: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor, tm: torch.Tensor,
+               tv: torch.Tensor) -> None:
+    """:func:`_tile` over int8 moments, in place: ``p``/``g`` fp32 and the codes ``cm``/``cv`` uint8, all
+    ``(blocks, BLOCK)``; the scales ``sm``/``sv`` fp32 ``(blocks,)``; ``qm``/``qv`` the signed / unsigned maps and
+    ``tm``/``tv`` their code tables (``tiers/blockwise.py``: the same decoding, scales and table lookup as
+    ``blockwise.dequantize`` / ``quantize``, so equal fp32 moments give equal codes)."""
+    mf = qm[cm.int()] * sm[:, None]
+    vf = qv[cv.int()] * sv[:, None]
+    grad = _grad(p, g, s)
+    mf = torch.lerp(mf, grad, s[2])
+    vf = vf * s[3] + (s[4] * grad) * grad
+    p.copy_(p * s[7] + (s[8] * mf) / (vf.sqrt() / s[5] + s[6]))
+    for x, codes, scales, table in ((mf, cm, sm, tm), (vf, cv, sv, tv)):
+        a = torch.maximum(x.amax(-1), -x.amin(-1)).clamp_min(1e-12)
+        bits = (x / a[:, None]).view(torch.int32)
+        idx = (bits >> blockwise.TABLE_SHIFT) & ((1 << (32 - blockwise.TABLE_SHIFT)) - 1)
+        codes.copy_(table[idx])
+        scales.copy_(a)
+
+
+@contextlib.contextmanager
+def _compile_settings():
+    """The settings any compile of the tile runs under, at configuration or at a later call ([Note: compiling
+    once]): in this process (``compile_threads=1``: no pool of compile workers inside a training rank, for one
+    small kernel) and without duck shapes (no two sizes or offsets assumed equal because they were equal once)."""
+    from torch._inductor import config as inductor_config
+    from torch.fx.experimental import _config as fx_config
+    with inductor_config.patch(compile_threads=1), fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedTile:
+    """A compiled tile for one moment format (call it under ``torch.no_grad()``).
+
+    ``moments == "bf16"``: ``tile(p, g, m, v, scalars)``, all ``(n,)`` (:func:`_tile`). ``"int8"``:
+    ``tile(p, g, codes_m, scales_m, codes_v, scales_v, scalars)`` over whole blocks: ``p, g, codes`` ``(n,)`` with
+    ``n`` a multiple of :data:`~aidaptiv_ds.tiers.blockwise.BLOCK` of at least :attr:`min_numel` elements, scales
+    ``(n // BLOCK,)`` (:func:`_int8_tile`); a unit's short last block and tiles of one block take the eager tile.
+    """
+    moments: str
+    kernel: Callable
+
+    @property
+    def min_numel(self) -> int:
+        """The fewest elements one call takes: two (int8: two blocks). The compiler specializes a dimension of 1,
+        so a shorter tile would compile a second kernel inside the step; the host step hands it to the eager tile."""
+        return 2 * blockwise.BLOCK if self.moments == "int8" else 2
+
+    @property
+    def usable(self) -> bool:
+        """Still this process's tile: False once a call failed ([Note: a failure inside the step])."""
+        return _COMPILED[self.moments].tile is self
+
+    def failed(self, error: BaseException) -> None:
+        """Stop using this tile in the process after ``error`` inside a step (the caller finishes the step with
+        the eager tile), with a warning naming the error."""
+        st = _COMPILED[self.moments]
+        if st.tile is self:
+            st.tile, st.error = None, f"{type(error).__name__}: {error}"[:300]
+            warnings.warn(f"aidaptiv_ds: the fused {self.moments} Adam tile failed inside the step ({st.error}); this "
+                          f"step and the next ones use the eager tile", AidaptivWarning, stacklevel=3)
+
+    def __call__(self, p: torch.Tensor, g: torch.Tensor, *rest: torch.Tensor) -> None:
+        if self.moments == "bf16":
+            if p.numel() < self.min_numel:
+                raise ValueError(f"the fused bf16 tile takes at least {self.min_numel} elements, not {p.numel()}")
+            with _compile_settings():
+                self.kernel(p, g, *rest)
+            return
+        cm, sm, cv, sv, s = rest
+        if p.numel() % blockwise.BLOCK or p.numel() < self.min_numel:
+            raise ValueError(f"the fused int8 tile takes whole blocks of {blockwise.BLOCK}, at least "
+                             f"{self.min_numel} elements, not {p.numel()}")
+        blocks = [t.view(-1, blockwise.BLOCK) for t in (p, g, cm)] + [sm, cv.view(-1, blockwise.BLOCK), sv]
+        for t in blocks:
+            torch._dynamo.mark_dynamic(t, 0)  # any number of blocks, the block itself static
+        with _compile_settings():
+            self.kernel(*blocks, s, blockwise.qmap(True), blockwise.qmap(False), blockwise.code_table(True),
+                        blockwise.code_table(False))
+
+
+@dataclasses.dataclass
 class _Compiled:
-    """The process's one compiled tile, or why there is none ([Note: compiling once])."""
-    lock = threading.Lock()
-    kernel: Callable | None = None
+    """One moment format's compiled tile in this process, or why there is none ([Note: compiling once])."""
+    tile: FusedTile | None = None
     error: str | None = None
-    warned = False
+    warned: bool = False
 
 
-def bf16_tile(mode: str) -> Callable | None:
-    """The fused tile for bf16 moments under ``"fused_step": mode``, compiled and probed on first use.
+_LOCK = threading.Lock()
+_COMPILED = {"bf16": _Compiled(), "int8": _Compiled()}
+
+
+def bf16_tile(mode: str) -> FusedTile | None:
+    """:func:`fused_tile` for bf16 moments."""
+    return fused_tile("bf16", mode)
+
+
+def fused_tile(moments: str, mode: str) -> FusedTile | None:
+    """The fused tile for ``moments`` (``"bf16"`` or ``"int8"``) under ``"fused_step": mode``, compiled and
+    probed on first use in the process.
 
     Args:
+        moments: the moments' format (``optimizer_state.moments``); fp32 moments have no fused tile.
         mode: ``"auto"`` (the fused tile where it compiles and passes the probe, else None with a warning),
             ``"on"`` (the fused tile, else raise) or ``"off"`` (None: the eager tile).
 
     Returns:
-        ``tile(p, g, m, v, scalars)`` (see :func:`_tile`; call it under ``torch.no_grad()``), or None.
+        The :class:`FusedTile`, or None.
 
     Raises:
         AidaptivConfigError: ``mode`` is ``"on"`` and the tile does not compile or fails the probe; or
-            ``mode`` is none of the three.
+            ``mode`` is none of the three; or ``moments`` has no fused tile.
     """
     if mode not in ("auto", "on", "off"):
         raise AidaptivConfigError(f"aidaptiv.optimizer_state.fused_step is {mode!r}. Fix: \"auto\", \"on\" or "
                                   f"\"off\"")
+    if moments not in _COMPILED:
+        raise AidaptivConfigError(f"aidaptiv.optimizer_state.moments is {moments!r}, which has no fused tile (bf16 and "
+                                  f"int8 have). Fix: \"fused_step\": \"off\"")
     if mode == "off":
         return None
-    with _Compiled.lock:
-        if _Compiled.kernel is None and _Compiled.error is None:
-            _compile()
-    if _Compiled.kernel is not None:
-        return _Compiled.kernel
+    st = _COMPILED[moments]
+    with _LOCK:
+        if st.tile is None and st.error is None:
+            _compile(moments, st)
+    if st.tile is not None:
+        return st.tile
     if mode == "on":
         raise AidaptivConfigError(
-            f"aidaptiv.optimizer_state.fused_step is \"on\", but the fused bf16 Adam tile is not available: "
-            f"{_Compiled.error}. Fix: install a C++ compiler torch.compile can use (gcc or clang), or set "
+            f"aidaptiv.optimizer_state.fused_step is \"on\", but the fused {moments} Adam tile is not available: "
+            f"{st.error}. Fix: install a C++ compiler torch.compile can use (gcc or clang), or set "
             f"\"fused_step\": \"auto\" or \"off\" (the eager tile)")
-    if not _Compiled.warned:
-        _Compiled.warned = True
-        warnings.warn(f"aidaptiv_ds: bf16 moments step with the eager tile ({_Compiled.error}); the fused tile is "
-                      f"faster (optimizer_state.fused_step, tiers/fused_adam.py)", AidaptivWarning, stacklevel=2)
+    if not st.warned:
+        st.warned = True
+        warnings.warn(f"aidaptiv_ds: {moments} moments step with the eager tile ({st.error}); the fused tile is "
+                      f"faster (optimizer_state.fused_step, tiers/fused_adam.py)", AidaptivWarning, stacklevel=3)
     return None
 
 
-def _compile() -> None:
-    """Compile and probe the tile into :class:`_Compiled` (under its lock)."""
+def _compile(moments: str, st: _Compiled) -> None:
+    """Compile and probe ``moments``' tile into ``st`` (under :data:`_LOCK`)."""
     if os.environ.get("TORCH_COMPILE_DISABLE", "0") not in ("", "0"):
-        _Compiled.error = "TORCH_COMPILE_DISABLE is set"
+        st.error = "TORCH_COMPILE_DISABLE is set"
         return
     try:
-        from torch._inductor import config as inductor_config
-        kernel = torch.compile(_tile, dynamic=True, fullgraph=True)
-        # in this process: no pool of compile workers inside a training rank, for one small kernel
-        with torch.no_grad(), inductor_config.patch(compile_threads=1):
-            _probe(kernel)
+        if moments == "bf16":
+            tile = FusedTile("bf16", torch.compile(_tile, dynamic=True, fullgraph=True))
+        else:
+            blockwise.quantizer_available()
+            tile = FusedTile("int8", torch.compile(_int8_tile, dynamic=False, fullgraph=True))
+        with torch.no_grad():
+            _probe(tile)
     except Exception as e:  # no compiler, an inductor failure, or a probe that disagrees
         cause: BaseException = e
         while cause.__cause__ is not None:  # inductor's BackendCompilerFailed wraps what failed
             cause = cause.__cause__
         lines = [ln for ln in str(cause).splitlines() if ln.strip()]
-        _Compiled.error = f"{type(cause).__name__}: {lines[0][:200] if lines else ''}"
-        log.warning("fused bf16 Adam tile unavailable: %s", _Compiled.error)
+        st.error = f"{type(cause).__name__}: {lines[0][:200] if lines else ''}"
+        log.warning("fused %s Adam tile unavailable: %s", moments, st.error)
         return
-    _Compiled.kernel = kernel
+    st.tile = tile
 
 
-def eager_tile(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict,
+def eager_tile(p: torch.Tensor, g: torch.Tensor, m: Any, v: Any, group: dict,
                step: float) -> None:
     """The eager widened tile the fused one is checked against: torch's ``adam`` on ``m``/``v`` widened to
-    fp32, rounded back (what ``integration/host_step.py`` runs with ``"fused_step": "off"``)."""
+    fp32, rounded back (what ``integration/host_step.py`` runs with ``"fused_step": "off"``). ``m``/``v`` bf16
+    ``(n,)``, or ``(codes, scales)`` pairs of int8 moments (dequantized, stepped, quantized again)."""
     from torch.optim.adam import adam
     beta1, beta2 = group["betas"]
-    mf, vf = m.float(), v.float()
+    if isinstance(m, tuple):
+        mf, vf = blockwise.dequantize(m[0], m[1], True), blockwise.dequantize(v[0], v[1], False)
+    else:
+        mf, vf = m.float(), v.float()
     adam([p], [g], [mf], [vf], [], [torch.tensor(float(step - 1))], amsgrad=False, has_complex=False,
          beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
          maximize=bool(group.get("maximize")), foreach=False, capturable=False, differentiable=False, fused=False,
          grad_scale=None, found_inf=None, decoupled_weight_decay=bool(group.get("decoupled_weight_decay")))
-    m.copy_(mf)
-    v.copy_(vf)
+    if isinstance(m, tuple):
+        blockwise.quantize(mf, m[0], m[1], True)
+        blockwise.quantize(vf, v[0], v[1], False)
+    else:
+        m.copy_(mf)
+        v.copy_(vf)
 
 
 def moments_close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -174,28 +303,68 @@ def moments_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((diff <= bound).all()) and (af != bf).float().mean().item() <= 0.01
 
 
-def _probe(kernel: Callable, n: int = 4099) -> None:
-    """Run ``kernel`` and :func:`eager_tile` on the same random tile (``n`` elements at an offset, an odd
-    length for the loop's tail; AdamW and Adam with an L2 term, two steps) and raise ``RuntimeError`` unless
-    the moments are :func:`moments_close` and the parameters within 1e-6 relative plus 1% of the
-    learning rate (a wrong formula moves them by about the learning rate)."""
+def int8_moments_close(a: tuple, b: tuple, signed: bool) -> bool:
+    """Whether two int8 moments ``(codes, scales)`` of the same step agree as [Note: not torch's bits] promises
+    for int8: at most 1% of the codes differ, and every decoded element by at most a code step of the map's top
+    decade (1/64 of its block's scale): a moment a hair apart may fall in the neighbouring code, and a block
+    whose largest element moved by a hair has its scale, so all its elements, moved by a hair."""
+    x, y = blockwise.dequantize(a[0], a[1], signed), blockwise.dequantize(b[0], b[1], signed)
+    scale = b[1].repeat_interleave(blockwise.BLOCK)[:y.numel()]
+    return bool(((x - y).abs() <= scale / 64).all()) and (a[0] != b[0]).float().mean().item() <= 0.01
+
+
+def _probe(tile: FusedTile, n: int = 4096 + 2 * 256) -> None:
+    """Run ``tile`` and :func:`eager_tile` on the same random tile (``n`` elements; bf16: plus an odd length for
+    the loop's tail; AdamW at storage offset 0 and Adam with an L2 term past it, two steps each) and raise
+    ``RuntimeError`` unless the moments are close (:func:`moments_close`, :func:`int8_moments_close`), the
+    parameters within 1e-6 relative plus 1% of the learning rate (a wrong formula moves them by about the
+    learning rate), and nothing outside the tile changed."""
     gen = torch.Generator().manual_seed(0)
-    for decoupled in (True, False):
+    n = n + 3 if tile.moments == "bf16" else n
+    # at storage offset 0 and past it (the compiler specializes offsets 0 and 1), cut from larger buffers as a
+    # step's tiles are: the kernels the step needs most are built and checked here ([Note: compiling once])
+    pad = 5 if tile.moments == "bf16" else blockwise.BLOCK
+    for decoupled, off in ((True, 0), (False, 7 if tile.moments == "bf16" else blockwise.BLOCK)):
         lr = 1e-3
         group = {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "maximize": False,
                  "decoupled_weight_decay": decoupled}
-        p = torch.randn(n + 7, generator=gen)
-        m = (torch.randn(n + 7, generator=gen) * 1e-2).bfloat16()
-        v = (torch.rand(n + 7, generator=gen) * 1e-4).bfloat16()
-        ref = [p.clone(), m.clone(), v.clone()]
+        size = off + n + pad  # the tile is [off, off + n): elements on both sides must stay as they are
+        p = torch.randn(size, generator=gen)
+        m32, v32 = torch.randn(size, generator=gen) * 1e-2, torch.rand(size, generator=gen) * 1e-4
+        m: Any
+        v: Any
+        ref: list[Any]
+        if tile.moments == "bf16":
+            m, v = m32.bfloat16(), v32.bfloat16()
+            ref = [p.clone(), m.clone(), v.clone()]
+        else:
+            m = (torch.empty(size, dtype=torch.uint8), torch.empty(blockwise.n_blocks(size)))
+            v = (torch.empty(size, dtype=torch.uint8), torch.empty(blockwise.n_blocks(size)))
+            blockwise.quantize(m32, m[0], m[1], True)
+            blockwise.quantize(v32, v[0], v[1], False)
+            ref = [p.clone(), tuple(t.clone() for t in m), tuple(t.clone() for t in v)]
+        keep = [t.clone() if not isinstance(t, tuple) else t[0].clone() for t in (p, m, v)]
+
+        def part(x, off=off):  # the tile (and its blocks' scales)
+            if isinstance(x, tuple):
+                return x[0][off:off + n], x[1][off // blockwise.BLOCK:(off + n) // blockwise.BLOCK]
+            return x[off:off + n]
         for step in (1, 2):
-            g = torch.randn(n + 7, generator=gen) * 1e-2
-            kernel(p[7:], g[7:], m[7:], v[7:], step_scalars(group, step))
-            eager_tile(ref[0][7:], g[7:], ref[1][7:], ref[2][7:], group, step)
-        if not (torch.equal(p[:7], ref[0][:7]) and torch.equal(m[:7], ref[1][:7])):
+            g = torch.randn(size, generator=gen) * 1e-2
+            if tile.moments == "bf16":
+                tile(part(p), part(g), part(m), part(v), step_scalars(group, step))
+            else:
+                tile(part(p), part(g), *part(m), *part(v), step_scalars(group, step))
+            eager_tile(part(ref[0]), part(g), part(ref[1]), part(ref[2]), group, step)
+        now = [t if not isinstance(t, tuple) else t[0] for t in (p, m, v)]
+        if not all(torch.equal(x[:off], y[:off]) and torch.equal(x[off + n:], y[off + n:])
+                   for x, y in zip(now, keep, strict=True)):
             raise RuntimeError("the compiled tile wrote outside its tile")
         drift = ((p - ref[0]).abs() - 1e-6 * ref[0].abs()).max().item()
-        if not (moments_close(m, ref[1]) and moments_close(v, ref[2])) or drift > 0.01 * lr:
+        if tile.moments == "bf16":
+            close = [moments_close(m, ref[1]), moments_close(v, ref[2])]
+        else:
+            close = [int8_moments_close(m, ref[1], True), int8_moments_close(v, ref[2], False)]
+        if not all(close) or drift > 0.01 * lr:
             raise RuntimeError(f"the compiled tile disagrees with torch's eager tile on this machine (moments "
-                               f"close: {moments_close(m, ref[1])}/{moments_close(v, ref[2])}, parameters "
-                               f"{drift:.3g} beyond 1e-6 relative)")
+                               f"close: {close[0]}/{close[1]}, parameters {drift:.3g} beyond 1e-6 relative)")

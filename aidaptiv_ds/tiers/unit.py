@@ -86,6 +86,10 @@ class Slot:
                              f"{buf.dtype} of {buf.numel()}")
         return buf[self.offset:self.offset + self.nbytes].view(self.dtype)
 
+    def scales(self, buf: torch.Tensor) -> torch.Tensor:
+        """A quantized slot's fp32 scales, one per block (shape ``(ceil(numel / block),)``), viewing ``buf``."""
+        return self._scales(buf, 0, self.numel)
+
     def _scales(self, buf: torch.Tensor, start: int, length: int) -> torch.Tensor:
         if start % self.block:
             raise ValueError(f"slot {self.name!r} is quantized in blocks of {self.block}: a range must start on a "
