@@ -1,7 +1,7 @@
 """Time an AdamW sub-group step in tiles: torch's eager ``adam`` per tile (what ``integration/host_step.py`` runs
-with fp32 moments, and with bf16 moments and ``"fused_step": "off"``) against the fused bf16 tile
-(``tiers/fused_adam.py``, the default for bf16 moments), and count the elements where a compiled fp32 tile
-differs from torch's step (docs/profiling.md, "A compiled, fused Adam tile").
+with fp32 moments, and with bf16 or int8 moments and ``"fused_step": "off"``) against the fused tiles
+(``tiers/fused_adam.py``, the default for bf16 and int8 moments), and count the elements where a compiled fp32
+tile differs from torch's step (docs/profiling.md, "The fused bf16 tile lands" and "... and int8's").
 
     python launch/fused_adam_tile.py [--numel 20000000] [--tile 2097152] [--rounds 7]
 
@@ -17,7 +17,8 @@ import time
 import torch
 from torch.optim.adam import adam
 
-from aidaptiv_ds.tiers.fused_adam import bf16_tile, step_scalars
+from aidaptiv_ds.tiers import blockwise
+from aidaptiv_ds.tiers.fused_adam import bf16_tile, fused_tile, step_scalars
 
 GROUP = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "maximize": False,
          "decoupled_weight_decay": True}
@@ -44,7 +45,7 @@ def compiled_fp32_mismatches(n: int = 2 << 20) -> dict:
     with torch.no_grad():
         kernel(p, g, m, v, step_scalars(GROUP, 1))
     return {k: int((x != y).sum()) for k, x, y in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v),
-                                                      (ref[0], ref[2], ref[3]))}
+                                                      (ref[0], ref[2], ref[3]), strict=True)}
 
 
 def main() -> None:
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
     fused = bf16_tile("on")
+    fused8 = fused_tile("int8", "on")
     print("compiled fp32 step against torch's, elements that differ:",
           ", ".join(f"{k} {v:,}" for k, v in compiled_fp32_mismatches().items()))
     torch.manual_seed(0)
@@ -62,6 +64,12 @@ def main() -> None:
     m, v = torch.randn(n) * 1e-3, torch.rand(n) * 1e-6
     mb, vb = m.bfloat16(), v.bfloat16()
     wm, wv = torch.empty(min(n, tile)), torch.empty(min(n, tile))
+    n8 = n // blockwise.BLOCK * blockwise.BLOCK  # int8: whole blocks
+    cm, sm = torch.empty(n8, dtype=torch.uint8), torch.empty(n8 // blockwise.BLOCK)
+    cv, sv = torch.empty(n8, dtype=torch.uint8), torch.empty(n8 // blockwise.BLOCK)
+    blockwise.quantize(m[:n8].clone(), cm, sm, True)
+    blockwise.quantize(v[:n8].clone(), cv, sv, False)
+    index = torch.empty(min(n, tile), dtype=torch.int32)
 
     def eager_fp32():
         for s in range(0, n, tile):
@@ -80,8 +88,26 @@ def main() -> None:
         for s in range(0, n, tile):
             fused(p[s:s + tile], g[s:s + tile], mb[s:s + tile], vb[s:s + tile], sc)
 
+    def eager_int8():
+        blk = blockwise.BLOCK
+        for s in range(0, n8, tile):
+            k = min(tile, n8 - s)
+            x = blockwise.dequantize(cm[s:s + k], sm[s // blk:(s + k) // blk], True, out=wm[:k], index=index)
+            y = blockwise.dequantize(cv[s:s + k], sv[s // blk:(s + k) // blk], False, out=wv[:k], index=index)
+            adam([p[s:s + k]], [g[s:s + k]], [x], [y], [], [torch.tensor(4.0)], **KW)
+            blockwise.quantize(x, cm[s:s + k], sm[s // blk:(s + k) // blk], True, overwrite=True)
+            blockwise.quantize(y, cv[s:s + k], sv[s // blk:(s + k) // blk], False, overwrite=True)
+
+    def fused_int8():
+        sc, blk = step_scalars(GROUP, 5), blockwise.BLOCK
+        for s in range(0, n8, tile):
+            k = min(tile, n8 - s)
+            fused8(p[s:s + k], g[s:s + k], cm[s:s + k], sm[s // blk:(s + k) // blk], cv[s:s + k],
+                   sv[s // blk:(s + k) // blk], sc)
+
     variants = {"eager, fp32 moments": eager_fp32, "eager, bf16 moments (widen, step, round)": eager_bf16,
-                "fused, bf16 moments": fused_bf16}
+                "fused, bf16 moments": fused_bf16, "eager, int8 moments (decode, step, encode)": eager_int8,
+                "fused, int8 moments": fused_int8}
     times: dict = {k: [] for k in variants}
     with torch.no_grad():
         for fn in variants.values():
