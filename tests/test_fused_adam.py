@@ -48,6 +48,18 @@ def _group(**kw) -> dict:
     return g
 
 
+def _twins(n: int, seed: int, fused) -> tuple:
+    """``(generator, [(param, AdamW, None), (param, AdamW, fused)])``: two equal ``(n,)`` parameters, one stepped
+    with the eager tile and one with ``fused``."""
+    gen = torch.Generator().manual_seed(seed)
+    init = torch.randn(n, generator=gen)
+    runs = []
+    for f in (None, fused):
+        p = torch.nn.Parameter(init.clone())
+        runs.append((p, torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1), f))
+    return gen, runs
+
+
 def _close_params(a: torch.Tensor, b: torch.Tensor, lr: float, steps: int) -> bool:
     return ((a - b).abs() - 1e-6 * b.abs()).max().item() <= 0.01 * lr * steps
 
@@ -128,13 +140,7 @@ def test_a_tile_that_fails_inside_the_step_hands_the_rest_to_the_eager_tile(tile
     broken = fused_adam.FusedTile("bf16", flaky)
     monkeypatch.setitem(fused_adam._COMPILED, "bf16", fused_adam._Compiled(tile=broken))
     n, t = 5000, 1000
-    gen = torch.Generator().manual_seed(9)
-    init = torch.randn(n, generator=gen)
-    runs = []
-    for fused in (None, broken):
-        p = torch.nn.Parameter(init.clone())
-        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1)
-        runs.append((p, opt, fused))
+    gen, runs = _twins(n, 9, broken)
     for it in range(2):
         grad = torch.randn(n, generator=gen)
         for p, opt, fused in runs:
@@ -190,13 +196,8 @@ def test_tiled_step_takes_the_fused_tile_for_bf16_moments_only(tile):
     tolerance of the eager tiled step; fp32 moments (the first step's, torch's) and amsgrad keep the eager
     tile, bit for bit."""
     n = 10_007
-    gen = torch.Generator().manual_seed(3)
-    init = torch.randn(n, generator=gen)
-    runs = []
-    for fused in (None, tile):
-        p = torch.nn.Parameter(init.clone())
-        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1)
-        runs.append((p, opt, fused))
+    gen, runs = _twins(n, 3, tile)
+    init = runs[0][0].detach().clone()
     for it in range(4):
         grad = torch.randn(n, generator=gen)
         for p, opt, fused in runs:
