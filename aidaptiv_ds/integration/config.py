@@ -133,10 +133,11 @@ class OptimizerStateConfig(_Model):
     bytes per parameter. Both need torch's Adam or AdamW (``"torch_adam": true`` in the optimizer's params),
     stepped in tiles (``integration/host_step.py``).
 
-    ``fused_step``: with bf16 moments, step each tile in one loop compiled by ``torch.compile``
+    ``fused_step``: with bf16 or int8 moments, step each tile in one loop compiled by ``torch.compile``
     (``tiers/fused_adam.py``: torch's formulas, not its bits; about 2x faster than the eager tile): ``"auto"``
     (default: where it compiles, else the eager tile with a warning), ``"on"`` (refuse without it) or ``"off"``
-    (the eager widened tile, bit-identical with DeepSpeed's CPU offload whose moments are rounded to bf16).
+    (the eager tile, bit-identical with DeepSpeed's CPU offload whose moments are rounded to bf16 or quantized
+    and dequantized after every step).
     """
     moments: Literal["fp32", "bf16", "int8"] = "fp32"
     fused_step: Literal["auto", "on", "off"] = "auto"

@@ -1,14 +1,15 @@
-"""One Adam/AdamW tile over moments stored as bf16, fused into one loop by ``torch.compile``
-(``"optimizer_state": {"moments": "bf16", "fused_step": "auto"}``).
+"""One Adam/AdamW tile over moments stored as bf16 or int8, fused into one loop by ``torch.compile``
+(``"optimizer_state": {"moments": "bf16" | "int8", "fused_step": "auto"}``).
 
 [Note: why a fused tile]
 The eager tiled step (``integration/host_step.py``) runs torch's ``adam`` on each tile: about a dozen ATen
-passes, and with bf16 moments four more (widen both moments into fp32 scratch, round both back). Inductor's
-C++ backend compiles the whole update (widen, ``lerp``, the second moment, the denominator, the parameter
-update, the rounding) into one loop that reads ``p, g, m, v`` once and writes ``p, m, v`` once, in place (no
-temporaries). Per 20M-element sub-group in 2M-element tiles on the 2-core VM (``python
-launch/fused_adam_tile.py``; docs/profiling.md, "The fused bf16 tile lands"): eager fp32 moments 26.6 ms, eager
-bf16 33.3 ms, fused bf16 15.3 ms.
+passes, and with narrow moments more around them (bf16: widen both moments into fp32 scratch, round both back;
+int8: decode through the map, and the per-block absmax, scaling and table lookup of the encode). Inductor's C++
+backend compiles the whole update (decode, ``lerp``, the second moment, the denominator, the parameter update,
+the encode) into one loop that reads ``p, g`` and the moments once and writes ``p`` and the moments once, in
+place (no temporaries). Per 20M-element sub-group in 2M-element tiles on the 2-core VM (``python
+launch/fused_adam_tile.py``, two runs; docs/profiling.md, "The fused bf16 tile lands" and "... and int8's"):
+eager fp32 moments 22.7 / 23.6 ms; bf16 eager 31.6, fused 18.2 / 16.5; int8 eager 73.7 / 76.4, fused 34.0 / 35.2.
 
 [Note: not torch's bits]
 The tile evaluates the formulas of torch's ``_single_tensor_adam`` in the same order, every operation rounded
@@ -18,10 +19,11 @@ multiply-adds, and ``sqrt`` is MKL VML's, which is not correctly rounded on ever
 differ from the fp64 square root rounded). So the fused tile is not bit-identical with the eager widened tile:
 after one step on a 1M-element tile, 11-36 moments of 1M differ (by a bf16 step, more where the moment is
 near zero) and the parameters by at most 2.4e-7; after five steps, by at most 1.5e-5 at a learning rate of
-1e-3 (:func:`_probe` checks this kind of agreement on every machine before the tile is used). fp32 moments,
-whose promise is DeepSpeed's bits, never take it; bf16 moments, not bit-identical with fp32 moments anyway,
-take it by default; ``"fused_step": "off"`` keeps the eager tile, bit-identical with the rounded-moment
-oracle.
+1e-3. int8 codes the same fp32 moments the same way (the same map, table and scales); only where the fp32
+update differs can a code or a block's scale move (:func:`int8_moments_close`). :func:`_probe` checks this kind
+of agreement on every machine before a tile is used. fp32 moments, whose promise is DeepSpeed's bits, never
+take it; bf16 and int8 moments, not bit-identical with fp32 moments anyway, take it by default; ``"fused_step":
+"off"`` keeps the eager tile, bit-identical with the rounded (round-tripped) moment oracle.
 
 [Note: compiling once]
 :func:`fused_tile` compiles the tile at configuration time, on the calling (main) thread, with dynamic shapes
