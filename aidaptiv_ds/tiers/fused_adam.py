@@ -127,14 +127,21 @@ def _int8_tile(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, sm: torch.Ten
         scales.copy_(a)
 
 
+_CALL_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _compile_settings():
     """The settings any compile of the tile runs under, at configuration or at a later call ([Note: compiling
     once]): in this process (``compile_threads=1``: no pool of compile workers inside a training rank, for one
-    small kernel) and without duck shapes (no two sizes or offsets assumed equal because they were equal once)."""
+    small kernel) and without duck shapes (no two sizes or offsets assumed equal because they were equal once).
+    The settings are process-wide (inductor's config): :data:`_CALL_LOCK` keeps two tiles' calls from interleaving
+    their set and restore; a compile of the user's own in another thread meanwhile would see them, and still be
+    right. About 24 us per call, 2 ms per 148M step."""
     from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as fx_config
-    with inductor_config.patch(compile_threads=1), fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+    with _CALL_LOCK, inductor_config.patch(compile_threads=1), \
+            fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
         yield
 
 
