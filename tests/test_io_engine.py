@@ -456,3 +456,35 @@ def test_a_boosted_request_lets_go_of_its_buffer_before_its_stale_entry_comes_by
         for ev in gate.release.values():
             ev.set()
         eng.close()
+
+
+def test_a_waiter_wakes_after_the_requests_callbacks_ran():
+    """[Note: callbacks before waiters] (io/futures.py): a callback's bookkeeping (the store's byte counters,
+    the in-flight set) is done when ``wait`` returns, and a callback of a failed request sees its error. The
+    callback is held until the waiter had time to (wrongly) wake; the waiter must come after it."""
+    from aidaptiv_ds.io.futures import IOFuture
+    f = IOFuture(10, 1)
+    order, gate, done = [], threading.Event(), threading.Event()
+
+    def callback(fut):
+        gate.wait(30)
+        order.append(("callback", type(fut.exception()).__name__))
+    f.add_done_callback(callback)
+
+    def waiter():
+        with pytest.raises(RuntimeError):
+            f.wait()
+        order.append(("waiter", ""))
+        done.set()
+    w = threading.Thread(target=waiter)
+    w.start()
+    c = threading.Thread(target=f._chunk_done, args=(RuntimeError("chunk failed"),))
+    c.start()
+    assert not done.wait(0.5)  # still asleep while the callback runs (a busy machine can only hide a fault)
+    gate.set()
+    c.join(30)
+    w.join(30)
+    assert order == [("callback", "RuntimeError"), ("waiter", "")]
+    late = []
+    f.add_done_callback(lambda fut: late.append(fut.exception()))  # after completion: at once, with the error
+    assert len(late) == 1 and isinstance(late[0], RuntimeError)

@@ -17,7 +17,7 @@ class IOFuture:
     """
 
     __slots__ = ("nbytes", "_pending", "_lock", "_event", "_error", "_error_tb", "_callbacks", "_keepalive",
-                 "_expedite")
+                 "_expedite", "_complete")
 
     def __init__(self, nbytes: int, chunks: int, keepalive=None) -> None:
         self.nbytes = nbytes
@@ -28,6 +28,8 @@ class IOFuture:
         # the error's traceback where it happened (re-raising would grow it)
         self._error_tb: TracebackType | None = None
         self._callbacks: list = []
+        #: every chunk has completed (set under the lock before the callbacks run; the event after them)
+        self._complete = False
         self._keepalive = keepalive  # the buffer: must outlive the I/O
         #: how to serve it sooner (:meth:`expedite`): a callable taking a priority, or the futures it combines
         self._expedite: Callable[[int], None] | list[IOFuture] | None = None
@@ -35,14 +37,22 @@ class IOFuture:
             self._finish()
 
     def _finish(self) -> None:
-        # Set the event and take the callbacks under the lock that add_done_callback holds while it
-        # checks the event, so a callback is either queued here or run by add_done_callback itself.
+        # [Note: callbacks before waiters] Mark the request complete and take the callbacks under the lock that
+        # add_done_callback holds while it checks, so a callback is either queued here or run by
+        # add_done_callback itself; run them; only then wake the waiters. A waiter then sees what the callbacks
+        # did: the bytes counted (the store's counters, the ledger's), the request retired from the in-flight
+        # set. (Waking first let a waiter read the counters before the count: a test saw it.) So no callback may
+        # wait for its own request, nor take a lock a waiter holds while it waits: none does (store, combine,
+        # the aio handle).
         with self._lock:
             self._keepalive = None
-            self._event.set()
+            self._complete = True
             callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(self)
+        try:
+            for cb in callbacks:
+                cb(self)
+        finally:
+            self._event.set()
 
     def _chunk_done(self, error: BaseException | None = None) -> None:
         with self._lock:
@@ -57,12 +67,13 @@ class IOFuture:
         return self._event.is_set()
 
     def exception(self) -> BaseException | None:
-        return self._error if self._event.is_set() else None
+        return self._error if self._complete else None
 
     def add_done_callback(self, fn) -> None:
-        """Call ``fn(self)`` on completion (at once, on this thread, if already complete)."""
+        """Call ``fn(self)`` on completion (at once, on this thread, if already complete), before the request's
+        waiters wake ([Note: callbacks before waiters])."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._complete:
                 self._callbacks.append(fn)
                 return
         fn(self)
