@@ -18,7 +18,7 @@ import torch
 from torch.optim.adam import adam
 
 from aidaptiv_ds.tiers import blockwise
-from aidaptiv_ds.tiers.fused_adam import bf16_tile, fused_tile, step_scalars
+from aidaptiv_ds.tiers.fused_adam import fused_tile, step_scalars
 
 GROUP = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "maximize": False,
          "decoupled_weight_decay": True}
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--tile", type=int, default=2 << 20, help="elements per tile (the step's TILE_NUMEL)")
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
-    fused = bf16_tile("on")
+    fused = fused_tile("bf16", "on")
     fused8 = fused_tile("int8", "on")
     print("compiled fp32 step against torch's, elements that differ:",
           ", ".join(f"{k} {v:,}" for k, v in compiled_fp32_mismatches().items()))

@@ -17,16 +17,14 @@ import torch
 from aidaptiv_ds.errors import AidaptivConfigError, AidaptivWarning
 from aidaptiv_ds.integration.config import parse_section
 from aidaptiv_ds.integration.host_step import tiled_adam_step
-from aidaptiv_ds.tiers import fused_adam
-from aidaptiv_ds.tiers import blockwise
-from aidaptiv_ds.tiers.fused_adam import (bf16_tile, eager_tile, fused_tile, int8_moments_close, moments_close,
-                                          step_scalars)
+from aidaptiv_ds.tiers import blockwise, fused_adam
+from aidaptiv_ds.tiers.fused_adam import eager_tile, fused_tile, int8_moments_close, moments_close, step_scalars
 from aidaptiv_ds.tiers.unit import MOMENT_FORMATS, UnitLayout
 
 
 @pytest.fixture(scope="module")
 def tile():
-    t = bf16_tile("auto")
+    t = fused_tile("bf16", "auto")
     if t is None:
         pytest.skip(f"the fused tile does not compile here: {fused_adam._COMPILED['bf16'].error}")
     return t
@@ -244,15 +242,15 @@ def test_without_a_compiler_auto_warns_and_keeps_the_eager_tile_and_on_refuses(f
         return run
     fresh.setattr(fused_adam.torch, "compile", no_compiler)
     with pytest.warns(AidaptivWarning, match="eager tile.*InvalidCxxCompiler"):
-        assert bf16_tile("auto") is None
+        assert fused_tile("bf16", "auto") is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert bf16_tile("auto") is None  # warned once per process
+        assert fused_tile("bf16", "auto") is None  # warned once per process
     with pytest.raises(AidaptivConfigError, match=r"fused_step is \"on\".*C\+\+ compiler.*Fix.*\"off\""):
-        bf16_tile("on")
-    assert bf16_tile("off") is None
+        fused_tile("bf16", "on")
+    assert fused_tile("bf16", "off") is None
     with pytest.raises(AidaptivConfigError, match=r"fused_step is 'fast'.*Fix"):
-        bf16_tile("fast")
+        fused_tile("bf16", "fast")
 
 
 def test_a_tile_that_disagrees_with_torch_is_not_used(fresh):
@@ -268,16 +266,16 @@ def test_a_tile_that_disagrees_with_torch_is_not_used(fresh):
     fresh.setattr(fused_adam, "_tile", wrong)
     fresh.setattr(fused_adam.torch, "compile", lambda fn, **kw: fn)
     with pytest.warns(AidaptivWarning, match="disagrees with torch's eager tile"):
-        assert bf16_tile("auto") is None
+        assert fused_tile("bf16", "auto") is None
     fresh.setitem(fused_adam._COMPILED, "bf16", fused_adam._Compiled())
     fresh.setattr(fused_adam, "_tile", real)
-    assert bf16_tile("on") is not None  # the right formula passes the same probe
+    assert fused_tile("bf16", "on") is not None  # the right formula passes the same probe
 
 
 def test_torch_compile_disable_keeps_the_eager_tile(fresh):
     fresh.setenv("TORCH_COMPILE_DISABLE", "1")
     with pytest.raises(AidaptivConfigError, match="TORCH_COMPILE_DISABLE"):
-        bf16_tile("on")
+        fused_tile("bf16", "on")
 
 
 # ------------------------------------------------------------------------------------------------ int8

@@ -70,7 +70,7 @@ from ..errors import AidaptivConfigError
 from ..planner.auto import OPTIMIZER_TILE_NUMEL
 from ..spans import span
 from ..tiers import blockwise
-from ..tiers.fused_adam import FusedTile, step_scalars
+from ..tiers.fused_adam import FusedTile, adam_kwargs, step_scalars
 
 #: elements per tile: 8 MiB of fp32 (see [Note: the tile size]); the planner counts its temporaries
 #: (:func:`aidaptiv_ds.planner.auto.optimizer_scratch_bytes`)
@@ -120,11 +120,7 @@ def tiled_adam_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.
         step = steps[0]
         if step.device.type != "cpu" or step.dim() != 0:
             return False
-        beta1, beta2 = group["betas"]
-        kw = dict(amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"], foreach=False,
-                  capturable=False, differentiable=False, fused=False, grad_scale=None, found_inf=None,
-                  decoupled_weight_decay=group["decoupled_weight_decay"])
+        kw = adam_kwargs(group)
         tensors = [params[0].detach(), grads[0], m[0], v[0]] + ([vmax[0]] if group["amsgrad"] else [])
         if any(t.shape != param.shape or t.dtype not in (torch.float32,) + NARROW_MOMENT_DTYPES
                for t in tensors[2:]):

@@ -208,11 +208,6 @@ _LOCK = threading.Lock()
 _COMPILED = {"bf16": _Compiled(), "int8": _Compiled()}
 
 
-def bf16_tile(mode: str) -> FusedTile | None:
-    """:func:`fused_tile` for bf16 moments."""
-    return fused_tile("bf16", mode)
-
-
 def fused_tile(moments: str, mode: str) -> FusedTile | None:
     """The fused tile for ``moments`` (``"bf16"`` or ``"int8"``) under ``"fused_step": mode``, compiled and
     probed on first use in the process.
@@ -279,21 +274,29 @@ def _compile(moments: str, st: _Compiled) -> None:
     st.tile = tile
 
 
+def adam_kwargs(group: dict) -> dict:
+    """The keyword arguments of torch's single-tensor ``torch.optim.adam.adam`` for one param group of a
+    ``torch.optim.Adam``/``AdamW``: its hyperparameters, and the single-tensor CPU path (no foreach, fused,
+    capturable or grad scaling). The eager tile of ``integration/host_step.py`` and :func:`eager_tile` both call
+    ``adam`` with them."""
+    beta1, beta2 = group["betas"]
+    return dict(amsgrad=bool(group.get("amsgrad")), has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=bool(group.get("maximize")),
+                foreach=False, capturable=False, differentiable=False, fused=False, grad_scale=None, found_inf=None,
+                decoupled_weight_decay=bool(group.get("decoupled_weight_decay")))
+
+
 def eager_tile(p: torch.Tensor, g: torch.Tensor, m: Any, v: Any, group: dict,
                step: float) -> None:
     """The eager widened tile the fused one is checked against: torch's ``adam`` on ``m``/``v`` widened to
     fp32, rounded back (what ``integration/host_step.py`` runs with ``"fused_step": "off"``). ``m``/``v`` bf16
     ``(n,)``, or ``(codes, scales)`` pairs of int8 moments (dequantized, stepped, quantized again)."""
     from torch.optim.adam import adam
-    beta1, beta2 = group["betas"]
     if isinstance(m, tuple):
         mf, vf = blockwise.dequantize(m[0], m[1], True), blockwise.dequantize(v[0], v[1], False)
     else:
         mf, vf = m.float(), v.float()
-    adam([p], [g], [mf], [vf], [], [torch.tensor(float(step - 1))], amsgrad=False, has_complex=False,
-         beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-         maximize=bool(group.get("maximize")), foreach=False, capturable=False, differentiable=False, fused=False,
-         grad_scale=None, found_inf=None, decoupled_weight_decay=bool(group.get("decoupled_weight_decay")))
+    adam([p], [g], [mf], [vf], [], [torch.tensor(float(step - 1))], **adam_kwargs(group))
     if isinstance(m, tuple):
         blockwise.quantize(mf, m[0], m[1], True)
         blockwise.quantize(vf, v[0], v[1], False)
