@@ -3,7 +3,7 @@ with fp32 moments, and with bf16 or int8 moments and ``"fused_step": "off"``) ag
 (``tiers/fused_adam.py``, the default for bf16 and int8 moments), and count the elements where a compiled fp32
 tile differs from torch's step (docs/profiling.md, "The fused bf16 tile lands" and "... and int8's").
 
-    python launch/fused_adam_tile.py [--numel 20000000] [--tile 2097152] [--rounds 7]
+    python launch/fused_adam_tile.py [--numel 20000000] [--tile 2097152] [--fused-tiles 2097152,524288] [--rounds 7]
 
 Needs a C++ compiler for inductor. The variants run interleaved; a sub-group of 20M elements (320 MB of fp32
 state) comes from DRAM as in a training step, a single tile (``--numel 2097152``) mostly from the caches.
@@ -18,13 +18,11 @@ import torch
 from torch.optim.adam import adam
 
 from aidaptiv_ds.tiers import blockwise
-from aidaptiv_ds.tiers.fused_adam import fused_tile, step_scalars
+from aidaptiv_ds.tiers.fused_adam import adam_kwargs, fused_tile, step_scalars
 
 GROUP = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "maximize": False,
-         "decoupled_weight_decay": True}
-KW = dict(amsgrad=False, has_complex=False, beta1=0.9, beta2=0.999, lr=GROUP["lr"], weight_decay=GROUP["weight_decay"],
-          eps=GROUP["eps"], maximize=False, foreach=False, capturable=False, differentiable=False, fused=False,
-          grad_scale=None, found_inf=None, decoupled_weight_decay=True)
+         "decoupled_weight_decay": True, "amsgrad": False}
+KW = adam_kwargs(GROUP)
 
 
 def compiled_fp32_mismatches(n: int = 2 << 20) -> dict:
@@ -52,6 +50,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=20_000_000, help="elements of the sub-group")
     ap.add_argument("--tile", type=int, default=2 << 20, help="elements per tile (the step's TILE_NUMEL)")
+    ap.add_argument("--fused-tiles", default="",
+                    help="comma-separated tile sizes for the fused tiles (default: --tile); each one a variant")
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
     fused = fused_tile("bf16", "on")
@@ -83,7 +83,7 @@ def main() -> None:
             mb[s:s + k].copy_(x)
             vb[s:s + k].copy_(y)
 
-    def fused_bf16():
+    def fused_bf16(tile=tile):
         sc = step_scalars(GROUP, 5)
         for s in range(0, n, tile):
             fused(p[s:s + tile], g[s:s + tile], mb[s:s + tile], vb[s:s + tile], sc)
@@ -98,7 +98,7 @@ def main() -> None:
             blockwise.quantize(x, cm[s:s + k], sm[s // blk:(s + k) // blk], True, overwrite=True)
             blockwise.quantize(y, cv[s:s + k], sv[s // blk:(s + k) // blk], False, overwrite=True)
 
-    def fused_int8():
+    def fused_int8(tile=tile):
         sc, blk = step_scalars(GROUP, 5), blockwise.BLOCK
         for s in range(0, n8, tile):
             k = min(tile, n8 - s)
@@ -106,8 +106,11 @@ def main() -> None:
                    sv[s // blk:(s + k) // blk], sc)
 
     variants = {"eager, fp32 moments": eager_fp32, "eager, bf16 moments (widen, step, round)": eager_bf16,
-                "fused, bf16 moments": fused_bf16, "eager, int8 moments (decode, step, encode)": eager_int8,
-                "fused, int8 moments": fused_int8}
+                "eager, int8 moments (decode, step, encode)": eager_int8}
+    for t in [int(x) for x in a.fused_tiles.split(",") if x] or [tile]:
+        t = max(blockwise.BLOCK * 2, t // blockwise.BLOCK * blockwise.BLOCK)  # int8: whole blocks, two at least
+        variants[f"fused, bf16 moments, tiles of {t:,}"] = lambda t=t: fused_bf16(t)
+        variants[f"fused, int8 moments, tiles of {t:,}"] = lambda t=t: fused_int8(t)
     times: dict = {k: [] for k in variants}
     with torch.no_grad():
         for fn in variants.values():
@@ -119,7 +122,7 @@ def main() -> None:
                 times[k].append(time.perf_counter() - t)
     for k, ts in times.items():
         print(f"{k}: median {statistics.median(ts) * 1e3:.1f} ms per {n:,}-element sub-group "
-              f"(tiles of {tile:,}; {a.rounds} rounds, {torch.get_num_threads()} threads)")
+              f"(eager tiles of {tile:,}; {a.rounds} rounds, {torch.get_num_threads()} threads)")
 
 
 if __name__ == "__main__":

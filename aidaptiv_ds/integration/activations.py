@@ -39,6 +39,7 @@ class _Kept:
     nbytes: int
     slice: TieredUnit | None = None
     on_drive: bool = False
+    read_back: bool = False  # its slice is a read from the drive (counted in ``read_bytes``)
 
 
 class BoundaryStore:
@@ -56,6 +57,9 @@ class BoundaryStore:
         self._extent_bytes: dict[tuple, int] = {}
         self.written_bytes = 0  # to the cache drives (also in the ledger)
         self.read_bytes = 0
+        #: taken from DRAM instead of read back: its write-back still in flight (a slow drive), or kept by the
+        #: budget. Each kept activation is taken once, from one or the other: read + DRAM = kept, on any drive
+        self.dram_bytes = 0
         runtime.attach_boundary_store(self)
 
     def _extent(self, key: tuple) -> str:
@@ -116,6 +120,7 @@ class BoundaryStore:
         buf = alloc_aligned(k.nbytes, dtype=torch.uint8)
         fut = self.rt.store.read(self._extent(k.key), buf, 0, priority)
         self.read_bytes += k.nbytes
+        k.read_back = True
         s = self._slice(k, buf, dirty=False, ready=fut)
         self.rt.tier.add(s)
         return s
@@ -128,6 +133,8 @@ class BoundaryStore:
         """
         k = self._kept.pop(key)
         s = k.slice if k.slice is not None else self._read(k, READ_DEMAND)
+        if not k.read_back:
+            self.dram_bytes += k.nbytes
         self.rt.tier.acquire(s)
         with self.rt.io_wait:
             s.wait_ready()

@@ -325,6 +325,7 @@ class Runtime:
             "master_held_bytes": sum(sw.master_held_bytes for sw in self.optimizer_swappers),
             "act_written_bytes": sum(b.written_bytes for b in list(self._boundary_stores)),
             "act_read_bytes": sum(b.read_bytes for b in list(self._boundary_stores)),
+            "act_dram_bytes": sum(b.dram_bytes for b in list(self._boundary_stores)),
             **self._pool_counters(),
         }
 

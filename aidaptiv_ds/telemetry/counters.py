@@ -37,7 +37,10 @@ Snapshot keys (all ints unless noted):
         sub-group's state inside backward that first waited for write-backs (the in-backward window).
     ``grad_spilled_bytes``: gradient bytes written to the cache tier (part of ``bytes_written``).
     ``act_written_bytes`` / ``act_read_bytes``: a layer-major step's boundary activations written to and read
-        back from the cache tier (part of ``bytes_written`` / ``bytes_read``).
+        back from the cache tier (part of ``bytes_written`` / ``bytes_read``); ``act_dram_bytes``: those taken
+        from DRAM instead of read back (the budget kept them, or their write-back was still in flight). Each
+        kept activation is taken once: ``act_read_bytes + act_dram_bytes`` is what the step kept, whatever the
+        drive's speed.
     ``master_from_params_bytes``: fp32 master-weight bytes a step inside backward took from the parameter
         partitions backward had read instead of reading them again; ``master_demand_bytes``: those it
         still read (on demand) because no parameter slice held them any more (part of ``bytes_read``);
@@ -54,7 +57,7 @@ from typing import Callable
 
 #: Cumulative byte counters summed over providers (their per-interval delta is ``after - before``).
 _SUMMED = ("grad_spilled_bytes", "master_from_params_bytes", "master_demand_bytes", "master_held_bytes",
-           "buffer_pool_miss_bytes", "act_written_bytes", "act_read_bytes")
+           "buffer_pool_miss_bytes", "act_written_bytes", "act_read_bytes", "act_dram_bytes")
 #: Gauges summed over providers and taken from the later snapshot in :func:`delta`.
 _GAUGES = ("dram_bytes", "dram_peak_bytes", "dram_budgeted_bytes", "dram_budgeted_peak_bytes", "dram_budget_bytes",
            "buffer_pool_bytes", "buffer_pool_peak_bytes")

@@ -119,8 +119,10 @@ def _int8_tile(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, sm: torch.Ten
     mf = torch.lerp(mf, grad, s[2])
     vf = vf * s[3] + (s[4] * grad) * grad
     p.copy_(p * s[7] + (s[8] * mf) / (vf.sqrt() / s[5] + s[6]))
-    for x, codes, scales, table in ((mf, cm, sm, tm), (vf, cv, sv, tv)):
-        a = torch.maximum(x.amax(-1), -x.amin(-1)).clamp_min(1e-12)
+    # both blocks' |x| maxima before any code is written: one reduction each, in the update's loop (the same
+    # value as blockwise.quantize's max(amax, -amin), NaN included; the clip makes a zero block's sign moot)
+    am, av = mf.abs().amax(-1).clamp_min(1e-12), vf.abs().amax(-1).clamp_min(1e-12)
+    for x, a, codes, scales, table in ((mf, am, cm, sm, tm), (vf, av, cv, sv, tv)):
         bits = (x / a[:, None]).view(torch.int32)
         idx = (bits >> blockwise.TABLE_SHIFT) & ((1 << (32 - blockwise.TABLE_SHIFT)) - 1)
         codes.copy_(table[idx])
