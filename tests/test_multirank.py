@@ -186,19 +186,21 @@ def test_oracle_world_size_2_torchrun(tmp_path_factory):
     assert {os.path.basename(f) for f in files_under(os.path.join(wd, "cache", "aidaptiv_ds"))} == LEDGER_FILES
 
 
-def test_bf16_moments_on_two_ranks(tmp_path_factory):
-    """bf16 moments (issue 39) on 2 ranks, fp32 Llama with HF's clipping 1.0 and GA 2 at budget 0: the eager tile
-    bit-identical with DeepSpeed's CPU offload at world size 2 whose moments are rounded to bf16 after every step
-    (each rank rounds its own partition); the default fused tile (``tiers/fused_adam.py``) within its tolerance of
-    it on every rank, and not equal to it (the fused tile ran)."""
+@pytest.mark.parametrize("fmt,share", [("bf16", 0.01), ("int8", 0.025)])
+def test_narrow_moments_on_two_ranks(tmp_path_factory, fmt, share):
+    """bf16 and int8 moments (issue 39) on 2 ranks, fp32 Llama with HF's clipping 1.0 and GA 2 at budget 0: the
+    eager tile bit-identical with DeepSpeed's CPU offload at world size 2 whose moments are rounded to bf16 (or
+    quantized and dequantized) after every step, each rank its own partition; the default fused tile
+    (``tiers/fused_adam.py``) within its tolerance of it on every rank (1% / 2.5% of lr per step, as
+    ``tests/test_moment_dtype.py`` and ``tests/test_int8_moments.py``), and not equal to it (the fused tile ran)."""
     args = ["--model", "llama", "--ga", "2", "--steps", "4", "--clip", "1.0", "--budget", "0"]
-    ref = oracle(2, args + ["--round_moments", "bf16"], str(tmp_path_factory.getbasetemp()))
-    eager = train(2, "aidaptiv", args + _extra(optimizer_state={"moments": "bf16", "fused_step": "off"}),
-                  str(tmp_path_factory.mktemp("bf16-eager")))
+    ref = oracle(2, args + ["--round_moments", fmt], str(tmp_path_factory.getbasetemp()))
+    eager = train(2, "aidaptiv", args + _extra(optimizer_state={"moments": fmt, "fused_step": "off"}),
+                  str(tmp_path_factory.mktemp(f"{fmt}-eager")))
     assert_identical(ref, eager)
-    fused = train(2, "aidaptiv", args + _extra(optimizer_state={"moments": "bf16"}),
-                  str(tmp_path_factory.mktemp("bf16-fused")))
-    tol = 0.01 * 1e-3 * 4  # 1% of lr per step (train_oracle's lr 1e-3), as tests/test_moment_dtype.py
+    fused = train(2, "aidaptiv", args + _extra(optimizer_state={"moments": fmt}),
+                  str(tmp_path_factory.mktemp(f"{fmt}-fused")))
+    tol = share * 1e-3 * 4  # of lr per step (train_oracle's lr 1e-3), over 4 steps
     for a, b in zip(ref["ranks"], fused["ranks"], strict=True):
         for x, y in zip(a["masters"], b["masters"], strict=True):
             assert ((x - y).abs() - 1e-6 * x.abs()).max().item() <= tol, a["rank"]
