@@ -458,6 +458,50 @@ def test_a_boosted_request_lets_go_of_its_buffer_before_its_stale_entry_comes_by
         eng.close()
 
 
+def test_a_callback_added_while_earlier_ones_run_waits_its_turn():
+    """[Note: callbacks before waiters]: the store adds its byte counter to an engine request, then (holding its
+    lock) the combining future's callback. When the request finished in between and the counter waited for the
+    store's lock, the late callback ran at once on the adder's thread: the combined request completed and its
+    waiters woke before the count (test_param_swapper_unit saw 4096 > 4096 in the full suite). The late callback
+    must run after the earlier one, on the finishing thread, and the waiters after both."""
+    from aidaptiv_ds.io.futures import IOFuture
+    f = IOFuture(10, 1)
+    order, inside, gate = [], threading.Event(), threading.Event()
+
+    def counter(fut):
+        inside.set()
+        gate.wait(30)  # the store's lock, held by the thread that adds the next callback
+        order.append("counter")
+    f.add_done_callback(counter)
+    c = threading.Thread(target=f._chunk_done)
+    c.start()
+    assert inside.wait(30)  # the request is complete and its first callback is running
+    f.add_done_callback(lambda fut: order.append("combine"))
+    assert order == [] and not f.done()  # queued behind the counter, not run here
+    gate.set()
+    c.join(30)
+    assert order == ["counter", "combine"] and f.done()
+    f.add_done_callback(lambda fut: order.append("late"))  # once every callback ran: at once, on this thread
+    assert order[-1] == "late"
+
+
+def test_every_callback_runs_when_one_raises():
+    """A callback that raises does not strand the others (a combined request waits on one of them) nor the
+    waiters; its error reaches the thread that finished the request."""
+    from aidaptiv_ds.io.futures import IOFuture, combine
+    f = IOFuture(10, 1)
+    seen = []
+
+    def bad(fut):
+        raise ValueError("a callback's bug")
+    f.add_done_callback(bad)
+    both = combine([f], 10)
+    f.add_done_callback(lambda fut: seen.append("after"))
+    with pytest.raises(ValueError, match="a callback's bug"):
+        f._chunk_done()
+    assert f.done() and both.done() and seen == ["after"] and f.wait() == 10
+
+
 def test_a_waiter_wakes_after_the_requests_callbacks_ran():
     """[Note: callbacks before waiters] (io/futures.py): a callback's bookkeeping (the store's byte counters,
     the in-flight set) is done when ``wait`` returns, and a callback of a failed request sees its error. The

@@ -17,7 +17,7 @@ class IOFuture:
     """
 
     __slots__ = ("nbytes", "_pending", "_lock", "_event", "_error", "_error_tb", "_callbacks", "_keepalive",
-                 "_expedite", "_complete")
+                 "_expedite", "_complete", "_drained")
 
     def __init__(self, nbytes: int, chunks: int, keepalive=None) -> None:
         self.nbytes = nbytes
@@ -30,6 +30,8 @@ class IOFuture:
         self._callbacks: list = []
         #: every chunk has completed (set under the lock before the callbacks run; the event after them)
         self._complete = False
+        #: the finishing thread ran every callback queued so far: a callback added now runs at once
+        self._drained = False
         self._keepalive = keepalive  # the buffer: must outlive the I/O
         #: how to serve it sooner (:meth:`expedite`): a callable taking a priority, or the futures it combines
         self._expedite: Callable[[int], None] | list[IOFuture] | None = None
@@ -37,22 +39,35 @@ class IOFuture:
             self._finish()
 
     def _finish(self) -> None:
-        # [Note: callbacks before waiters] Mark the request complete and take the callbacks under the lock that
-        # add_done_callback holds while it checks, so a callback is either queued here or run by
-        # add_done_callback itself; run them; only then wake the waiters. A waiter then sees what the callbacks
-        # did: the bytes counted (the store's counters, the ledger's), the request retired from the in-flight
-        # set. (Waking first let a waiter read the counters before the count: a test saw it.) So no callback may
-        # wait for its own request, nor take a lock a waiter holds while it waits: none does (store, combine,
-        # the aio handle).
+        # [Note: callbacks before waiters] Mark the request complete, run its callbacks, and only then wake the
+        # waiters. A waiter then sees what the callbacks did: the bytes counted (the store's counters, the
+        # ledger's), the request retired from the in-flight set. (Waking first let a waiter read the counters
+        # before the count: a test saw it.) The callbacks run in the order they were added, including those added
+        # while the earlier ones run: until the finishing thread has drained the list, add_done_callback queues
+        # behind it instead of running at once. (Running at once let a later callback overtake an earlier one:
+        # the store's byte counter, waiting for the store's lock, was overtaken by the combining future's
+        # callback that the submitting thread, holding that lock, added -- so the combined request completed, and
+        # its waiters woke, before the count; the full test suite saw that one too.) So no callback may wait for
+        # its own request, nor take a lock a waiter holds while it waits: none does (store, combine, the aio
+        # handle).
         with self._lock:
             self._keepalive = None
             self._complete = True
-            callbacks, self._callbacks = self._callbacks, []
-        try:
+        first: BaseException | None = None
+        while True:
+            with self._lock:
+                callbacks, self._callbacks = self._callbacks, []
+                if not callbacks:
+                    self._drained = True
+                    break
             for cb in callbacks:
-                cb(self)
-        finally:
-            self._event.set()
+                try:
+                    cb(self)
+                except BaseException as e:  # noqa: BLE001 - every callback runs (a combined request waits on
+                    first = first or e      # one of them); the first error is raised below, after the wake-up
+        self._event.set()
+        if first is not None:
+            raise first
 
     def _chunk_done(self, error: BaseException | None = None) -> None:
         with self._lock:
@@ -70,10 +85,11 @@ class IOFuture:
         return self._error if self._complete else None
 
     def add_done_callback(self, fn) -> None:
-        """Call ``fn(self)`` on completion (at once, on this thread, if already complete), before the request's
-        waiters wake ([Note: callbacks before waiters])."""
+        """Call ``fn(self)`` on completion, after the callbacks added before it and before the request's waiters
+        wake ([Note: callbacks before waiters]): on the finishing thread, or at once on this one when that thread
+        has already run them all."""
         with self._lock:
-            if not self._complete:
+            if not self._drained:
                 self._callbacks.append(fn)
                 return
         fn(self)
