@@ -1,11 +1,14 @@
 """Completion handles for asynchronous requests."""
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from types import TracebackType
 
 from .. import spans
+
+log = logging.getLogger(__name__)
 
 
 class IOFuture:
@@ -48,26 +51,31 @@ class IOFuture:
         # the store's byte counter, waiting for the store's lock, was overtaken by the combining future's
         # callback that the submitting thread, holding that lock, added -- so the combined request completed, and
         # its waiters woke, before the count; the full test suite saw that one too.) So no callback may wait for
-        # its own request, nor take a lock a waiter holds while it waits: none does (store, combine, the aio
-        # handle).
+        # its own request, nor take a lock a waiter holds while it waits; and no thread may add a callback and
+        # then, holding a lock an earlier callback of that request takes, wait for what the new one completes.
+        # None does: the only lock callbacks take is the store's, and nobody waits while holding it.
         with self._lock:
             self._keepalive = None
             self._complete = True
-        first: BaseException | None = None
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    callbacks, self._callbacks = self._callbacks, []
+                    if not callbacks:
+                        self._drained = True
+                        break
+                for cb in callbacks:
+                    try:
+                        cb(self)
+                    except Exception:  # a bug in a callback: logged; the others still run (a combined request
+                        # waits on one of them), and the request's own outcome stands (re-raised, the finishing
+                        # engine worker would book it as the transfer's error on a request already complete)
+                        log.exception("aidaptiv_ds: a completion callback of an I/O request of %d bytes raised",
+                                      self.nbytes)
+        finally:  # an interrupt: the waiters still wake, and later callbacks run on their adders' threads
             with self._lock:
-                callbacks, self._callbacks = self._callbacks, []
-                if not callbacks:
-                    self._drained = True
-                    break
-            for cb in callbacks:
-                try:
-                    cb(self)
-                except BaseException as e:  # noqa: BLE001 - every callback runs (a combined request waits on
-                    first = first or e      # one of them); the first error is raised below, after the wake-up
-        self._event.set()
-        if first is not None:
-            raise first
+                self._drained = True
+            self._event.set()
 
     def _chunk_done(self, error: BaseException | None = None) -> None:
         with self._lock:
