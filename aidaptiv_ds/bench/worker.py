@@ -41,7 +41,8 @@ the master-weight bytes of steps inside backward taken ``from_params``, of those
 ``demand``), ``buffer_pool`` (aidaptiv_ds: the host buffer pool's ``bytes``, the ``peak_bytes`` handed out so
 far, the ``miss_bytes`` of this step it had no room for), ``rss_bytes``, ``peak_rss_bytes`` (peak so far),
 ``phase_peak_rss_bytes`` / ``phase_start_rss_bytes`` (per phase of the step: forward, backward, step, each
-the micro-batch whose phase peaked highest; :class:`PhasePeaks`)), ``peak_rss_steps_bytes`` (``VmHWM`` reset
+the micro-batch whose phase peaked highest; :class:`PhasePeaks`), ``phase_s`` (wall seconds per phase, summed
+over the step's micro-batches)), ``peak_rss_steps_bytes`` (``VmHWM`` reset
 before step 1, the maximum of the phases' peaks), ``peak_rss_process_bytes`` (the whole process: the setup's
 peak and the steps', since resetting
 ``VmHWM`` resets what ``ru_maxrss`` reads too), ``aio`` (native), ``plan`` and ``budget_bytes`` (aidaptiv_ds),
@@ -261,7 +262,9 @@ class PhasePeaks:
         self.start: dict[str, int] = {}
         self.peaks: dict[str, int] = {}
         self.pool_peaks: dict[str, int] = {}  # aidaptiv_ds's swap buffers (buffer pool and its misses) per phase
+        self.seconds: dict[str, float] = {}  # wall seconds per phase, summed over its occurrences
         self._at = rss_bytes()
+        self._t = time.perf_counter()
         self._pool = _buffer_pool()
         if self._pool is not None:
             self._pool.reset_peak_live()
@@ -270,6 +273,9 @@ class PhasePeaks:
         """Close ``phase``: record the RSS it started at and its peak, and start the next one."""
         from .probes import peak_rss_bytes, reset_peak_rss, rss_bytes
 
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + (now - self._t)
+        self._t = now
         peak = max(peak_rss_bytes(), self._at)
         if peak >= self.peaks.get(phase, -1):  # the first occurrence, or one that peaked higher
             self.start[phase] = self._at
@@ -285,8 +291,9 @@ class PhasePeaks:
         return max(self.peaks.values(), default=0)
 
     def record(self) -> dict:
-        """``{"phase_peak_rss_bytes": {phase: bytes}, "phase_start_rss_bytes": {...}, "phase_peaks_exact"}``."""
-        return {"phase_peak_rss_bytes": dict(self.peaks), "phase_start_rss_bytes": dict(self.start),
+        """``{"phase_peak_rss_bytes": {phase: bytes}, "phase_start_rss_bytes": {...}, "phase_peaks_exact",
+        "phase_s": {phase: wall seconds, summed over the phase's occurrences (one per micro-batch)}}``."""
+        return {"phase_s": dict(self.seconds), "phase_peak_rss_bytes": dict(self.peaks), "phase_start_rss_bytes": dict(self.start),
                 "phase_peaks_exact": self.exact, "phase_peak_swap_buffer_bytes": dict(self.pool_peaks)}
 
 
