@@ -59,6 +59,7 @@ class PackedRegion:
         self._edge_limit = edge_cache_blocks
         self._pending: list[IOFuture] = []  # writes not known to be complete (for flush)
         self._released: set[int] = set()  # chunks given back to the store (release_chunks)
+        self._written_end = 0  # no byte at or past this offset was ever written ([Note: blocks never written])
         self.boundary_reads = 0
 
     # ------------------------------------------------------------------ space
@@ -97,6 +98,7 @@ class PackedRegion:
         with self._lock:
             self.size, self._starts, self._sizes, self._capacity = size, [], [], 0
             self._released = set()
+            self._written_end = size  # written by an earlier process: every byte may hold data
             while self._capacity < size:
                 k = len(self._starts)
                 ext = self.store.extent(f"{self.name}/{k}")
@@ -238,6 +240,7 @@ class PackedRegion:
             if end < b and (b - self.block >= a + self.block or start == a):
                 staging[b - a - self.block:].copy_(self._edge_block(b - self.block))
             fill(staging[start - a:end - a])
+            self._written_end = max(self._written_end, end)
             futs = [self.store.write(key, staging[rel:rel + n], off, priority)
                     for key, off, rel, n in self._pieces(a, b)]
             fut = combine(futs, b - a, keepalive=staging)
@@ -246,11 +249,22 @@ class PackedRegion:
         return fut, staging, start - a
 
     def _edge_block(self, blk_start: int) -> torch.Tensor:
+        """The current bytes of the block at region offset ``blk_start`` (lock held): from the edge cache, as
+        zeros where no byte of it was ever written, otherwise read from the drive.
+
+        [Note: blocks never written] Items are appended and first written in creation order, so the block
+        holding the end of the last write is also the start of the next item: a fresh region's first write
+        (``start == A`` with a partial tail) and every item appended past the bytes written so far would
+        read back a block whose bytes no one wrote (one 4 KiB read per region, and one per item when the
+        edge cache missed). Bytes at or past :attr:`_written_end` hold nothing, so those blocks are zeros
+        and cost no I/O. A reopened region (:meth:`reopen`) counts all of its bytes as written."""
         idx = blk_start // self.block
         cached = self._edges.get(idx)
         if cached is not None:
             self._edges.move_to_end(idx)
             return cached
+        if blk_start >= self._written_end:
+            return torch.zeros(self.block, dtype=torch.uint8)
         self.boundary_reads += 1
         fut, buf, _ = self.read(blk_start, blk_start + self.block)
         fut.wait()
