@@ -104,6 +104,9 @@ def train(ws: int, backend: str, args: list[str], workdir: str, launcher: str = 
     p = subprocess.run(cmd + _script_args(backend, args, workdir), env=_env(env), capture_output=True, text=True,
                        timeout=TIMEOUT)
     _check(p, p.stdout, p.stderr, f"{launcher} ws {ws} {backend}")
+    if backend == "aidaptiv":  # DeepSpeed's CPU all-reduce segments (integration/shm_buffer.py) left no trace
+        left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
+        assert not left, f"{launcher} ws {ws}: shared-memory segments left behind: {left}"
     return _results(workdir, backend, ws)
 
 

@@ -135,6 +135,7 @@ def run_backend(case: dict, backend: str, workdir: str, timeout: int = 900, env:
                 ) -> tuple[list[dict] | None, str, float]:
     """Train ``case`` with ``backend`` in ``workdir``; returns ``(per-rank results or None on failure,
     output tail, seconds)``."""
+    from ..integration.shm_buffer import release_allreduce_buffers_of_port
     from ..ports import free_port
 
     world = int(case.get("world", 1))
@@ -158,6 +159,7 @@ def run_backend(case: dict, backend: str, workdir: str, timeout: int = 900, env:
         text, rc = f"timed out after {timeout} s\n{ex.stdout or ''}{ex.stderr or ''}", -1
     secs = time.monotonic() - t0
     shutil.rmtree(os.path.join(workdir, f"cache-{backend}"), ignore_errors=True)
+    release_allreduce_buffers_of_port(port)  # the ranks have exited: what DeepSpeed's shm all-reduce left
     if rc != 0:
         return None, _tail(text), secs
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]

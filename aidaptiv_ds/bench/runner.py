@@ -165,6 +165,10 @@ def run_worker(spec: dict, run_dir: str, env: dict, *, timeout_s: float = 3600, 
                 p.wait()
             raise
     wall = time.perf_counter() - t0
+    if env.get("MASTER_PORT"):  # the worker has exited: what DeepSpeed's shm all-reduce left (a killed one too)
+        from ..integration.shm_buffer import release_allreduce_buffers_of_port
+
+        release_allreduce_buffers_of_port(env["MASTER_PORT"])
     try:
         with open(result_path) as f:
             res = json.load(f)

@@ -47,6 +47,7 @@ from ..units import format_bytes
 from .blas_threads import pin_blas_threads
 from .config import AidaptivConfig
 from .optimizer_state import state_of
+from .shm_buffer import release_allreduce_buffer_at_exit
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -130,6 +131,7 @@ class Runtime:
         self.local_world = local_world_size()
         pin_blas_threads()  # GEMMs on a fixed thread count: same bits as DeepSpeed's CPU offload
         destroy_gloo_group_at_exit()  # no SIGABRT at exit when the script leaves its gloo group (process_group.py)
+        release_allreduce_buffer_at_exit(self.rank)  # DeepSpeed's CPU all-reduce segment ([Note] in shm_buffer.py)
         self.reuse_host_memory = cfg.io.reuse_host_memory is True and reuse_freed_host_memory()
         self._huge_pages_advised = False  # the THP_MEM_ALLOC_ENABLE advice is logged once (torch_env.py)
         self.buffer_pool: HostBufferPool | None = None  # where no heap is kept (settle_host_memory_reuse)
