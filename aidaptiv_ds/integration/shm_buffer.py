@@ -39,22 +39,23 @@ def allreduce_buffer_path(rank: int, environ: Mapping[str, str] | None = None, u
     return os.path.join(SHM_DIR, name)
 
 
-def release_allreduce_buffer(rank: int) -> bool:
-    """Unlink rank ``rank``'s DeepSpeed all-reduce segment (see the module's note); True when one was there.
-    Never raises: at exit there is nobody left to handle an error."""
+def release_allreduce_buffer(rank: int, path: str | None = None) -> bool:
+    """Unlink rank ``rank``'s DeepSpeed all-reduce segment (see the module's note), or the segment at ``path``;
+    True when one was there. Never raises: at exit there is nobody left to handle an error."""
     try:
-        os.unlink(allreduce_buffer_path(rank))
+        os.unlink(path or allreduce_buffer_path(rank))
         return True
     except OSError:
         return False
 
 
 def release_allreduce_buffer_at_exit(rank: int) -> None:
-    """Register :func:`release_allreduce_buffer` for this process's exit, once per process."""
+    """Register :func:`release_allreduce_buffer` for this process's exit, once per process, with the path named
+    now, from the rendezvous this process joined (the environment may name another port by the time it exits)."""
     global _registered
     if not _registered:
         _registered = True
-        atexit.register(release_allreduce_buffer, int(rank))
+        atexit.register(release_allreduce_buffer, int(rank), allreduce_buffer_path(rank))
 
 
 def release_allreduce_buffers_of_port(port: int | str) -> int:
