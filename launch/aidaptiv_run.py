@@ -7,11 +7,10 @@ The file form of ``python -m aidaptiv_ds.run`` for launchers that take a script 
 import os
 import sys
 
-try:
-    from aidaptiv_ds.run import main
-except ModuleNotFoundError:  # a source checkout that is not pip-installed
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from aidaptiv_ds.run import main
+# this checkout's package ahead of any installed copy (an editable install of another checkout included):
+# what a launch script runs and measures is the code beside it
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from aidaptiv_ds.run import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

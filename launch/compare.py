@@ -16,10 +16,9 @@ import argparse
 import os
 import sys
 
-try:
-    import aidaptiv_ds  # noqa: F401
-except ModuleNotFoundError:  # running from a source checkout that is not pip-installed
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# this checkout's package ahead of any installed copy (an editable install of another checkout included):
+# what a launch script runs and measures is the code beside it
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aidaptiv_ds.cli import compare as compare_cli  # noqa: E402
 

@@ -21,12 +21,10 @@ import json
 import os
 import sys
 
-try:
-    import aidaptiv_ds  # noqa: F401  (installs the aidaptiv_ds DeepSpeed hooks on import)
-except ModuleNotFoundError:  # running from a source checkout that is not pip-installed
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import aidaptiv_ds  # noqa: F401
-
+# this checkout's package ahead of any installed copy (an editable install of another checkout included):
+# what a launch script runs and measures is the code beside it
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import aidaptiv_ds  # noqa: E402,F401  (installs the aidaptiv_ds DeepSpeed hooks on import)
 from aidaptiv_ds.cli.generate import GenerateArgs, run
 
 

@@ -25,10 +25,9 @@ import os
 import shlex
 import sys
 
-try:
-    import aidaptiv_ds  # noqa: F401
-except ModuleNotFoundError:  # running from a source checkout that is not pip-installed
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# this checkout's package ahead of any installed copy (an editable install of another checkout included):
+# what a launch script runs and measures is the code beside it
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aidaptiv_ds.cli.compare import _size, add_model_args, shape_from_args  # noqa: E402
 

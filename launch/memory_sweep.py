@@ -18,10 +18,9 @@ import os
 import shlex
 import sys
 
-try:
-    import aidaptiv_ds  # noqa: F401
-except ModuleNotFoundError:  # running from a source checkout that is not pip-installed
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# this checkout's package ahead of any installed copy (an editable install of another checkout included):
+# what a launch script runs and measures is the code beside it
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> int:
