@@ -39,23 +39,28 @@ def allreduce_buffer_path(rank: int, environ: Mapping[str, str] | None = None, u
     return os.path.join(SHM_DIR, name)
 
 
-def release_allreduce_buffer(rank: int, path: str | None = None) -> bool:
-    """Unlink rank ``rank``'s DeepSpeed all-reduce segment (see the module's note), or the segment at ``path``;
-    True when one was there. Never raises: at exit there is nobody left to handle an error."""
+def _unlink(path: str) -> bool:
+    """Unlink ``path``; True when it was there. Never raises: at exit there is nobody left to handle an error."""
     try:
-        os.unlink(path or allreduce_buffer_path(rank))
+        os.unlink(path)
         return True
     except OSError:
         return False
 
 
+def release_allreduce_buffer(rank: int) -> bool:
+    """Unlink rank ``rank``'s DeepSpeed all-reduce segment, as the environment names it now (see the module's
+    note); True when one was there. Never raises."""
+    return _unlink(allreduce_buffer_path(rank))
+
+
 def release_allreduce_buffer_at_exit(rank: int) -> None:
-    """Register :func:`release_allreduce_buffer` for this process's exit, once per process, with the path named
+    """Unlink rank ``rank``'s segment when this process exits (registered once per process), at the path named
     now, from the rendezvous this process joined (the environment may name another port by the time it exits)."""
     global _registered
     if not _registered:
         _registered = True
-        atexit.register(release_allreduce_buffer, int(rank), allreduce_buffer_path(rank))
+        atexit.register(_unlink, allreduce_buffer_path(rank))
 
 
 def release_allreduce_buffers_of_port(port: int | str) -> int:
@@ -64,11 +69,5 @@ def release_allreduce_buffers_of_port(port: int | str) -> int:
     own backends, which have no exit hook, and processes killed with SIGKILL). Never raises."""
     import glob
 
-    n = 0
-    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_BUFFER_NAME}_{os.getuid()}_*_{port}_*")):
-        try:
-            os.unlink(path)
-            n += 1
-        except OSError:
-            pass
-    return n
+    pattern = os.path.join(SHM_DIR, f"{SHM_BUFFER_NAME}_{os.getuid()}_*_{port}_*")
+    return sum(_unlink(path) for path in glob.glob(pattern))
