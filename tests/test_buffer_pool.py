@@ -128,8 +128,8 @@ def test_live_buffers_never_overlap_and_bytes_add_up(ops):
 
 
 def test_the_runtime_makes_a_pool_only_where_no_heap_is_kept(monkeypatch):
-    """``io.buffer_pool: "auto"``: a pool of the planned windows where the heap is not kept; a second
-    engine's plan adds its windows; ``false`` never; ``true`` also beside a kept heap."""
+    """``io.buffer_pool: "auto"``: a pool of the planned windows plus the DRAM budget where the heap is not
+    kept; a second engine's plan adds its windows; ``false`` never; ``true`` also beside a kept heap."""
     from types import SimpleNamespace
 
     from aidaptiv_ds.integration import runtime as rt_mod
@@ -137,9 +137,10 @@ def test_the_runtime_makes_a_pool_only_where_no_heap_is_kept(monkeypatch):
     monkeypatch.setattr(rt_mod, "cuda_pinning_available", lambda: False)
     prev = buffers.current_pool()
 
-    def fake(pool, reuse):
+    def fake(pool, reuse, budget=0):
         return SimpleNamespace(cfg=SimpleNamespace(io=SimpleNamespace(reuse_host_memory=reuse, buffer_pool=pool)),
-                               reuse_host_memory=reuse is True, rank=1, _huge_pages_advised=False, buffer_pool=None)
+                               reuse_host_memory=reuse is True, rank=1, _huge_pages_advised=False, buffer_pool=None,
+                               budget=budget)
     try:
         rt = fake("auto", "auto")
         rt_mod.Runtime.settle_host_memory_reuse(rt, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
@@ -147,6 +148,11 @@ def test_the_runtime_makes_a_pool_only_where_no_heap_is_kept(monkeypatch):
         assert buffers.current_pool() is rt.buffer_pool
         rt_mod.Runtime.settle_host_memory_reuse(rt, heap_bytes=2, budget_free_bytes=1, pool_bytes=4 * MiB)
         assert rt.buffer_pool.capacity == 12 * MiB and buffers.current_pool() is rt.buffer_pool
+        budgeted = fake("auto", "auto", budget=6 * MiB)  # the budget's units are carved from the pool too
+        rt_mod.Runtime.settle_host_memory_reuse(budgeted, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
+        assert budgeted.buffer_pool.capacity == 14 * MiB
+        rt_mod.Runtime.settle_host_memory_reuse(budgeted, heap_bytes=2, budget_free_bytes=1, pool_bytes=4 * MiB)
+        assert budgeted.buffer_pool.capacity == 18 * MiB  # the budget once, each engine's windows
         off = fake(False, "auto")
         rt_mod.Runtime.settle_host_memory_reuse(off, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
         assert off.buffer_pool is None

@@ -241,7 +241,8 @@ def _step_record(i: int, wall: float, losses: list[float], before: dict, after: 
                                 for k, v in after.get("optimizer_steps", {}).items()},
             "master_bytes": {k: after.get(c, 0) - before.get(c, 0) for k, c in _MASTER_COUNTERS.items()},
             "buffer_pool": {"bytes": after.get("buffer_pool_bytes", 0), "peak_bytes": after.get("buffer_pool_peak_bytes", 0),
-                            "miss_bytes": after.get("buffer_pool_miss_bytes", 0) - before.get("buffer_pool_miss_bytes", 0)}}
+                            **{k: after.get(f"buffer_pool_{k}", 0) - before.get(f"buffer_pool_{k}", 0)
+                               for k in ("miss_bytes", "released_bytes")}}}
 
 
 class PhasePeaks:
@@ -293,8 +294,9 @@ class PhasePeaks:
     def record(self) -> dict:
         """``{"phase_peak_rss_bytes": {phase: bytes}, "phase_start_rss_bytes": {...}, "phase_peaks_exact",
         "phase_s": {phase: wall seconds, summed over the phase's occurrences (one per micro-batch)}}``."""
-        return {"phase_s": dict(self.seconds), "phase_peak_rss_bytes": dict(self.peaks), "phase_start_rss_bytes": dict(self.start),
-                "phase_peaks_exact": self.exact, "phase_peak_swap_buffer_bytes": dict(self.pool_peaks)}
+        return {"phase_s": dict(self.seconds), "phase_peak_rss_bytes": dict(self.peaks),
+                "phase_start_rss_bytes": dict(self.start), "phase_peaks_exact": self.exact,
+                "phase_peak_swap_buffer_bytes": dict(self.pool_peaks)}
 
 
 def _buffer_pool():

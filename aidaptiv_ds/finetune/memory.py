@@ -8,8 +8,9 @@ Peak RSS alone does not say whose memory it was. The loop measures each accounti
 * **the steps' peak**, of which:
 
   - **ours**: aidaptiv_ds's buffers at their most: the DRAM tier (what the budget books, resident and
-    cached, and its working memory: read-ahead not used yet, slices in use, write-back in flight) and the
-    swap buffers' pool: measured (per rank, the ranks' sum divided by their number);
+    cached, and its working memory: read-ahead not used yet, slices in use, write-back in flight) or the
+    swap buffers' pool the tier's units are carved from, whichever is larger: measured (per rank, the ranks'
+    sum divided by their number);
   - **DeepSpeed's working set**: the parameters it keeps gathered (up to ``stage3_max_live_parameters``)
     and its reduce buckets (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`): planned, from the
     config's knobs; host memory on CPU ranks only (on a GPU it is device memory);
@@ -76,7 +77,9 @@ def memory_parts(summary: dict, planned: dict, world: int) -> dict:
     tier = (summary.get("dram_budgeted_peak_bytes") or 0) // w
     held = (summary.get("dram_peak_bytes") or 0) // w
     pool = (summary.get("buffer_pool_bytes") or 0) // w
-    ours = held + pool
+    # the tier's units are carved from the pool where there is one (io/pool.py, [Note: the budget's units in
+    # the pool]): the region holds them, a miss is fresh memory beside it
+    ours = max(held, pool)
     steps = summary.get("steps_peak_rss_bytes") or None
     ds, act = planned.get("deepspeed_bytes"), planned.get("activations_logits_bytes")
     rest = steps - ours - (ds or 0) - (act or 0) if steps else None

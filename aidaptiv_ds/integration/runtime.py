@@ -220,18 +220,20 @@ class Runtime:
         reuse stays off and the freed heap is returned after every step (:meth:`end_of_step`); the advice to
         start PyTorch with huge pages is then logged once (:func:`aidaptiv_ds.torch_env.huge_pages_advice`).
 
-        Where no heap is kept, the swap buffers come from a buffer pool of ``pool_bytes`` (the planner's
-        windows of those buffers, :func:`aidaptiv_ds.planner.auto.buffer_pool_bytes`: host memory the plan
-        counts outside the budget already) instead of fresh memory each time (``io.buffer_pool``,
-        :mod:`aidaptiv_ds.io.pool`). A second engine's plan adds its windows: the pool is replaced by one
-        of the summed size (buffers of the first stay valid and return to it).
+        Where no heap is kept, the swap buffers come from a buffer pool instead of fresh memory each time
+        (``io.buffer_pool``, :mod:`aidaptiv_ds.io.pool`) of ``pool_bytes`` (the planner's windows of those
+        buffers, :func:`aidaptiv_ds.planner.auto.buffer_pool_bytes`: host memory the plan counts outside the
+        budget) plus the DRAM budget (the units the tier keeps within it: resident gradient, optimizer and
+        parameter slices, cached ones), so that what the budget holds is carved from the same region
+        ([Note: the budget's units in the pool] in ``io/pool.py``). A second engine's plan adds its windows:
+        the pool is replaced by one of the summed size (buffers of the first stay valid and return to it).
         """
         if self.cfg.io.reuse_host_memory == "auto" and not self.reuse_host_memory:
             if int(heap_bytes) <= int(budget_free_bytes):
                 self.reuse_host_memory = reuse_freed_host_memory()
         if int(pool_bytes) >= POOL_GRANULE and not cuda_pinning_available() and (
                 self.cfg.io.buffer_pool is True or (self.cfg.io.buffer_pool == "auto" and not self.reuse_host_memory)):
-            size = int(pool_bytes) + (self.buffer_pool.capacity if self.buffer_pool is not None else 0)
+            size = int(pool_bytes) + (self.buffer_pool.capacity if self.buffer_pool is not None else self.budget)
             self.buffer_pool = HostBufferPool(size)
             use_pool(self.buffer_pool)
             if self.rank == 0:
@@ -334,7 +336,7 @@ class Runtime:
     def _pool_counters(self) -> dict:
         c = self.buffer_pool.counters() if self.buffer_pool is not None else {}
         return {"buffer_pool_bytes": c.get("capacity", 0), "buffer_pool_peak_bytes": c.get("peak_in_use", 0),
-                "buffer_pool_miss_bytes": c.get("miss_bytes", 0)}
+                "buffer_pool_miss_bytes": c.get("miss_bytes", 0), "buffer_pool_released_bytes": c.get("released_bytes", 0)}
 
     def check(self) -> None:
         """Per-step health check: no write failed for good, and the store's files are still there.

@@ -46,7 +46,24 @@ the plan's optimizer phase counts it; with no miss alive the reuse is whole agai
 buffer leaves the count at the next merge (a buffer dying in between is still given back), and every miss
 counts, also a long-lived one (a resident or cached slice at a budget above 0, where a pool is used only
 when that budget cannot hold a heap): while it lives the pool gives back every buffer that dies, correct
-but without reuse. Not measured there yet.
+but without reuse. Measured there since, and mended by carving the budget's units from the pool too
+([Note: the budget's units in the pool]).
+
+[Note: the budget's units in the pool] Where a DRAM budget above 0 cannot hold a reusing heap too, the
+units the budget keeps (resident gradient slices opened every backward, cached optimizer and parameter
+slices) are swap buffers like the others, so a region of the working windows alone was filled by them and
+the rest of the step's buffers missed it. On the 2.70B fp32 Llama at a budget of 10 GB (clipping 1.0,
+``launch/compare.py --params 2.7B --seq 128 --backends aidaptiv_auto --aidaptiv-extra '{"dram_budget":
+10000000000}'``) the 4.26 GB region was full all step and 35-36 GB of buffers a step missed it; a miss was
+alive all the time, so every pool buffer that died gave its pages back too ([Note: lean while a miss is
+alive]): 46 s of system CPU in a 55 s step. The runtime therefore sizes the region as the windows plus the
+budget (``Runtime.settle_host_memory_reuse``): the plan counts the budget beside the backward's windows as
+host memory, so the region holds what the plan does, and the budget's units and the working buffers are
+carved from it and reused step after step. Misses fell to 2-3 GB a step there (what the tier holds beyond
+the plan's windows, and fragmentation); the given-back pages stayed high (44-54 GB a step, 51-53 s steps)
+until a miss gave back only what it adds ([Note: give back what the misses add]). On the 148M fp32 Llama at
+a budget of 700 MB holding the gradients: misses 493 MB -> 0 a step, system CPU 1.84 -> 0.52 s, step 3.17
+-> 2.52 s (one run each, ``/tmp/perf/ab.sh``, the worker directly).
 
 Pinned host memory (``cudaHostAlloc`` on a GPU rank) is not pooled: :func:`alloc_aligned` asks the pool
 only for unpinned buffers.

@@ -438,7 +438,8 @@ def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int 
     """The host buffer pool of a CPU rank (:mod:`aidaptiv_ds.io.pool`), bytes: the part of the planned
     working set that is aidaptiv_ds's own swap buffers in the backward phase, ``backward - DeepSpeed's working
     set - activations`` of :func:`cpu_rank_working_set` (read-ahead, gradient window, in-backward window,
-    norm scratch, master hold). Buffers beyond it are fresh memory, freed after use, as before.
+    norm scratch, master hold). The runtime adds the DRAM budget, whose units are swap buffers too
+    (``io/pool.py``, [Note: the budget's units in the pool]). Buffers beyond it are fresh memory, freed after use.
 
     [Note: why the backward's windows] Pages of the pool stay resident once touched, whichever phase touched
     them, so the pool must fit beside DeepSpeed's working set and the activations in backward. In the

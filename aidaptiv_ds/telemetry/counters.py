@@ -48,7 +48,8 @@ Snapshot keys (all ints unless noted):
         after backward left it, until the sub-group's slice was read.
     ``buffer_pool_bytes`` / ``buffer_pool_peak_bytes``: the host buffer pool's region and the most of it
         handed out at once (gauges; :mod:`aidaptiv_ds.io.pool`); ``buffer_pool_miss_bytes``: bytes of
-        swap buffers the pool had no room for, served by fresh memory instead.
+        swap buffers the pool had no room for, served by fresh memory instead; ``buffer_pool_released_bytes``:
+        bytes of the pool's pages given back to the OS (they are faulted in again when next used).
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ from typing import Callable
 
 #: Cumulative byte counters summed over providers (their per-interval delta is ``after - before``).
 _SUMMED = ("grad_spilled_bytes", "master_from_params_bytes", "master_demand_bytes", "master_held_bytes",
-           "buffer_pool_miss_bytes", "act_written_bytes", "act_read_bytes", "act_dram_bytes")
+           "buffer_pool_miss_bytes", "buffer_pool_released_bytes", "act_written_bytes", "act_read_bytes",
+           "act_dram_bytes")
 #: Gauges summed over providers and taken from the later snapshot in :func:`delta`.
 _GAUGES = ("dram_bytes", "dram_peak_bytes", "dram_budgeted_bytes", "dram_budgeted_peak_bytes", "dram_budget_bytes",
            "buffer_pool_bytes", "buffer_pool_peak_bytes")
