@@ -299,3 +299,72 @@ def test_release_free_gives_the_touched_free_pages_back(pool):
     assert resident(ptr, 4 * MiB) == 4 * MiB  # a dead buffer's touched pages stay until given back
     assert pool.release_free() == pool.capacity - 4 * MiB
     assert resident(ptr, 4 * MiB) == 0 and int(a.min()) == 7 == int(a.max())
+
+
+def _region_resident(p: HostBufferPool) -> int:
+    import ctypes
+    import mmap
+    n = p.capacity // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * n)()
+    assert ctypes.CDLL("libc.so.6").mincore(ctypes.c_void_p(p._start), ctypes.c_size_t(p.capacity), vec) == 0
+    return sum(b & 1 for b in vec) * mmap.PAGESIZE
+
+
+def test_a_miss_gives_back_what_it_adds_not_every_free_page(pool):
+    """io/pool.py [Note: give back what the misses add]: a miss the pool has room for in total but not in
+    one range (fragmented) gives back about its own size of resident free pages, not all of them, and
+    buffers dying while it lives keep their pages once that is covered; the region's resident pages plus
+    the live misses stay within the capacity throughout."""
+    bufs = [buffers.alloc_aligned(2 * MiB) for _ in range(8)]  # the whole 16 MiB region, touched
+    for b in bufs:
+        b.fill_(3)
+    del bufs[::2]  # four 2 MiB holes: 8 MiB free, no range over 2 MiB
+    gc.collect()
+    assert _region_resident(pool) == 16 * MiB and pool.counters()["released_bytes"] == 0
+    miss = buffers.alloc_aligned(3 * MiB)  # fits in total, not in one range: a miss
+    assert not pool.contains(miss)
+    live = pool.counters()["miss_live_bytes"]
+    released = pool.counters()["released_bytes"]
+    assert live <= released <= live + 2 * MiB  # about its own size (whole granules from whole ranges)
+    assert _region_resident(pool) + live <= pool.capacity
+    del bufs[0]  # dies while the miss lives: the miss is covered already, so its pages stay
+    gc.collect()
+    assert pool.counters()["released_bytes"] == released
+    assert _region_resident(pool) + live <= pool.capacity
+    reuse = buffers.alloc_aligned(2 * MiB)  # a resident range again, no fault
+    assert pool.contains(reuse) and _region_resident(pool) + live <= pool.capacity
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6 * MiB)), min_size=1, max_size=50))
+def test_clean_ranges_are_free_and_not_resident_and_misses_fit_beside_the_region(ops):
+    """The pool's clean set (pages not resident) lies inside its free ranges, sums to ``clean_bytes``, and
+    is what ``mincore`` says; after every allocation the region's resident pages plus the live misses fit
+    in the capacity, or every free page is given back."""
+    p = HostBufferPool(16 * MiB)
+    prev = buffers.use_pool(p)
+    live: list[torch.Tensor] = []
+    try:
+        for kind, n in ops:
+            if kind == 2 and live:
+                live.pop(n % len(live))
+                gc.collect()
+            else:
+                b = buffers.alloc_aligned(n)
+                b.fill_(1)  # touch it
+                live.append(b)
+            c = p.counters()  # merges what was returned
+            with p._lock:
+                clean = [(s, p._clean_len[s]) for s in p._clean_starts]
+                free = [(s, p._free_len[s]) for s in p._free_starts]
+                resident_free = sum(k for _, k in p._resident_free_ranges())
+            assert sum(k for _, k in clean) == p.clean_bytes
+            assert all(any(f <= s and s + k <= f + fl for f, fl in free) for s, k in clean)
+            resident = _region_resident(p)
+            assert resident <= p.capacity - p.clean_bytes
+            assert resident + c["miss_live_bytes"] <= p.capacity or resident_free == 0
+            assert all(int(b.min()) == 1 for b in live)  # nothing live was given back (it would read zeros)
+    finally:
+        live.clear()
+        buffers.use_pool(prev)
+

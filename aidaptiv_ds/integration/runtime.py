@@ -336,7 +336,8 @@ class Runtime:
     def _pool_counters(self) -> dict:
         c = self.buffer_pool.counters() if self.buffer_pool is not None else {}
         return {"buffer_pool_bytes": c.get("capacity", 0), "buffer_pool_peak_bytes": c.get("peak_in_use", 0),
-                "buffer_pool_miss_bytes": c.get("miss_bytes", 0), "buffer_pool_released_bytes": c.get("released_bytes", 0)}
+                "buffer_pool_miss_bytes": c.get("miss_bytes", 0),
+                "buffer_pool_released_bytes": c.get("released_bytes", 0)}
 
     def check(self) -> None:
         """Per-step health check: no write failed for good, and the store's files are still there.

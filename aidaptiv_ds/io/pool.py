@@ -65,6 +65,26 @@ until a miss gave back only what it adds ([Note: give back what the misses add])
 a budget of 700 MB holding the gradients: misses 493 MB -> 0 a step, system CPU 1.84 -> 0.52 s, step 3.17
 -> 2.52 s (one run each, ``/tmp/perf/ab.sh``, the worker directly).
 
+[Note: give back what the misses add] (2026-12-06; supersedes "all free ranges" and "every buffer" above.) The
+rule above gave back every free page at a miss and every buffer dying while it lived, whatever the miss's size.
+With the updates riding the forward (148M fp32 Llama, budget 0, a 1.93 GiB pool) a 470 MiB sub-group slice missed
+for fragmentation, with 945 MiB in use and 1,029 MiB free in ranges of at most 241-435 MiB, about every second
+step; the pool then gave back over 1 GiB, and the next step faulted it in again, 2 MiB page by page: 1-3.5 s of
+system CPU in a 2.7-5 s step on this project's VM, whose host discards what the guest gives back. What the plan
+needs is less: the region's resident pages plus the live misses within the capacity (the pool's capacity is what
+the plan counts; ``planner/auto.py``, ``buffer_pool_bytes``). So the pool keeps a *clean set*, the ranges whose
+pages are not resident (the whole region at the start, given back once; a carve takes out its range widened to
+whole 2 MiB pages, which a touch faults in whole; a give-back puts its range in), always inside the free ranges.
+A miss gives back resident free pages, from the region's top down, until the clean bytes cover the live misses;
+a buffer that dies while they do not is given back in its finalizer as before; a carve that takes clean pages a
+live miss relied on gives back others. A miss larger than the region still gives back every free page.
+``tests/test_buffer_pool.py`` checks the clean set against ``mincore`` and the bound after every allocation.
+Measured: at budget 0 (148M riding) the faults did not move (92,000-95,000 a step either way; what those bursts
+fault in is mostly the heap, ``docs/profiling.md``), so it was not landed then. At a budget above 0, where the
+budget's units share the region and a miss is alive for much of the step, it is what makes the region
+reusable: 2.70B fp32 at 10 GB (the command of the note above, one run each): pages given back 44-54 -> 11-15
+GB a step, system CPU 41-47 -> 19-20 s, steps 51-53 -> 39.6-39.8 s (54.4-55.3 s before either change).
+
 Pinned host memory (``cudaHostAlloc`` on a GPU rank) is not pooled: :func:`alloc_aligned` asks the pool
 only for unpinned buffers.
 """
@@ -105,9 +125,11 @@ class HostBufferPool:
         in_use, peak_in_use: bytes handed out now / at most.
         hit_bytes, miss_bytes: bytes of requests served from the region / refused (the caller allocates
             fresh memory for those).
-        released_bytes: bytes of free ranges whose pages were given back on a miss ([Note: a miss gives
-            the free pages back]) or as a buffer died while a miss was alive ([Note: lean while a miss is
-            alive]).
+        released_bytes: bytes of free ranges whose pages were given back on a miss or as a buffer died while
+            the misses alive were not covered ([Note: give back what the misses add]), or by
+            :meth:`release_free`.
+        clean_bytes: bytes of the region whose pages are not resident (never touched since the start, or given
+            back), all of them free.
         miss_live_bytes: bytes of fresh buffers (:meth:`fresh`) alive now, as of the last merge.
         peak_live_bytes: the most bytes of swap buffers alive at once, the pool's and the misses', since
             :meth:`reset_peak_live`, taken at each allocation after the buffers returned so far are merged.
@@ -133,7 +155,13 @@ class HostBufferPool:
         self._lock = threading.Lock()
         self.in_use = self.peak_in_use = 0
         self.hit_bytes = self.miss_bytes = self.released_bytes = 0
-        self._resident_free = True  # free ranges may hold touched pages (none given back since last carve)
+        # ranges of the region whose pages are not resident (never touched, or given back): always inside
+        # free ranges; sorted starts and lengths ([Note: give back what the misses add])
+        self._clean_starts: list[int] = []
+        self._clean_len: dict[int, int] = {}
+        self.clean_bytes = 0
+        if self._dontneed(0, self.capacity):  # heap memory the C library reused may be resident: make it clean
+            self._clean_add(0, self.capacity)
         self.live = 0  # buffers handed out and not yet returned
         self.miss_live_bytes = 0  # fresh buffers of misses alive (decrements queued in _miss_returned)
         self.peak_live_bytes = 0  # the most bytes handed out and of live misses at once (reset_peak_live)
@@ -155,10 +183,11 @@ class HostBufferPool:
                     if length == n:
                         break
             if best is None:
-                self.miss_bytes += int(nbytes)
-                self._release_free()
+                self.miss_bytes += int(nbytes)  # the caller's :meth:`fresh` gives back what it adds
                 return None
-            self._resident_free = True
+            # about to be touched, and with it the rest of its huge pages (the region is advised onto them)
+            lo = best // _HUGE_PAGE * _HUGE_PAGE
+            self._clean_remove(lo, min(_round_up(best + n, _HUGE_PAGE), self.capacity) - lo)
             length = self._free_len.pop(best)
             i = bisect.bisect_left(self._free_starts, best)
             del self._free_starts[i]
@@ -170,6 +199,7 @@ class HostBufferPool:
             self.peak_live_bytes = max(self.peak_live_bytes, self.in_use + self.miss_live_bytes)
             self.hit_bytes += int(nbytes)
             self.live += 1
+            self._lean()  # the carve may have taken given-back pages a live miss relies on
         cbuf = (ctypes.c_char * n).from_address(self._start + best)
         cbuf._pool = self  # type: ignore[attr-defined]  # the region lives as long as any buffer carved from it
         arr = np.frombuffer(cbuf, dtype=np.uint8)  # type: ignore[call-overload]
@@ -180,7 +210,7 @@ class HostBufferPool:
         """Finalizer of a carved buffer (any thread, maybe inside :meth:`take` of this thread: no lock):
         queue its range, first giving its pages back when a miss is alive ([Note: lean while a miss is
         alive]; the range is in no free list yet, so nothing can carve it meanwhile)."""
-        released = self.miss_live_bytes > 0 and self._dontneed(off, n)
+        released = self.miss_live_bytes > self.clean_bytes and self._dontneed(off, n)
         self._returned.append((off, n, n if released else 0))
 
     def _dontneed(self, off: int, n: int) -> bool:
@@ -202,20 +232,94 @@ class HostBufferPool:
             self._merge_returned()
             self.miss_live_bytes += n
             self.peak_live_bytes = max(self.peak_live_bytes, self.in_use + self.miss_live_bytes)
+            self._lean()
         weakref.finalize(arr, self._miss_returned.append, n).atexit = False
         return torch.from_numpy(arr)
 
-    def _release_free(self) -> None:
-        """Give the pages of every free range back to the OS (lock held; once per carve: a second miss with
-        nothing handed out or returned in between finds them released already)."""
-        if not self._resident_free and not self._returned:
-            return
-        self._merge_returned()
+    def _resident_free_ranges(self, top_first: bool = False):
+        """``(offset, bytes)`` of the free ranges' parts whose pages may be resident (lock held): free minus
+        clean, whole granules."""
+        out = []
         for off in self._free_starts:
-            n = self._free_len[off]
-            if self._dontneed(off, n):
-                self.released_bytes += n
-        self._resident_free = False
+            end, pos = off + self._free_len[off], off
+            starts, lens = self._clean_starts, self._clean_len
+            i = max(bisect.bisect_right(starts, pos) - 1, 0)
+            while pos < end:
+                while i < len(starts) and starts[i] + lens[starts[i]] <= pos:  # clean ranges behind pos
+                    i += 1
+                c = starts[i] if i < len(starts) else end
+                if c > pos:  # resident from pos up to the next clean range (or the end)
+                    out.append((pos, min(c, end) - pos))
+                    pos = min(c, end)
+                else:  # inside a clean range: skip it
+                    pos = min(c + lens[c], end)
+        return out[::-1] if top_first else out
+
+    def _give_back_range(self, off: int, n: int) -> bool:
+        """Give the pages of free ``[off, off + n)`` back and count them clean (lock held)."""
+        if not self._dontneed(off, n):
+            return False
+        self._clean_add(off, n)
+        self.released_bytes += n
+        return True
+
+    def _lean(self) -> None:
+        """Give back resident free pages until the clean bytes cover the live misses (lock held;
+        [Note: give back what the misses add]): from the top of the region down."""
+        need = self.miss_live_bytes - self.clean_bytes
+        if need <= 0:
+            return
+        for off, n in self._resident_free_ranges(top_first=True):
+            k = min(n, _round_up(need, self.granule))
+            if self._give_back_range(off + n - k, k):
+                need -= k
+            if need <= 0:
+                return
+
+    def _release_free(self) -> None:
+        """Give the pages of every free range back to the OS (lock held)."""
+        self._merge_returned()
+        for off, n in self._resident_free_ranges():
+            self._give_back_range(off, n)
+
+    # ------------------------------------------------------------------ the clean set
+    def _clean_add(self, off: int, n: int) -> None:
+        """Mark ``[off, off + n)`` not resident (lock held), merged with its neighbours."""
+        i = bisect.bisect_left(self._clean_starts, off)
+        self.clean_bytes += n
+        if i > 0:
+            prev = self._clean_starts[i - 1]
+            if prev + self._clean_len[prev] == off:
+                off, n = prev, n + self._clean_len.pop(prev)
+                i -= 1
+                del self._clean_starts[i]
+        if i < len(self._clean_starts) and self._clean_starts[i] == off + n:
+            n += self._clean_len.pop(self._clean_starts[i])
+            del self._clean_starts[i]
+        self._clean_starts.insert(i, off)
+        self._clean_len[off] = n
+
+    def _clean_remove(self, off: int, n: int) -> None:
+        """Mark ``[off, off + n)`` as about to be touched (lock held): cut it out of the clean ranges."""
+        end = off + n
+        i = max(bisect.bisect_right(self._clean_starts, off) - 1, 0)
+        while i < len(self._clean_starts):
+            c = self._clean_starts[i]
+            cend = c + self._clean_len[c]
+            if c >= end:
+                break
+            if cend <= off:
+                i += 1
+                continue
+            del self._clean_starts[i]
+            del self._clean_len[c]
+            self.clean_bytes -= cend - c
+            for a, b in ((c, min(off, cend)), (max(end, c), cend)):  # what stays clean on either side
+                if b > a:
+                    self._clean_starts.insert(i, a)
+                    self._clean_len[a] = b - a
+                    self.clean_bytes += b - a
+                    i += 1
 
     def _merge_returned(self) -> None:
         """Put the ranges of dead buffers back into the free list, merged with their neighbours (lock held)."""
@@ -223,9 +327,9 @@ class HostBufferPool:
             self.miss_live_bytes -= self._miss_returned.popleft()
         while self._returned:
             off, n, released = self._returned.popleft()
-            self.released_bytes += released
-            if not released:  # its touched pages join the free ranges: the next miss must give them back
-                self._resident_free = True
+            if released:  # given back in its finalizer: clean from here
+                self.released_bytes += released
+                self._clean_add(off, n)
             self.in_use -= n
             self.live -= 1
             i = bisect.bisect_left(self._free_starts, off)
@@ -263,8 +367,6 @@ class HostBufferPool:
         and read as zeros when next handed out); returns the bytes of the free ranges. For a one-time drop,
         e.g. the end of initialisation: touched free pages otherwise stay resident until a miss."""
         with self._lock:
-            self._merge_returned()
-            self._resident_free = True
             self._release_free()
             return sum(self._free_len.values())
 
