@@ -151,8 +151,10 @@ def test_the_runtime_makes_a_pool_only_where_no_heap_is_kept(monkeypatch):
         budgeted = fake("auto", "auto", budget=6 * MiB)  # the budget's units are carved from the pool too
         rt_mod.Runtime.settle_host_memory_reuse(budgeted, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
         assert budgeted.buffer_pool.capacity == 14 * MiB
+        first = budgeted.buffer_pool
         rt_mod.Runtime.settle_host_memory_reuse(budgeted, heap_bytes=2, budget_free_bytes=1, pool_bytes=4 * MiB)
         assert budgeted.buffer_pool.capacity == 18 * MiB  # the budget once, each engine's windows
+        assert first.retired and not budgeted.buffer_pool.retired  # the first gives its pages back as they die
         off = fake(False, "auto")
         rt_mod.Runtime.settle_host_memory_reuse(off, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
         assert off.buffer_pool is None
@@ -368,3 +370,37 @@ def test_clean_ranges_are_free_and_not_resident_and_misses_fit_beside_the_region
         live.clear()
         buffers.use_pool(prev)
 
+
+
+def test_a_free_range_sharing_an_untouched_carves_huge_page_is_not_counted_clean():
+    """io/pool.py [Note: a clean page stays clean]: a miss that gives back the free part of a huge page whose
+    carve is not touched yet must not count it clean, or the carve's first touch maps the whole 2 MiB page behind
+    the pool's back (the clean set then overstates what is given back). Reproduced with ``mincore`` before the
+    fix: 4 MiB resident with 1 MiB counted clean."""
+    p = HostBufferPool(4 * MiB)
+    a = p.take(2 * MiB)
+    a.fill_(3)
+    miss = p.fresh(1 * MiB)  # a live miss: the next carve's lean gives back 1 MiB from the region's top
+    miss.fill_(1)
+    b = p.take(64 << 10)  # the first 64 KiB of the second huge page; the rest of that page is free
+    b.fill_(1)  # the caller's first touch
+    assert _region_resident(p) <= p.capacity - p.clean_bytes, (_region_resident(p), p.clean_bytes)
+    assert _region_resident(p) + p.counters()["miss_live_bytes"] <= p.capacity
+    assert int(a.min()) == 3 and int(b.min()) == 1
+
+
+def test_a_retired_pool_gives_back_its_free_pages_and_each_buffer_that_dies():
+    """A pool replaced by a larger one (a second engine) carves nothing any more: ``retire`` gives its free pages
+    back, and each of its buffers that dies afterwards is given back too, while the live ones keep their bytes."""
+    p = HostBufferPool(8 * MiB)
+    keep, dies, freed = p.take(2 * MiB), p.take(2 * MiB), p.take(2 * MiB)
+    for t in (keep, dies, freed):
+        t.fill_(5)
+    del t, freed
+    gc.collect()
+    assert _region_resident(p) >= 6 * MiB  # a dead buffer's touched pages stay while the pool is in use
+    p.retire()
+    assert _region_resident(p) <= 4 * MiB
+    del dies
+    gc.collect()
+    assert _region_resident(p) <= 2 * MiB and int(keep.min()) == 5 == int(keep.max())

@@ -10,7 +10,7 @@ Peak RSS alone does not say whose memory it was. The loop measures each accounti
   - **ours**: aidaptiv_ds's buffers at their most: the DRAM tier (what the budget books, resident and
     cached, and its working memory: read-ahead not used yet, slices in use, write-back in flight) or the
     swap buffers' pool the tier's units are carved from, whichever is larger: measured (per rank, the ranks'
-    sum divided by their number);
+    sum divided by their number); the pool's misses, fresh memory beside it, fall in the rest;
   - **DeepSpeed's working set**: the parameters it keeps gathered (up to ``stage3_max_live_parameters``)
     and its reduce buckets (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`): planned, from the
     config's knobs; host memory on CPU ranks only (on a GPU it is device memory);

@@ -233,8 +233,11 @@ class Runtime:
                 self.reuse_host_memory = reuse_freed_host_memory()
         if int(pool_bytes) >= POOL_GRANULE and not cuda_pinning_available() and (
                 self.cfg.io.buffer_pool is True or (self.cfg.io.buffer_pool == "auto" and not self.reuse_host_memory)):
-            size = int(pool_bytes) + (self.buffer_pool.capacity if self.buffer_pool is not None else self.budget)
+            old = self.buffer_pool
+            size = int(pool_bytes) + (old.capacity if old is not None else self.budget)
             self.buffer_pool = HostBufferPool(size)
+            if old is not None:  # its buffers stay valid; its pages go back as they die
+                old.retire()
             use_pool(self.buffer_pool)
             if self.rank == 0:
                 log.info("aidaptiv_ds: swap buffers from a host buffer pool of %s (io.buffer_pool)",

@@ -79,6 +79,16 @@ A miss gives back resident free pages, from the region's top down, until the cle
 a buffer that dies while they do not is given back in its finalizer as before; a carve that takes clean pages a
 live miss relied on gives back others. A miss larger than the region still gives back every free page.
 ``tests/test_buffer_pool.py`` checks the clean set against ``mincore`` and the bound after every allocation.
+
+[Note: a clean page stays clean] A range counted clean must not be mapped again behind the pool's back. Two ways
+it could: (1) a carve shares a huge page with a free range, nothing of that page is mapped yet, and a miss gives
+the free part back (a no-op) and counts it clean before the carve is touched; the touch then maps the whole 2 MiB
+page, the "clean" part with it (found by review, reproduced with ``mincore``). So :meth:`HostBufferPool.take`
+faults in a carve's first and last huge pages itself, under the lock, before anything can be given back; the
+pages inside a carve share a huge page with no free range. (2) ``khugepaged`` may collapse a partly mapped 2 MiB
+range of the region into a huge page (``max_ptes_none``); it scans slowly and was not seen in the tests, so the
+clean set can be short of the truth by what it collapses until that range is carved again, which only costs a
+weaker bound, never data.
 Measured: at budget 0 (148M riding) the faults did not move (92,000-95,000 a step either way; what those bursts
 fault in is mostly the heap, ``docs/profiling.md``), so it was not landed then. At a budget above 0, where the
 budget's units share the region and a miss is alive for much of the step, it is what makes the region
@@ -163,6 +173,7 @@ class HostBufferPool:
         if self._dontneed(0, self.capacity):  # heap memory the C library reused may be resident: make it clean
             self._clean_add(0, self.capacity)
         self.live = 0  # buffers handed out and not yet returned
+        self.retired = False  # replaced by a larger pool: nothing is carved any more, what dies is given back
         self.miss_live_bytes = 0  # fresh buffers of misses alive (decrements queued in _miss_returned)
         self.peak_live_bytes = 0  # the most bytes handed out and of live misses at once (reset_peak_live)
         self._miss_returned: collections.deque = collections.deque()
@@ -199,6 +210,11 @@ class HostBufferPool:
             self.peak_live_bytes = max(self.peak_live_bytes, self.in_use + self.miss_live_bytes)
             self.hit_bytes += int(nbytes)
             self.live += 1
+            # Fault in the carve's first and last huge pages now: a free range sharing one of them must not be
+            # given back and counted clean while the carve is untouched, since the carve's first touch would map
+            # the whole 2 MiB page, that range included ([Note: a clean page stays clean]).
+            for page in {lo, (best + n - 1) // _HUGE_PAGE * _HUGE_PAGE}:
+                ctypes.memset(self._start + max(page, best), 0, 1)
             self._lean()  # the carve may have taken given-back pages a live miss relies on
         cbuf = (ctypes.c_char * n).from_address(self._start + best)
         cbuf._pool = self  # type: ignore[attr-defined]  # the region lives as long as any buffer carved from it
@@ -210,7 +226,7 @@ class HostBufferPool:
         """Finalizer of a carved buffer (any thread, maybe inside :meth:`take` of this thread: no lock):
         queue its range, first giving its pages back when a miss is alive ([Note: lean while a miss is
         alive]; the range is in no free list yet, so nothing can carve it meanwhile)."""
-        released = self.miss_live_bytes > self.clean_bytes and self._dontneed(off, n)
+        released = (self.retired or self.miss_live_bytes > self.clean_bytes) and self._dontneed(off, n)
         self._returned.append((off, n, n if released else 0))
 
     def _dontneed(self, off: int, n: int) -> bool:
@@ -369,6 +385,14 @@ class HostBufferPool:
         with self._lock:
             self._release_free()
             return sum(self._free_len.values())
+
+    def retire(self) -> int:
+        """This pool is replaced (a second engine's larger pool, ``Runtime.settle_host_memory_reuse``): give its
+        free pages back now, and from here on every buffer of it that dies as well, since nothing will carve its
+        ranges again (the budget's long-lived slices can keep the region alive for a long time). Returns the bytes
+        of the free ranges."""
+        self.retired = True
+        return self.release_free()
 
     def reset_peak_live(self) -> int:
         """Restart :attr:`peak_live_bytes` from the bytes live now (pool and misses); returns the peak it had."""
