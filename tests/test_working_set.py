@@ -39,6 +39,34 @@ def test_the_cpu_and_accelerator_figures_follow_the_policy():
     assert not stateless.may_step_in_backward and not stateless.rides
 
 
+def test_the_gathered_parameters_partitions_are_in_the_pool_and_counted_once():
+    """[Note: the gathered parameters' partitions] (planner/auto.py): over one rank the parameters DeepSpeed keeps
+    gathered are their partitions, swap buffers inside DeepSpeed's counted working set: the pool holds them and
+    the total stays; over two ranks the partitions come beside the gathered copies: the total and the pool both
+    grow by them."""
+    from aidaptiv_ds.planner.auto import live_partition_bytes
+
+    assert live_partition_bytes(10**9, 1000, 4, partition_ranks=1) == 4000  # at most the model
+    assert live_partition_bytes(500, 1000, 4, partition_ranks=2) == 1000  # 250 elements of each rank's
+    assert live_partition_bytes(501, 1000, 2, partition_ranks=2) == 502  # a partition rounds up
+    with pytest.raises(ValueError, match="partition_ranks 0"):
+        live_partition_bytes(10, 10, 4, partition_ranks=0)
+    state = RankState(subgroup_numels=(1000, 3000), grad_numels=(1000, 3000), largest_partition_numel=600,
+                      param_bytes=16000, largest_subgroup_param_bytes=12000, staging_partition_bytes=2400,
+                      accum_elsize=4, alias=True)
+    base = RankPolicy(cpu_rank=True, deepspeed_bytes=20000)
+    none = rank_working_set(state, base)
+    one = rank_working_set(state, dataclasses.replace(base, live_partition_bytes=16000, gather_ranks=1))
+    two = rank_working_set(state, dataclasses.replace(base, live_partition_bytes=8000, gather_ranks=2))
+    assert one.total == none.total and one.pool_bytes == none.pool_bytes + 16000
+    assert two.total == none.total + 8000 and two.pool_bytes == none.pool_bytes + 8000
+    assert two.phases["forward"] == none.phases["forward"] + 8000
+    assert two.phases["backward"] == none.phases["backward"] + 8000
+    assert two.phases["optimizer"] == none.phases["optimizer"]  # released before the step
+    gpu = rank_working_set(state, RankPolicy(cpu_rank=False, live_partition_bytes=16000))
+    assert gpu.pool_bytes == 0
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("sub_group_size", [None, 30_000], ids=["deepspeed-default", "small"])
 def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, sub_group_size):

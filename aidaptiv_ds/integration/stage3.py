@@ -23,7 +23,7 @@ import weakref
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes
+from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes, live_partition_bytes
 from ..planner.working_set import RankPolicy, RankState, rank_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
@@ -259,19 +259,25 @@ def make_stage3_class(base: type) -> type:
                         return s
             return None
 
-        def _aidaptiv_deepspeed_cpu_bytes(self, module_params) -> int:
-            """DeepSpeed's own working set in host memory on a CPU rank (0 on an accelerator, where it is
-            VRAM): :func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes` from this engine's knobs."""
+        def _aidaptiv_deepspeed_cpu_bytes(self, module_params) -> tuple[int, int, int]:
+            """DeepSpeed's own working set in host memory on a CPU rank and the part of it that is our swap buffers,
+            from this engine's knobs: ``(deepspeed_bytes, live_partition_bytes, partition_ranks)``
+            (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`, :func:`~aidaptiv_ds.planner.auto.
+            live_partition_bytes`: the partitions of the parameters DeepSpeed keeps gathered, where our parameter
+            swapper holds them); ``(0, 0, 1)`` on an accelerator, where DeepSpeed's working set is VRAM."""
             if get_accelerator().device_name() != "cpu":
-                return 0
+                return 0, 0, 1
             offload = getattr(self, "parameter_offload", None)
             max_live = getattr(offload, "_max_available_parameters_in_numel", 0) or 0
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
             import deepspeed.comm as dist
-            return deepspeed_cpu_rank_bytes(max_live, model_numel, self.dtype.itemsize,
-                                            int(getattr(self, "reduce_bucket_size", 0) or 0),
-                                            self.gradient_accumulation_dtype.itemsize,
-                                            partition_ranks=dist.get_world_size(group=self.dp_process_group))
+            ranks = dist.get_world_size(group=self.dp_process_group)
+            ds = deepspeed_cpu_rank_bytes(max_live, model_numel, self.dtype.itemsize,
+                                          int(getattr(self, "reduce_bucket_size", 0) or 0),
+                                          self.gradient_accumulation_dtype.itemsize, partition_ranks=ranks)
+            live = live_partition_bytes(max_live, model_numel, self.dtype.itemsize, partition_ranks=ranks) \
+                if self._aidaptiv_param_swapper() is not None else 0
+            return ds, live, ranks
 
         def _aidaptiv_param_cap(self, module_params) -> int | None:
             """``offload_param.max_in_cpu`` as bytes of this rank's parameter partitions (None: no cap).
@@ -333,12 +339,13 @@ def make_stage3_class(base: type) -> type:
                                subgroup_grad_bytes=grad_slices,
                                param_resident_cap=self._aidaptiv_param_cap(module_params))
             cpu_rank = get_accelerator().device_name() == "cpu"
-            ds_bytes = self._aidaptiv_deepspeed_cpu_bytes(module_params) if cpu_rank else 0
+            ds_bytes, live_parts, gather_ranks = self._aidaptiv_deepspeed_cpu_bytes(module_params)
             policy = RankPolicy(
                 cpu_rank=cpu_rank, step_in_backward=rt.cfg.step_in_backward,
                 step_rides_forward=rt.cfg.step_rides_forward, fp16=self.dtype == torch.float16,
                 hpz=int(getattr(self, "zero_hpz_partition_size", 1) or 1) > 1,
                 readahead_bytes=psw.prefetch_window() if psw is not None and cpu_rank else 0, deepspeed_bytes=ds_bytes,
+                live_partition_bytes=live_parts, gather_ranks=gather_ranks,
                 activation_bytes=0,  # the sequence length is not known yet: the safety margin holds them
                 step_tile_numel=TILE_NUMEL)
 

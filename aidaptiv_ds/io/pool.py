@@ -79,6 +79,12 @@ A miss gives back resident free pages, from the region's top down, until the cle
 a buffer that dies while they do not is given back in its finalizer as before; a carve that takes clean pages a
 live miss relied on gives back others. A miss larger than the region still gives back every free page.
 ``tests/test_buffer_pool.py`` checks the clean set against ``mincore`` and the bound after every allocation.
+Measured: at budget 0 (148M riding) the faults did not move (92,000-95,000 a step either way; what those bursts
+fault in is mostly the heap, ``docs/profiling.md``), so it was not landed then. At a budget above 0, where the
+budget's units share the region and a miss is alive for much of the step, it is what makes the region
+reusable: 2.70B fp32 at 10 GB (the command of the note above, one run each): pages given back 44-54 -> 11-15
+GB a step, system CPU 41-47 -> 19-20 s, steps 51-53 -> 39.6-43.3 s over two runs (54.4-55.3 s before either
+change); with the carve's edge pages faulted in under the lock (the next note) 40.8-45.8 s over two runs.
 
 [Note: a clean page stays clean] A range counted clean must not be mapped again behind the pool's back. Two ways
 it could: (1) a carve shares a huge page with a free range, nothing of that page is mapped yet, and a miss gives
@@ -89,11 +95,23 @@ pages inside a carve share a huge page with no free range. (2) ``khugepaged`` ma
 range of the region into a huge page (``max_ptes_none``); it scans slowly and was not seen in the tests, so the
 clean set can be short of the truth by what it collapses until that range is carved again, which only costs a
 weaker bound, never data.
-Measured: at budget 0 (148M riding) the faults did not move (92,000-95,000 a step either way; what those bursts
-fault in is mostly the heap, ``docs/profiling.md``), so it was not landed then. At a budget above 0, where the
-budget's units share the region and a miss is alive for much of the step, it is what makes the region
-reusable: 2.70B fp32 at 10 GB (the command of the note above, one run each): pages given back 44-54 -> 11-15
-GB a step, system CPU 41-47 -> 19-20 s, steps 51-53 -> 39.6-39.8 s (54.4-55.3 s before either change).
+
+[Note: the gathered parameters in the pool] Over one rank DeepSpeed's gathered parameters are their partitions'
+swap buffers (``planner/auto.py``, [Note: the gathered parameters' partitions]), up to
+``stage3_max_live_parameters`` of them (1e9 by default: most of a model below a few billion parameters stays
+gathered from the forward into the backward), and over several ranks the partitions stay beside the gathered
+copies. The plan counted them as DeepSpeed's working set over one rank, outside the region, and not at all over
+several; carved from the region, they took the room of the step's other buffers. With the updates riding the
+forward (10M fp32 Llama, ``tests/test_budget_in_pool.py``) 16-29 MB of optimizer slices a step missed; the
+region now holds them too (:func:`aidaptiv_ds.planner.auto.buffer_pool_bytes`), and that run misses nothing.
+2.70B fp32, clipping 1.0 (the command of [Note: the budget's units in the pool]; one run each, side by side on
+an Intel Xeon 2-core VM, logs in ``docs/profiling.md``): at 10 GB the pool grows 13.28 -> 17.01 GiB, misses
+1.6-2.0 GB -> 0 and pages given back 7.5-12.4 GB -> 0 a step, system CPU 25.3 -> 13.8 s, steps 55.9 / 59.1 ->
+52.2 / 47.7 s; riding at ``auto``, misses 22-31 -> 4-5 GB a step, steps 77.1 / 72.2 -> 69.6 / 55.0 s. The
+peak RSS rises with the pages the region keeps (16.60 -> 18.12 GiB at 10 GB, inside the plan's 18.63; riding
+18.05 -> 19.97-20.31 GiB, 5.8-6.7% above its plan). What still misses in the riding forward is fragmentation:
+1.3-1.4 GB free in 54-63 ranges of at most 278-360 MB against 405 MB optimizer slices, the budget's
+long-lived units (resident gradients, cached parameter copies) between them.
 
 Pinned host memory (``cudaHostAlloc`` on a GPU rank) is not pooled: :func:`alloc_aligned` asks the pool
 only for unpinned buffers.
@@ -121,6 +139,20 @@ _MADV_DONTNEED = 4  # linux/mman.h
 
 def _round_up(n: int, to: int) -> int:
     return -(-int(n) // to) * to
+
+
+def _insert_merged(starts: list[int], lens: dict[int, int], off: int, n: int) -> None:
+    """Insert the range ``[off, off + n)`` into the disjoint ranges ``starts`` (sorted offsets) / ``lens`` (offset
+    -> bytes), merged with the range ending at ``off`` and the one starting at ``off + n``."""
+    i = bisect.bisect_left(starts, off)
+    if i > 0 and starts[i - 1] + lens[starts[i - 1]] == off:  # merge with the range before it
+        i -= 1
+        off = starts.pop(i)
+        n += lens.pop(off)
+    if i < len(starts) and starts[i] == off + n:  # and the one after it
+        n += lens.pop(starts.pop(i))
+    starts.insert(i, off)
+    lens[off] = n
 
 
 class HostBufferPool:
@@ -301,19 +333,8 @@ class HostBufferPool:
     # ------------------------------------------------------------------ the clean set
     def _clean_add(self, off: int, n: int) -> None:
         """Mark ``[off, off + n)`` not resident (lock held), merged with its neighbours."""
-        i = bisect.bisect_left(self._clean_starts, off)
         self.clean_bytes += n
-        if i > 0:
-            prev = self._clean_starts[i - 1]
-            if prev + self._clean_len[prev] == off:
-                off, n = prev, n + self._clean_len.pop(prev)
-                i -= 1
-                del self._clean_starts[i]
-        if i < len(self._clean_starts) and self._clean_starts[i] == off + n:
-            n += self._clean_len.pop(self._clean_starts[i])
-            del self._clean_starts[i]
-        self._clean_starts.insert(i, off)
-        self._clean_len[off] = n
+        _insert_merged(self._clean_starts, self._clean_len, off, n)
 
     def _clean_remove(self, off: int, n: int) -> None:
         """Mark ``[off, off + n)`` as about to be touched (lock held): cut it out of the clean ranges."""
@@ -348,18 +369,7 @@ class HostBufferPool:
                 self._clean_add(off, n)
             self.in_use -= n
             self.live -= 1
-            i = bisect.bisect_left(self._free_starts, off)
-            if i > 0:  # merge with the free range before it
-                prev = self._free_starts[i - 1]
-                if prev + self._free_len[prev] == off:
-                    off, n = prev, n + self._free_len.pop(prev)
-                    i -= 1
-                    del self._free_starts[i]
-            if i < len(self._free_starts) and self._free_starts[i] == off + n:  # and the one after it
-                n += self._free_len.pop(self._free_starts[i])
-                del self._free_starts[i]
-            self._free_starts.insert(i, off)
-            self._free_len[off] = n
+            _insert_merged(self._free_starts, self._free_len, off, n)
 
     def free_bytes(self) -> int:
         """Bytes of the region not handed out (after merging the buffers returned so far)."""

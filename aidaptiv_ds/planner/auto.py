@@ -388,7 +388,8 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
                          activation_bytes: int, subgroup_numels: list[int], moment_bytes_per_param: int | float,
                          baseline_bytes: int = CPU_RANK_BASELINE_BYTES, in_backward_slice_bytes: int = 0,
                          norm_scratch: int = 0, master_hold: int = 0, step_scratch: int = 0,
-                         ride_slice_bytes: int = 0, ride_param_bytes: int = 0) -> dict:
+                         ride_slice_bytes: int = 0, ride_param_bytes: int = 0,
+                         partition_copy_bytes: int = 0) -> dict:
     """Host memory (bytes) one CPU rank needs besides the DRAM budget, by phase (module docstring).
 
     Args:
@@ -412,6 +413,9 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
         ride_param_bytes: with ``ride_slice_bytes``, the largest sub-group's fp32 parameter bytes kept in DRAM
             for the forward after its update (``step_pipeline.py``, [Note: the updated parameters stay for the
             forward]; 0 where parameters are not read from their master slots).
+        partition_copy_bytes: the partitions of DeepSpeed's gathered parameters held beside the gathered copies
+            (:func:`live_partition_bytes` over several ranks; 0 over one, where they are the gathered
+            parameters), in the forward and backward phases.
 
     Returns:
         ``{"baseline", "forward", "backward", "optimizer", "in_backward", "riding", "step_scratch", "total"}``,
@@ -419,7 +423,7 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
         ``total = baseline + max(forward, backward, optimizer)``.
     """
     backward = (int(readahead_bytes) + int(grad_window_bytes) + int(deepspeed_bytes) + int(activation_bytes)
-                + int(norm_scratch) + int(master_hold))
+                + int(norm_scratch) + int(master_hold) + int(partition_copy_bytes))
     in_flight = sorted((int(n) for n in subgroup_numels), reverse=True)[:OPTIMIZER_PIPELINE_DEPTH]
     optimizer = math.ceil(sum(in_flight) * (MASTER_BYTES_PER_PARAM + moment_bytes_per_param + GRAD_BYTES_PER_PARAM))
     window = in_backward_window_bytes(in_backward_slice_bytes)
@@ -428,18 +432,22 @@ def cpu_rank_working_set(*, readahead_bytes: int, grad_window_bytes: int, deepsp
     backward += window + (scratch if window else 0)
     riding = in_backward_window_bytes(ride_slice_bytes) + (int(ride_param_bytes) if ride_slice_bytes else 0)
     forward = (int(readahead_bytes) + int(deepspeed_bytes) + int(activation_bytes) + riding
-               + (scratch if riding else 0))
+               + (scratch if riding else 0) + int(partition_copy_bytes))
     return {"baseline": int(baseline_bytes), "forward": forward, "backward": backward, "optimizer": optimizer,
             "in_backward": window, "riding": riding, "step_scratch": scratch,
             "total": int(baseline_bytes) + max(forward, backward, optimizer)}
 
 
-def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int = 0) -> int:
+def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int = 0,
+                      gathered_partition_bytes: int = 0) -> int:
     """The host buffer pool of a CPU rank (:mod:`aidaptiv_ds.io.pool`), bytes: the part of the planned
     working set that is aidaptiv_ds's own swap buffers in the backward phase, ``backward - DeepSpeed's working
     set - activations`` of :func:`cpu_rank_working_set` (read-ahead, gradient window, in-backward window,
-    norm scratch, master hold). The runtime adds the DRAM budget, whose units are swap buffers too
-    (``io/pool.py``, [Note: the budget's units in the pool]). Buffers beyond it are fresh memory, freed after use.
+    norm scratch, master hold, the partitions held beside DeepSpeed's gathered copies), plus
+    ``gathered_partition_bytes``: the part of DeepSpeed's working set that is swap buffers (over one rank its
+    gathered parameters are their partitions, [Note: the gathered parameters' partitions]). The runtime adds
+    the DRAM budget, whose units are swap buffers too (``io/pool.py``, [Note: the budget's units in the pool]).
+    Buffers beyond it are fresh memory, freed after use.
 
     [Note: why the backward's windows] Pages of the pool stay resident once touched, whichever phase touched
     them, so the pool must fit beside DeepSpeed's working set and the activations in backward. In the
@@ -455,11 +463,12 @@ def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int 
         phases: the dict :func:`cpu_rank_working_set` returned.
         deepspeed_bytes, activation_bytes: what went into its ``backward`` that is not ours (torch's own
             allocations: DeepSpeed's gathered parameters and buckets, the activations).
+        gathered_partition_bytes: the part of ``deepspeed_bytes`` that is swap buffers (at most all of it).
     """
     scratch = int(phases.get("step_scratch", 0))  # torch's temporaries, from the heap, not the pool
     ours = int(phases["backward"]) - int(deepspeed_bytes) - int(activation_bytes) - (
         scratch if phases.get("in_backward") else 0)
-    return max(ours, 0)
+    return max(ours, 0) + min(int(gathered_partition_bytes), int(deepspeed_bytes))
 
 
 def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_per_elem: int,
@@ -491,6 +500,40 @@ def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_
     return (min(int(max_live_numel), int(model_numel)) * int(param_bytes_per_elem)
             + reduce_path_copies(partition_ranks) * min(int(reduce_bucket_numel), int(model_numel))
             * int(grad_bytes_per_elem))
+
+
+def live_partition_bytes(max_live_numel: int, model_numel: int, param_bytes_per_elem: int, *,
+                         partition_ranks: int) -> int:
+    """Host bytes of the parameter partitions swapped in for the parameters DeepSpeed keeps gathered on a CPU
+    rank whose parameters are offloaded to the cache tier: ``ceil(min(max_live, model) / partition_ranks) x
+    param bytes``.
+
+    [Note: the gathered parameters' partitions] A gather first swaps each parameter's partition into a host
+    buffer of the parameter swapper (``Init._ensure_availability_of_partitioned_params``), and that buffer stays
+    the partition (``ds_tensor``) until DeepSpeed releases the parameter
+    (``partition_parameters.py:1806-1809``, ``remove_partition_and_release_buffers``). Over one rank the gather
+    is skipped (``all_gather_coalesced``: ``_no_gather_coalesced`` where every partition group has one rank) and
+    the gathered parameter *is* the partition: :func:`deepspeed_cpu_rank_bytes` counts those bytes as
+    DeepSpeed's, but they are swap buffers, carved from the buffer pool. Over several ranks the partitions are
+    held beside the gathered copies, host memory of their own. Measured on the 10M fp32 Llama of
+    ``tests/test_budget_in_pool.py`` with the updates riding the forward: swap buffers of live partitions
+    (38 MiB, nearly the whole model: DeepSpeed's ``stage3_max_live_parameters`` and
+    ``stage3_max_reuse_distance`` of 1e9 keep what the backward uses again) filled the pool beside the
+    budget's units, so 16-29 MB of optimizer slices a step missed it; a pool 40 MB larger missed nothing.
+
+    Args:
+        max_live_numel: ``stage3_max_live_parameters`` (elements gathered at once).
+        model_numel: parameters of the model.
+        param_bytes_per_elem: bytes of a partition element (the model dtype).
+        partition_ranks: ranks of the parameters' partition group (the data-parallel size).
+
+    Raises:
+        ValueError: ``partition_ranks`` below 1.
+    """
+    if int(partition_ranks) < 1:
+        raise ValueError(f"partition_ranks {partition_ranks} must be at least 1")
+    live = max(min(int(max_live_numel), int(model_numel)), 0)
+    return -(-live // int(partition_ranks)) * int(param_bytes_per_elem)
 
 
 def reduce_path_copies(partition_ranks: int) -> int:

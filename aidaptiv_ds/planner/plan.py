@@ -94,6 +94,7 @@ from .auto import (
     deepspeed_cpu_rank_bytes,
     deepspeed_sub_group_numels,
     explain_dram_budget,
+    live_partition_bytes,
     prefetch_bytes_from_budget,
     process_phases,
 )
@@ -701,8 +702,10 @@ def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankP
     pb = PARAM_BYTES[inp.dtype]
     ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, inp.params, pb, inp.reduce_bucket_size,
                                   grad_accum_bytes(inp.dtype), partition_ranks=inp.dp)
+    live = live_partition_bytes(inp.max_live_parameters, inp.params, pb, partition_ranks=inp.dp)
     return rank_policy(inp, readahead_bytes=auto_prefetch_bytes(2 * state.largest_partition_numel * pb),
-                       deepspeed_bytes=ds, activation_bytes=activations)
+                       deepspeed_bytes=ds, live_partition_bytes=live, gather_ranks=inp.dp,
+                       activation_bytes=activations)
 
 
 def rank_policy(inp: PlanInput, **inputs) -> RankPolicy:

@@ -137,6 +137,10 @@ class RankPolicy:
         readahead_bytes: the parameter read-ahead window (CPU rank; at most ``param_bytes`` is used).
         deepspeed_bytes: DeepSpeed's own working set on a CPU rank
             (:func:`~aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`).
+        live_partition_bytes: the partitions of the parameters DeepSpeed keeps gathered, in swap buffers while
+            gathered (:func:`~aidaptiv_ds.planner.auto.live_partition_bytes`; CPU rank, parameters on the cache
+            tier, else 0); gather_ranks: ranks of the parameters' partition group (over one the gathered
+            parameters are those partitions, inside ``deepspeed_bytes``; over several they come beside it).
         activation_bytes: activations of one micro-batch (CPU rank).
         baseline_bytes: the CPU rank's process baseline; rank_overhead_bytes: the allowance beside an
             accelerator.
@@ -149,6 +153,8 @@ class RankPolicy:
     hpz: bool = False
     readahead_bytes: int = 0
     deepspeed_bytes: int = 0
+    live_partition_bytes: int = 0
+    gather_ranks: int = 1
     activation_bytes: int = 0
     baseline_bytes: int = CPU_RANK_BASELINE_BYTES
     rank_overhead_bytes: int = RANK_OVERHEAD_BYTES
@@ -167,7 +173,8 @@ class RankWorkingSet:
             (on a CPU rank the larger of the two windows, 0 where neither runs; beside an accelerator the
             whole pipeline of :data:`~aidaptiv_ds.planner.auto.OPTIMIZER_PIPELINE_DEPTH` slices, always).
         largest_opt_slice: the largest sub-group's optimizer slice as stored (bytes).
-        pool_bytes: the CPU rank's host buffer pool (0 beside an accelerator).
+        pool_bytes: the CPU rank's host buffer pool without the DRAM budget, which the runtime adds once it is
+            cut (``Runtime.settle_host_memory_reuse``); 0 beside an accelerator.
         may_step_in_backward: steps may run inside backward (before the preflight's check for room).
         rides: updates not done in ``step()`` ride the next forward.
         master_hold: parameter bytes kept for a master slot while steps run inside backward
@@ -204,6 +211,9 @@ def rank_working_set(state: RankState, policy: RankPolicy) -> RankWorkingSet:
     # moments widened per tile; a quantized tile also has its scaled values and code indices beside it
     narrow = 0 if moments >= state.state_elsize * state.states else state.states * (2 if fmt and fmt.block else 1)
     if policy.cpu_rank:  # what a GPU holds is host memory here, by phase
+        # the swapped-in partitions of gathered parameters ([Note: the gathered parameters' partitions] in
+        # planner/auto.py): over one rank the gathered parameters themselves, over several beside them
+        beside = int(policy.live_partition_bytes) if policy.gather_ranks > 1 else 0
         phases = cpu_rank_working_set(
             readahead_bytes=min(int(policy.readahead_bytes), int(state.param_bytes)),
             grad_window_bytes=grad_window, deepspeed_bytes=policy.deepspeed_bytes,
@@ -213,11 +223,13 @@ def rank_working_set(state: RankState, policy: RankPolicy) -> RankWorkingSet:
             norm_scratch=norm_scratch_bytes(state.largest_partition_numel), master_hold=master_hold,
             step_scratch=optimizer_scratch_bytes(policy.step_tile_numel, state.state_elsize, widened_states=narrow),
             ride_slice_bytes=largest_opt_slice if rides else 0,
-            ride_param_bytes=state.largest_subgroup_param_bytes if state.alias else 0)
+            ride_param_bytes=state.largest_subgroup_param_bytes if state.alias else 0,
+            partition_copy_bytes=beside)
         return RankWorkingSet(total=phases["total"], overhead=phases["baseline"], grad_window=grad_window,
                               in_backward_window=max(phases["in_backward"], phases["riding"]),
                               largest_opt_slice=largest_opt_slice,
-                              pool_bytes=buffer_pool_bytes(phases, policy.deepspeed_bytes, policy.activation_bytes),
+                              pool_bytes=buffer_pool_bytes(phases, policy.deepspeed_bytes, policy.activation_bytes,
+                                                           int(policy.live_partition_bytes) - beside),
                               may_step_in_backward=may_step, rides=rides, master_hold=master_hold,
                               phases=phases)
     total = host_working_set(largest_slice_partition_bytes=state.staging_partition_bytes,
