@@ -56,17 +56,21 @@ def test_the_gathered_parameters_partitions_leave_the_riding_updates_room(tmp_pa
     assert got["optimizer_steps"]["riding_forward"] > 0, got["optimizer_steps"]
     params = 4 * got["nparams"]  # fp32: what DeepSpeed keeps gathered at most
     assert all(d["buffer_pool_bytes"] >= BUDGET + params for d in got["io"]), got["io"][0]["buffer_pool_bytes"]
-    # one optimizer slice (1e6 elements x 3 fp32 slots: 12 MB) of slack over steps 2-4 for the free bytes'
-    # fragmentation, which moves with the order the buffers die in; none missed in 5 runs
+    # Two optimizer slices (1e6 elements x 3 fp32 slots: 12 MB each) of slack over steps 2-4 for the free bytes'
+    # fragmentation, which moves with the order the buffers die in (when write-backs complete): none missed in 6
+    # runs; 53 MB on 0ee4f7b, whose pool left the gathered partitions out. (The pool size above held there too:
+    # the windows alone exceed this small model.)
     misses = [d["buffer_pool_miss_bytes"] for d in got["io"][1:]]
-    assert sum(misses) <= 12 << 20, misses
+    assert sum(misses) <= 24 << 20, misses
 
 
 @pytest.mark.slow
 def test_two_ranks_deepspeeds_sub_groups_and_accumulation_share_the_pool(tmp_path_factory):
-    """What users run beside the test above: two ranks, DeepSpeed's ``sub_group_size`` left out and gradient
-    accumulation 2 at the same budget per rank; every rank's masters equal DeepSpeed's CPU offload bit for bit, and
-    the pool holds the budget and the gathered parameters' partitions. (Slow tier: two 2-rank runs, about 70 s.)"""
+    """What users run beside the tests above: two ranks, DeepSpeed's ``sub_group_size`` left out and gradient
+    accumulation 2 at the same budget per rank, the pool in use; every rank's masters equal DeepSpeed's CPU offload
+    bit for bit and nothing much misses the pool. A check of the modes, not of the pool's sizing (it passed on
+    0ee4f7b too: there the gradient window of one 5M-element sub-group alone exceeds the partitions). (Slow tier:
+    two 2-rank runs, about 70 s.)"""
     args = [a for a in ARGS if a not in ("--sub_group_size", "1e6")] + [
         "--ga", "2", "--zero", '{"sub_group_size": null}']
     ref = multirank.oracle(2, args, str(tmp_path_factory.getbasetemp()))

@@ -93,3 +93,20 @@ def test_planned_activations_follow_the_runs_checkpointing_and_logits():
     assert full - fewer == 1000 * 49152 * (4 + 12)
     assert lean < fewer < full
     assert planned_parts(cfg, {}, 134_515_008, 512, 4, 1, 4, False)["activations_logits_bytes"] == 0
+
+
+def test_the_gathered_parameters_are_counted_once_in_the_memory_parts():
+    """finetune/memory.py: on one rank with the parameters on the cache tier the gathered parameters are our swap
+    buffers (planner/auto.py, [Note: the gathered parameters' partitions]), already in "ours" (the DRAM tier or the
+    buffer pool): DeepSpeed's planned part is then its reduce bucket alone; over two ranks its gathered copies are
+    its own."""
+    from aidaptiv_ds.finetune.memory import planned_parts
+
+    nvme = {"zero_optimization": {"offload_param": {"device": "nvme"}, "stage3_max_live_parameters": 1000,
+                                  "reduce_bucket_size": 500}}
+    cpu = {"zero_optimization": {"offload_param": {"device": "cpu"}, "stage3_max_live_parameters": 1000,
+                                 "reduce_bucket_size": 500}}
+    assert planned_parts(None, nvme, 10_000, 8, 1, 1, 4, True)["deepspeed_bytes"] == 500 * 4
+    assert planned_parts(None, cpu, 10_000, 8, 1, 1, 4, True)["deepspeed_bytes"] == (1000 + 500) * 4
+    two = planned_parts(None, nvme, 10_000, 8, 1, 2, 4, True)["deepspeed_bytes"]
+    assert two == 1000 * 4 + 3 * 500 * 4  # the gathered copies and the reduce-scatter's three buckets

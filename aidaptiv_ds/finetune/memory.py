@@ -13,7 +13,9 @@ Peak RSS alone does not say whose memory it was. The loop measures each accounti
     sum divided by their number); the pool's misses, fresh memory beside it, fall in the rest;
   - **DeepSpeed's working set**: the parameters it keeps gathered (up to ``stage3_max_live_parameters``)
     and its reduce buckets (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`): planned, from the
-    config's knobs; host memory on CPU ranks only (on a GPU it is device memory);
+    config's knobs; host memory on CPU ranks only (on a GPU it is device memory). On one rank with the
+    parameters on the cache tier the gathered parameters are our swap buffers, already in "ours" ([Note: the
+    gathered parameters' partitions] in ``planner/auto.py``): only the buckets are counted here;
   - **activations and logits** of one micro-batch (:func:`aidaptiv_ds.planner.plan.activation_bytes` with
     the run's activation checkpointing, in the model dtype, and the logits of the tokens the LM head computed
     with the loss's fp32 copies, :func:`aidaptiv_ds.planner.plan.cpu_activation_bytes`): planned, from the
@@ -43,13 +45,16 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
     """
     if not cpu:
         return {"deepspeed_bytes": 0, "activations_logits_bytes": 0}
-    from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes
+    from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes, live_partition_bytes
     from ..planner.plan import CPU_LOSS_BYTES_PER_LOGIT, DEEPSPEED_MAX_LIVE_PARAMETERS, activation_bytes
 
     zero = ds_config.get("zero_optimization") or {}
     live = int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS)))
     bucket = int(float(zero.get("reduce_bucket_size", CPU_REDUCE_BUCKET_NUMEL)))
     ds = deepspeed_cpu_rank_bytes(live, n_params, dtype_bytes, bucket, dtype_bytes, partition_ranks=world)
+    if int(world) == 1 and (zero.get("offload_param") or {}).get("device") == "nvme":
+        # the gathered parameters are their partitions' swap buffers, counted in ours (module docstring)
+        ds -= live_partition_bytes(live, n_params, dtype_bytes, partition_ranks=1)
     act = None
     if model_config:
         try:

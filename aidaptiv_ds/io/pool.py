@@ -109,7 +109,8 @@ an Intel Xeon 2-core VM, logs in ``docs/profiling.md``): at 10 GB the pool grows
 1.6-2.0 GB -> 0 and pages given back 7.5-12.4 GB -> 0 a step, system CPU 25.3 -> 13.8 s, steps 55.9 / 59.1 ->
 52.2 / 47.7 s; riding at ``auto``, misses 22-31 -> 4-5 GB a step, steps 77.1 / 72.2 -> 69.6 / 55.0 s. The
 peak RSS rises with the pages the region keeps (16.60 -> 18.12 GiB at 10 GB, inside the plan's 18.63; riding
-18.05 -> 19.97-20.31 GiB, 5.8-6.7% above its plan; with the next note's carving the same within a run's spread). What still misses in the riding forward is fragmentation:
+18.05 -> 19.97-20.31 GiB, 5.8-6.7% above its plan; with the carving of [Note: the lowest range first] the same,
+within a run's spread). What still misses in the riding forward is fragmentation:
 1.3-1.4 GB free in 54-63 ranges of at most 278-360 MB against 405 MB optimizer slices, the budget's
 long-lived units (resident gradients, cached parameter copies) between them.
 
