@@ -188,8 +188,13 @@ def test_engine_with_bf16_moments_matches_rounded_oracle(tmp_path, case):
     if case != "clip0-dram":  # the default, fused tile: the same run within its tolerance
         fused = run("aidaptiv", args + ["--budget", budget, "--extra", BF16[:-1] + riding + "}"],
                     str(tmp_path / "fused"))
+        # A bf16 model feeds the tile's last-bit differences back: masters that differ round to different bf16
+        # parameters, so the next gradients differ too. On an Intel Xeon VM with AVX512-BF16 (2026-12-07) that grew
+        # to 3.3% of lr per step on 50 of 334k masters over 4 steps (within 1% on the AMD EPYC VM before; the same
+        # on 0ee4f7b as on later code): 5% per step for the bf16 model; the fp32 model keeps 1%.
         assert_close_to_rounded_oracle(ref, fused, lr=float(args[args.index("--lr") + 1]), steps=4,
-                                       model_dtype=torch.bfloat16 if "bf16" in args else torch.float32)
+                                       model_dtype=torch.bfloat16 if "bf16" in args else torch.float32,
+                                       per_step=0.05 if "bf16" in args else 0.01)
         assert differences(got, fused), "the fused tile did not run (its results equal the eager tile's)"
         if case == "clip1-ga2":
             assert abs(written_per_param_per_step(fused) - w16) < 0.5  # the same bytes as the eager tile
