@@ -105,7 +105,7 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
     try:
         assert engine.optimizer.reduce_bucket_size == bucket
         numel = sum(p.ds_numel for p in engine.module.parameters())
-        mine, live, ranks = engine.optimizer._aidaptiv_deepspeed_cpu_bytes(list(engine.module.parameters()))
+        mine, live, ranks = engine.optimizer._aidaptiv_deepspeed_host_share(list(engine.module.parameters()))
         assert mine == deepspeed_cpu_rank_bytes(max_live, numel, 4, bucket, 4, partition_ranks=1)
         # one rank: the gathered parameters are their partitions, our swap buffers, inside DeepSpeed's share
         assert ranks == 1 and live == min(max_live, numel) * 4

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import typing
 import weakref
 
 import torch
@@ -46,6 +47,20 @@ from .phase import EnginePhase, Phase
 from .runtime import auto_dram_budget, get_runtime
 
 log = logging.getLogger("aidaptiv_ds")
+
+
+class DeepSpeedHostShare(typing.NamedTuple):
+    """DeepSpeed's own ZeRO-3 working set in a CPU rank's host memory, as the planner counts it (bytes)."""
+
+    #: gathered parameters and gradient buckets (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`)
+    deepspeed_bytes: int
+    #: the partitions of the parameters DeepSpeed keeps gathered, where our parameter swapper holds them
+    #: (:func:`aidaptiv_ds.planner.auto.live_partition_bytes`): over one rank they are the gathered parameters
+    live_partition_bytes: int
+    #: ranks of the partition group the parameters are gathered over (the data-parallel size)
+    gather_ranks: int
+
+
 _ENGINE_IDS = itertools.count()
 
 
@@ -259,14 +274,12 @@ def make_stage3_class(base: type) -> type:
                         return s
             return None
 
-        def _aidaptiv_deepspeed_cpu_bytes(self, module_params) -> tuple[int, int, int]:
+        def _aidaptiv_deepspeed_host_share(self, module_params) -> DeepSpeedHostShare:
             """DeepSpeed's own working set in host memory on a CPU rank and the part of it that is our swap buffers,
-            from this engine's knobs: ``(deepspeed_bytes, live_partition_bytes, partition_ranks)``
-            (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`, :func:`~aidaptiv_ds.planner.auto.
-            live_partition_bytes`: the partitions of the parameters DeepSpeed keeps gathered, where our parameter
-            swapper holds them); ``(0, 0, 1)`` on an accelerator, where DeepSpeed's working set is VRAM."""
+            from this engine's knobs (:class:`DeepSpeedHostShare`); all 0 (one rank) on an accelerator, where
+            DeepSpeed's working set is VRAM."""
             if get_accelerator().device_name() != "cpu":
-                return 0, 0, 1
+                return DeepSpeedHostShare(0, 0, 1)
             offload = getattr(self, "parameter_offload", None)
             max_live = getattr(offload, "_max_available_parameters_in_numel", 0) or 0
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
@@ -277,7 +290,7 @@ def make_stage3_class(base: type) -> type:
                                           self.gradient_accumulation_dtype.itemsize, partition_ranks=ranks)
             live = live_partition_bytes(max_live, model_numel, self.dtype.itemsize, partition_ranks=ranks) \
                 if self._aidaptiv_param_swapper() is not None else 0
-            return ds, live, ranks
+            return DeepSpeedHostShare(ds, live, ranks)
 
         def _aidaptiv_param_cap(self, module_params) -> int | None:
             """``offload_param.max_in_cpu`` as bytes of this rank's parameter partitions (None: no cap).
@@ -339,7 +352,7 @@ def make_stage3_class(base: type) -> type:
                                subgroup_grad_bytes=grad_slices,
                                param_resident_cap=self._aidaptiv_param_cap(module_params))
             cpu_rank = get_accelerator().device_name() == "cpu"
-            ds_bytes, live_parts, gather_ranks = self._aidaptiv_deepspeed_cpu_bytes(module_params)
+            ds_bytes, live_parts, gather_ranks = self._aidaptiv_deepspeed_host_share(module_params)
             policy = RankPolicy(
                 cpu_rank=cpu_rank, step_in_backward=rt.cfg.step_in_backward,
                 step_rides_forward=rt.cfg.step_rides_forward, fp16=self.dtype == torch.float16,
