@@ -1,5 +1,5 @@
 """``dram_budget: "auto"`` on a CPU rank leaves room for DeepSpeed's own working set (gathered parameters up
-to ``stage3_max_live_parameters``, the ``reduce_bucket_size`` gradient bucket and, over several ranks, the two
+to the larger of ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules, the ``reduce_bucket_size`` gradient bucket and, over several ranks, the two
 copies of it its reduce-scatter makes), which a GPU would hold in VRAM (aidaptiv_ds/planner/auto.py,
 ``deepspeed_cpu_rank_bytes``)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aidaptiv_ds.planner.auto import (CPU_REDUCE_BUCKET_NUMEL, REDUCE_PATH_COPIES, deepspeed_cpu_rank_bytes,
-                                      reduce_path_copies)
+                                      deepspeed_gathered_numel, reduce_path_copies)
 from _engine import nvme_config, one_rank_env
 from aidaptiv_ds.ports import free_port
 from conftest import EXT_DIR
@@ -26,6 +26,58 @@ def test_the_formula_caps_live_parameters_at_the_model():
     assert deepspeed_cpu_rank_bytes(10, 1000, 2, 10**6, 2, partition_ranks=2) == 20 + 3 * 1000 * 2
     # one rank: the reduce-scatter is skipped (integration/grad_path.py), the bucket is held alone
     assert deepspeed_cpu_rank_bytes(10**9, 1000, 2, 10, 2, partition_ranks=1) == 2000 + 10 * 2
+
+
+def test_the_gathered_bound_is_the_larger_knob_plus_two_modules_at_most_the_model():
+    assert deepspeed_gathered_numel(10**9, 10**9, 82 * 10**6, 2_700_000_000) == 10**9 + 164 * 10**6
+    assert deepspeed_gathered_numel(10**5, 10**9, 500, 10**7) == 10**7  # the reuse distance keeps the whole model
+    assert deepspeed_gathered_numel(10**5, 0, 500, 10**7) == 10**5 + 1000  # reuse 0: max_live bounds the prefetch
+    assert deepspeed_gathered_numel(0, 0, 500, 10**7) == 1000
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("zero", [{}, {"stage3_max_live_parameters": 2000},
+                                  {"stage3_max_live_parameters": 2000, "stage3_max_reuse_distance": 2000},
+                                  {"stage3_max_live_parameters": 2000, "stage3_max_reuse_distance": 0}],
+                         ids=["defaults", "max-live-low", "both-low", "reuse-0"])
+def test_deepspeed_gathers_no_more_than_the_runtime_plans(tmp_path, monkeypatch, zero):
+    """planner/auto.py [Note: what bounds the gathered parameters]: the elements DeepSpeed's coordinator holds
+    gathered (its ``__n_available_params`` after every fetch and release, 3 steps of a stack of 8 Linear layers:
+    the trace is complete from step 2 on) stay within what the runtime plans for them on one rank, its
+    parameters' swap buffers. With ``stage3_max_live_parameters`` lowered and the reuse distance left at 1e9,
+    DeepSpeed keeps the whole model gathered into the backward: the bound of ``max_live`` alone, counted before,
+    was short by 16x here."""
+    import deepspeed
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
+
+    import aidaptiv_ds  # noqa: F401  (installs the hooks)
+
+    peak = [0]
+    for name in ("fetch_sub_module", "release_sub_module"):
+        def counted(self, *a, _real=getattr(C, name), **k):
+            out = _real(self, *a, **k)
+            peak[0] = max(peak[0], self._PartitionedParameterCoordinator__n_available_params)
+            return out
+        monkeypatch.setattr(C, name, counted)
+    one_rank_env(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=nvme_config(tmp_path / "cache", **zero))
+    try:
+        for _ in range(3):
+            loss = engine(torch.randn(1, 64)).square().mean()
+            engine.backward(loss)
+            engine.step()
+        share = engine.optimizer._aidaptiv_deepspeed_host_share(list(engine.module.parameters()))
+        numel = sum(p.ds_numel for p in engine.module.parameters())
+        assert peak[0] <= share.live_partition_bytes // 4 <= numel, (peak[0], share)
+        if zero == {"stage3_max_live_parameters": 2000}:
+            assert peak[0] == numel  # the reuse distance (1e9) kept all of it, 12x max_live
+    finally:
+        rt = engine.optimizer._aidaptiv.rt
+        engine.destroy()
+        rt.close()
 
 
 def test_reduce_path_copies_by_partition_group():
@@ -106,10 +158,13 @@ def test_auto_budget_takes_deepspeeds_cpu_working_set_out(tmp_path, monkeypatch,
         assert engine.optimizer.reduce_bucket_size == bucket
         numel = sum(p.ds_numel for p in engine.module.parameters())
         mine, live, ranks = engine.optimizer._aidaptiv_deepspeed_host_share(list(engine.module.parameters()))
-        assert mine == deepspeed_cpu_rank_bytes(max_live, numel, 4, bucket, 4, partition_ranks=1)
+        # the reuse distance left at DeepSpeed's 1e9; a module is a Linear (64 x 64 + 64)
+        gathered = deepspeed_gathered_numel(max_live, 10**9, 64 * 64 + 64, numel)
+        assert gathered == numel  # the whole model, also with max_live 4096 ([Note: what bounds the gathered ...])
+        assert mine == deepspeed_cpu_rank_bytes(gathered, numel, 4, bucket, 4, partition_ranks=1)
         # one rank: the gathered parameters are their partitions, our swap buffers, inside DeepSpeed's share
-        assert ranks == 1 and live == min(max_live, numel) * 4
-        assert mine == min(max_live, numel) * 4 + min(bucket, numel) * 4  # one rank: no reduce-scatter copies
+        assert ranks == 1 and live == gathered * 4
+        assert mine == gathered * 4 + min(bucket, numel) * 4  # one rank: no reduce-scatter copies
         assert seen == [mine]  # nothing held in DRAM yet when the budget is cut: exactly DeepSpeed's share
     finally:
         rt = engine.optimizer._aidaptiv.rt

@@ -106,7 +106,9 @@ def test_the_gathered_parameters_are_counted_once_in_the_memory_parts():
                                   "reduce_bucket_size": 500}}
     cpu = {"zero_optimization": {"offload_param": {"device": "cpu"}, "stage3_max_live_parameters": 1000,
                                  "reduce_bucket_size": 500}}
+    # no model config: a module may be the whole model, so DeepSpeed may hold all of it gathered (planner/auto.py,
+    # [Note: what bounds the gathered parameters]; the reuse distance left out is DeepSpeed's 1e9 anyway)
     assert planned_parts(None, nvme, 10_000, 8, 1, 1, 4, True)["deepspeed_bytes"] == 500 * 4
-    assert planned_parts(None, cpu, 10_000, 8, 1, 1, 4, True)["deepspeed_bytes"] == (1000 + 500) * 4
+    assert planned_parts(None, cpu, 10_000, 8, 1, 1, 4, True)["deepspeed_bytes"] == (10_000 + 500) * 4
     two = planned_parts(None, nvme, 10_000, 8, 1, 2, 4, True)["deepspeed_bytes"]
-    assert two == 1000 * 4 + 3 * 500 * 4  # the gathered copies and the reduce-scatter's three buckets
+    assert two == 10_000 * 4 + 3 * 500 * 4  # the gathered copies and the reduce-scatter's three buckets

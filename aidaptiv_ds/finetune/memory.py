@@ -11,8 +11,9 @@ Peak RSS alone does not say whose memory it was. The loop measures each accounti
     cached, and its working memory: read-ahead not used yet, slices in use, write-back in flight) or the
     swap buffers' pool the tier's units are carved from, whichever is larger: measured (per rank, the ranks'
     sum divided by their number); the pool's misses, fresh memory beside it, fall in the rest;
-  - **DeepSpeed's working set**: the parameters it keeps gathered (up to ``stage3_max_live_parameters``)
-    and its reduce buckets (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`): planned, from the
+  - **DeepSpeed's working set**: the parameters it keeps gathered (up to the larger of
+    ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules,
+    :func:`aidaptiv_ds.planner.auto.deepspeed_gathered_numel`) and its reduce buckets (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`): planned, from the
     config's knobs; host memory on CPU ranks only (on a GPU it is device memory). On one rank with the
     parameters on the cache tier the gathered parameters are our swap buffers, already in "ours" ([Note: the
     gathered parameters' partitions] in ``planner/auto.py``): only the buckets are counted here;
@@ -45,22 +46,40 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
     """
     if not cpu:
         return {"deepspeed_bytes": 0, "activations_logits_bytes": 0}
-    from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes, live_partition_bytes
-    from ..planner.plan import CPU_LOSS_BYTES_PER_LOGIT, DEEPSPEED_MAX_LIVE_PARAMETERS, activation_bytes
+    from ..planner.auto import (
+        CPU_REDUCE_BUCKET_NUMEL,
+        deepspeed_cpu_rank_bytes,
+        deepspeed_gathered_numel,
+        live_partition_bytes,
+    )
+    from ..planner.model_size import shape_from_config
+    from ..planner.plan import (
+        CPU_LOSS_BYTES_PER_LOGIT,
+        DEEPSPEED_MAX_LIVE_PARAMETERS,
+        DEEPSPEED_MAX_REUSE_DISTANCE,
+        activation_bytes,
+    )
 
-    zero = ds_config.get("zero_optimization") or {}
-    live = int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS)))
-    bucket = int(float(zero.get("reduce_bucket_size", CPU_REDUCE_BUCKET_NUMEL)))
-    ds = deepspeed_cpu_rank_bytes(live, n_params, dtype_bytes, bucket, dtype_bytes, partition_ranks=world)
-    if int(world) == 1 and (zero.get("offload_param") or {}).get("device") == "nvme":
-        # the gathered parameters are their partitions' swap buffers, counted in ours (module docstring)
-        ds -= live_partition_bytes(live, n_params, dtype_bytes, partition_ranks=1)
-    act = None
+    shape = None
     if model_config:
         try:
-            from ..planner.model_size import shape_from_config
-
             shape = shape_from_config(model_config)
+        except (ValueError, KeyError, TypeError):
+            shape = None  # a model family the planner does not know
+    zero = ds_config.get("zero_optimization") or {}
+    # a module being the largest parameter tensor; with no shape known, the whole model
+    largest = shape.largest_param_numel if shape is not None else n_params
+    gathered = deepspeed_gathered_numel(
+        int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS))),
+        int(float(zero.get("stage3_max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE))), largest, n_params)
+    bucket = int(float(zero.get("reduce_bucket_size", CPU_REDUCE_BUCKET_NUMEL)))
+    ds = deepspeed_cpu_rank_bytes(gathered, n_params, dtype_bytes, bucket, dtype_bytes, partition_ranks=world)
+    if int(world) == 1 and (zero.get("offload_param") or {}).get("device") == "nvme":
+        # the gathered parameters are their partitions' swap buffers, counted in ours (module docstring)
+        ds -= live_partition_bytes(gathered, n_params, dtype_bytes, partition_ranks=1)
+    act = None
+    if shape is not None:
+        try:
             a = activation_bytes(shape, seq_len, micro_batch, checkpointing=checkpointing)
             tokens = seq_len * micro_batch if logits_tokens is None else int(logits_tokens)
             # as plan.cpu_activation_bytes: 16-bit activations in the model dtype, the logits with the loss's copies

@@ -24,7 +24,12 @@ import weakref
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..planner.auto import CPU_REDUCE_BUCKET_NUMEL, deepspeed_cpu_rank_bytes, live_partition_bytes
+from ..planner.auto import (
+    CPU_REDUCE_BUCKET_NUMEL,
+    deepspeed_cpu_rank_bytes,
+    deepspeed_gathered_numel,
+    live_partition_bytes,
+)
 from ..planner.working_set import RankPolicy, RankState, rank_working_set
 from ..planner.residency import StateSizes, plan_residency
 from ..store.packed import ExtentView
@@ -59,6 +64,18 @@ class DeepSpeedHostShare(typing.NamedTuple):
     live_partition_bytes: int
     #: ranks of the partition group the parameters are gathered over (the data-parallel size)
     gather_ranks: int
+
+
+def _largest_module_numel(module) -> int:
+    """Elements of the parameters one ZeRO-3 fetch gathers for the largest module of ``module``'s tree (a module's
+    own parameters; a ZeRO-3 leaf module's whole subtree, as ``fetch_sub_module`` gathers,
+    ``parameter_offload.py:546``); 0 without a module."""
+    if module is None:
+        return 0
+    from deepspeed.utils import z3_leaf_module
+
+    return max((sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters(recurse=z3_leaf_module(m)))
+                for m in module.modules()), default=0)
 
 
 _ENGINE_IDS = itertools.count()
@@ -281,14 +298,16 @@ def make_stage3_class(base: type) -> type:
             if get_accelerator().device_name() != "cpu":
                 return DeepSpeedHostShare(0, 0, 1)
             offload = getattr(self, "parameter_offload", None)
-            max_live = getattr(offload, "_max_available_parameters_in_numel", 0) or 0
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
+            gathered = deepspeed_gathered_numel(getattr(offload, "_max_available_parameters_in_numel", 0) or 0,
+                                                getattr(offload, "_max_reuse_distance_in_numel", 0) or 0,
+                                                _largest_module_numel(getattr(offload, "module", None)), model_numel)
             import deepspeed.comm as dist
             ranks = dist.get_world_size(group=self.dp_process_group)
-            ds = deepspeed_cpu_rank_bytes(max_live, model_numel, self.dtype.itemsize,
+            ds = deepspeed_cpu_rank_bytes(gathered, model_numel, self.dtype.itemsize,
                                           int(getattr(self, "reduce_bucket_size", 0) or 0),
                                           self.gradient_accumulation_dtype.itemsize, partition_ranks=ranks)
-            live = live_partition_bytes(max_live, model_numel, self.dtype.itemsize, partition_ranks=ranks) \
+            live = live_partition_bytes(gathered, model_numel, self.dtype.itemsize, partition_ranks=ranks) \
                 if self._aidaptiv_param_swapper() is not None else 0
             return DeepSpeedHostShare(ds, live, ranks)
 

@@ -46,8 +46,9 @@ host's), so what the plan promises is what the runtime does:
   where its maxima in 4-byte elements do not peak together (the ``planned`` row of
   ``launch/memory_sweep.py``).
 * on CPU ranks also DeepSpeed's own working set (:func:`deepspeed_cpu_rank_bytes`), which a GPU
-  would hold in VRAM: the gathered parameters DeepSpeed keeps live (``stage3_max_live_parameters``,
-  at most the model) and its gradient reduce path: the ``reduce_bucket_size`` bucket and, while a
+  would hold in VRAM: the gathered parameters DeepSpeed keeps live (the larger of
+  ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules, at most the model:
+  :func:`deepspeed_gathered_numel`) and its gradient reduce path: the ``reduce_bucket_size`` bucket and, while a
   bucket is reduced over several ranks, two transient copies of it (``reduce_scatter_coalesced``
   interleaves the bucket's partitions into a new flat tensor with ``torch.cat``, and gloo's
   reduce-scatter works on a buffer of its own; measured: a 1 GiB bucket raises the peak RSS by
@@ -471,13 +472,42 @@ def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int 
     return max(ours, 0) + min(int(gathered_partition_bytes), int(deepspeed_bytes))
 
 
-def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_per_elem: int,
+def deepspeed_gathered_numel(max_live_numel: int, max_reuse_numel: int, largest_module_numel: int,
+                             model_numel: int) -> int:
+    """Elements DeepSpeed's ZeRO-3 coordinator holds gathered at once, at most: ``min(model, max(max_live,
+    max_reuse) + 2 x largest module)``.
+
+    [Note: what bounds the gathered parameters] ``stage3_max_live_parameters`` bounds only the prefetch: a module
+    call prefetches up to ``min(max_live - available, prefetch bucket)`` more elements
+    (``partitioned_param_coordinator.py:453``), so prefetching ends past ``max_live`` by at most the last
+    parameter it took. Releases do not look at it: a module's parameters are kept gathered when they are used
+    again within ``stage3_max_reuse_distance`` elements of the trace (``__params_to_release``, ``:634-664``),
+    which holds at most that distance plus the module straddling its end. The module being fetched on demand
+    adds its own parameters to either. So what is gathered is bounded by the larger of the two knobs plus two
+    modules, and by the model. Measured with DeepSpeed's CPU offload on the 10M fp32 Llama of the tests (hidden
+    512, 4 layers, its largest module 536,576 elements; the coordinator's ``__n_available_params`` after every
+    fetch and release, 3 steps): both knobs at DeepSpeed's 1e9, 9,851,392 (the whole model); ``max_live`` 1e5
+    with the reuse distance left at 1e9, 9,851,392 as well, 98x the 1e5 the planner counted before; both at 1e5,
+    537,088 (a module and a norm). DeepSpeed's advice for host or device memory, lowering
+    ``stage3_max_live_parameters``, saves nothing unless ``stage3_max_reuse_distance`` goes down with it.
+
+    Args:
+        max_live_numel: ``stage3_max_live_parameters`` (elements).
+        max_reuse_numel: ``stage3_max_reuse_distance`` (elements).
+        largest_module_numel: elements of the module with the most parameters of its own (what one fetch
+            gathers; the largest parameter tensor of a model of linear layers).
+        model_numel: parameters of the model.
+    """
+    bound = max(int(max_live_numel), int(max_reuse_numel), 0) + 2 * max(int(largest_module_numel), 0)
+    return max(min(bound, int(model_numel)), 0)
+
+
+def deepspeed_cpu_rank_bytes(gathered_numel: int, model_numel: int, param_bytes_per_elem: int,
                              reduce_bucket_numel: int, grad_bytes_per_elem: int, *, partition_ranks: int) -> int:
     """Host bytes of DeepSpeed's own ZeRO-3 working set on a CPU rank (module docstring).
 
     Args:
-        max_live_numel: ``stage3_max_live_parameters`` (elements gathered at once, DeepSpeed's bound
-            on ``__n_available_params``, ``partitioned_param_coordinator.py:453``).
+        gathered_numel: elements DeepSpeed holds gathered at once (:func:`deepspeed_gathered_numel`).
         model_numel: parameters of the model (no more than the model can be live).
         param_bytes_per_elem: bytes of a gathered parameter element (the model dtype).
         reduce_bucket_numel: ``reduce_bucket_size`` (elements of the gradient bucket, ``stage3.py:387``).
@@ -485,7 +515,7 @@ def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_
         partition_ranks: ranks of the gradients' partition group (the data-parallel size).
 
     Returns:
-        ``min(max_live, model) x param bytes + reduce_path_copies(partition_ranks) x min(reduce_bucket, model)
+        ``min(gathered, model) x param bytes + reduce_path_copies(partition_ranks) x min(reduce_bucket, model)
         x grad bytes`` (a bucket never holds more than the model's gradients).
 
     [Note: reuse distance 0 is no smaller bound] ``stage3_max_reuse_distance: 0`` releases each parameter after
@@ -497,15 +527,15 @@ def deepspeed_cpu_rank_bytes(max_live_numel: int, model_numel: int, param_bytes_
     coordinator on the 4.05B Llama trace held 1.09e9 elements at step 2 against that bound's 2.5e8, and the
     4.05B run it planned peaked 4% above its plan.
     """
-    return (min(int(max_live_numel), int(model_numel)) * int(param_bytes_per_elem)
+    return (min(int(gathered_numel), int(model_numel)) * int(param_bytes_per_elem)
             + reduce_path_copies(partition_ranks) * min(int(reduce_bucket_numel), int(model_numel))
             * int(grad_bytes_per_elem))
 
 
-def live_partition_bytes(max_live_numel: int, model_numel: int, param_bytes_per_elem: int, *,
+def live_partition_bytes(gathered_numel: int, model_numel: int, param_bytes_per_elem: int, *,
                          partition_ranks: int) -> int:
     """Host bytes of the parameter partitions swapped in for the parameters DeepSpeed keeps gathered on a CPU
-    rank whose parameters are offloaded to the cache tier: ``ceil(min(max_live, model) / partition_ranks) x
+    rank whose parameters are offloaded to the cache tier: ``ceil(min(gathered, model) / partition_ranks) x
     param bytes``.
 
     [Note: the gathered parameters' partitions] A gather first swaps each parameter's partition into a host
@@ -522,7 +552,7 @@ def live_partition_bytes(max_live_numel: int, model_numel: int, param_bytes_per_
     budget's units, so 16-29 MB of optimizer slices a step missed it; a pool 40 MB larger missed nothing.
 
     Args:
-        max_live_numel: ``stage3_max_live_parameters`` (elements gathered at once).
+        gathered_numel: elements DeepSpeed holds gathered at once (:func:`deepspeed_gathered_numel`).
         model_numel: parameters of the model.
         param_bytes_per_elem: bytes of a partition element (the model dtype).
         partition_ranks: ranks of the parameters' partition group (the data-parallel size).
@@ -532,7 +562,7 @@ def live_partition_bytes(max_live_numel: int, model_numel: int, param_bytes_per_
     """
     if int(partition_ranks) < 1:
         raise ValueError(f"partition_ranks {partition_ranks} must be at least 1")
-    live = max(min(int(max_live_numel), int(model_numel)), 0)
+    live = max(min(int(gathered_numel), int(model_numel)), 0)
     return -(-live // int(partition_ranks)) * int(param_bytes_per_elem)
 
 

@@ -92,6 +92,7 @@ from .auto import (
     DramBudget,
     auto_prefetch_bytes,
     deepspeed_cpu_rank_bytes,
+    deepspeed_gathered_numel,
     deepspeed_sub_group_numels,
     explain_dram_budget,
     live_partition_bytes,
@@ -125,6 +126,8 @@ RULE_OF_THUMB_BYTES_PER_PARAM = 20
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 #: DeepSpeed 0.19.8's default of ``stage3_max_live_parameters`` (elements)
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
+#: DeepSpeed 0.19.8's default of ``stage3_max_reuse_distance`` (elements)
+DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 VRAM_OVERHEAD_BYTES = 2 * GiB
 STRIPE_UNIT = 1 << 20
 DEFAULT_READ_GBPS = 7.0
@@ -195,9 +198,11 @@ class PlanInput:
         step_time_s: a measured step time for the endurance pace (None: the lower bound).
         rank_overhead / vram_overhead: allowances (bytes) per GPU rank in DRAM and per GPU.
         cpu_rank_baseline: a CPU rank's process baseline (bytes, measured: :data:`CPU_RANK_BASELINE_BYTES`).
-        max_live_parameters / reduce_bucket_size: DeepSpeed's ``stage3_max_live_parameters`` and
-            ``reduce_bucket_size`` (elements), host memory on CPU ranks; defaults: DeepSpeed's 1e9, and the
-            2e7-element bucket a CPU rank runs with when the config leaves it out.
+        max_live_parameters / max_reuse_distance / reduce_bucket_size: DeepSpeed's ``stage3_max_live_parameters``,
+            ``stage3_max_reuse_distance`` and ``reduce_bucket_size`` (elements), host memory on CPU ranks (the
+            gathered parameters: :func:`~aidaptiv_ds.planner.auto.deepspeed_gathered_numel`); defaults:
+            DeepSpeed's 1e9 and 1e9, and the 2e7-element bucket a CPU rank runs with when the config leaves it
+            out.
         cpu_ranks: the ranks compute on the CPU (DeepSpeed's CPU accelerator; ``gpus`` then counts
             ranks): what a GPU would hold (gathered parameters, reduce buckets, activations) is host
             memory too; there is no VRAM check (see :func:`cpu_rank_host_bytes`).
@@ -243,6 +248,7 @@ class PlanInput:
     rank_overhead: int = RANK_OVERHEAD_BYTES
     cpu_rank_baseline: int = CPU_RANK_BASELINE_BYTES
     max_live_parameters: int = DEEPSPEED_MAX_LIVE_PARAMETERS
+    max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE
     reduce_bucket_size: int = CPU_REDUCE_BUCKET_NUMEL
     vram_overhead: int = VRAM_OVERHEAD_BYTES
     shape_source: str = "exact"
@@ -698,11 +704,14 @@ def rank_state(inp: PlanInput) -> RankState:
 def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankPolicy:
     """A CPU rank's :class:`~aidaptiv_ds.planner.working_set.RankPolicy` as the runtime fills it: the read-ahead
     window the parameter swapper asks for (2 x the largest partition, ``prefetch_bytes: "auto"``), DeepSpeed's
-    working set from ``--max-live-parameters`` and ``--reduce-bucket-size``, and ``activations`` (bytes)."""
+    working set from ``--max-live-parameters``, ``--max-reuse-distance`` and ``--reduce-bucket-size`` (a module
+    being the largest parameter tensor), and ``activations`` (bytes)."""
     pb = PARAM_BYTES[inp.dtype]
-    ds = deepspeed_cpu_rank_bytes(inp.max_live_parameters, inp.params, pb, inp.reduce_bucket_size,
+    gathered = deepspeed_gathered_numel(inp.max_live_parameters, inp.max_reuse_distance, _largest_param_numel(inp),
+                                        inp.params)
+    ds = deepspeed_cpu_rank_bytes(gathered, inp.params, pb, inp.reduce_bucket_size,
                                   grad_accum_bytes(inp.dtype), partition_ranks=inp.dp)
-    live = live_partition_bytes(inp.max_live_parameters, inp.params, pb, partition_ranks=inp.dp)
+    live = live_partition_bytes(gathered, inp.params, pb, partition_ranks=inp.dp)
     return rank_policy(inp, readahead_bytes=auto_prefetch_bytes(2 * state.largest_partition_numel * pb),
                        deepspeed_bytes=ds, live_partition_bytes=live, gather_ranks=inp.dp,
                        activation_bytes=activations)
