@@ -69,6 +69,7 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
                     gradient_clipping=float(settings.clip),
                     max_live_parameters=int(settings.max_live_parameters or DEEPSPEED_MAX_LIVE_PARAMETERS),
                     max_reuse_distance=int(settings.max_reuse_distance),  # always in the run's config
+                    param_persistence_threshold=int(settings.persistence_threshold),
                     reduce_bucket_size=int(settings.reduce_bucket_size or CPU_REDUCE_BUCKET_NUMEL),
                     grad_accum=int(settings.gradient_accumulation))
     plan = make_plan(inp)

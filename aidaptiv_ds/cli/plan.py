@@ -33,6 +33,7 @@ from ..planner.model_size import load_model_shape, nearest_preset
 from ..planner.plan import (
     DEEPSPEED_MAX_LIVE_PARAMETERS,
     DEEPSPEED_MAX_REUSE_DISTANCE,
+    DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
     DEFAULT_READ_GBPS,
     DEFAULT_SUB_GROUP_SIZE,
     DEFAULT_WRITE_GBPS,
@@ -189,6 +190,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-reuse-distance", type=float, default=DEEPSPEED_MAX_REUSE_DISTANCE,
                    help="DeepSpeed's stage3_max_reuse_distance in elements (default 1e9, DeepSpeed's): DeepSpeed keeps "
                         "up to the larger of the two gathered, plus two modules")
+    p.add_argument("--param-persistence-threshold", type=float, default=DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
+                   help="DeepSpeed's stage3_param_persistence_threshold in elements (default 1e5, DeepSpeed's): "
+                        "tensors this small stay gathered on top")
     p.add_argument("--reduce-bucket-size", type=float, default=None,
                    help="DeepSpeed's reduce_bucket_size in elements, if your config sets it (host memory on CPU "
                         "ranks: three buckets while one is reduced over several ranks, one on a single rank; left "
@@ -296,6 +300,7 @@ def plan_input_from_args(args) -> PlanInput:
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
         step_time_s=args.step_time, cpu_ranks=cpu_ranks,
         max_live_parameters=int(args.max_live_parameters), max_reuse_distance=int(args.max_reuse_distance),
+        param_persistence_threshold=int(args.param_persistence_threshold),
         reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else CPU_REDUCE_BUCKET_NUMEL, gradient_clipping=args.gradient_clipping,
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward],
         logits_tokens=args.logits_tokens, assumed=assumed)

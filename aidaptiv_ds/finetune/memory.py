@@ -51,12 +51,14 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
         deepspeed_cpu_rank_bytes,
         deepspeed_gathered_numel,
         live_partition_bytes,
+        persistent_numel,
     )
     from ..planner.model_size import shape_from_config
     from ..planner.plan import (
         CPU_LOSS_BYTES_PER_LOGIT,
         DEEPSPEED_MAX_LIVE_PARAMETERS,
         DEEPSPEED_MAX_REUSE_DISTANCE,
+        DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
         activation_bytes,
     )
 
@@ -69,9 +71,12 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
     zero = ds_config.get("zero_optimization") or {}
     # a module being the largest parameter tensor; with no shape known, the whole model
     largest = shape.largest_param_numel if shape is not None else n_params
+    threshold = int(float(zero.get("stage3_param_persistence_threshold", DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD)))
+    persistent = persistent_numel((t.numel for t in shape.tensors()), threshold) if shape is not None else 0
     gathered = deepspeed_gathered_numel(
         int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS))),
-        int(float(zero.get("stage3_max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE))), largest, n_params)
+        int(float(zero.get("stage3_max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE))), largest, n_params,
+        persistent)
     bucket = int(float(zero.get("reduce_bucket_size", CPU_REDUCE_BUCKET_NUMEL)))
     ds = deepspeed_cpu_rank_bytes(gathered, n_params, dtype_bytes, bucket, dtype_bytes, partition_ranks=world)
     if int(world) == 1 and (zero.get("offload_param") or {}).get("device") == "nvme":

@@ -299,9 +299,10 @@ def make_stage3_class(base: type) -> type:
                 return DeepSpeedHostShare(0, 0, 1)
             offload = getattr(self, "parameter_offload", None)
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
+            persistent = sum(int(p.ds_numel) for p in module_params if getattr(p, "ds_persist", False))
             gathered = deepspeed_gathered_numel(getattr(offload, "_max_available_parameters_in_numel", 0) or 0,
                                                 getattr(offload, "_max_reuse_distance_in_numel", 0) or 0,
-                                                _largest_module_numel(getattr(offload, "module", None)), model_numel)
+                                                _largest_module_numel(self._aidaptiv.module), model_numel, persistent)
             import deepspeed.comm as dist
             ranks = dist.get_world_size(group=self.dp_process_group)
             ds = deepspeed_cpu_rank_bytes(gathered, model_numel, self.dtype.itemsize,

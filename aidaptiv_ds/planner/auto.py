@@ -473,9 +473,9 @@ def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int 
 
 
 def deepspeed_gathered_numel(max_live_numel: int, max_reuse_numel: int, largest_module_numel: int,
-                             model_numel: int) -> int:
+                             model_numel: int, persistent_numel: int = 0) -> int:
     """Elements DeepSpeed's ZeRO-3 coordinator holds gathered at once, at most: ``min(model, max(max_live,
-    max_reuse) + 2 x largest module)``.
+    max_reuse) + 2 x largest module + persistent)``.
 
     [Note: what bounds the gathered parameters] ``stage3_max_live_parameters`` bounds only the prefetch: a module
     call prefetches up to ``min(max_live - available, prefetch bucket)`` more elements
@@ -490,6 +490,12 @@ def deepspeed_gathered_numel(max_live_numel: int, max_reuse_numel: int, largest_
     with the reuse distance left at 1e9, 9,851,392 as well, 98x the 1e5 the planner counted before; both at 1e5,
     537,088 (a module and a norm). DeepSpeed's advice for host or device memory, lowering
     ``stage3_max_live_parameters``, saves nothing unless ``stage3_max_reuse_distance`` goes down with it.
+    Persistent parameters (each at most ``stage3_param_persistence_threshold`` elements, 1e5 by default) are
+    gathered after every step and never released (``stage3.py:2840``, coordinator ``:640``): they come on top
+    (a Llama's norms: 0.27M elements at 7B; a small model's every tensor). Not in the bound (found by review,
+    not measured): with frozen parameters and activation checkpointing, the frozen parameters a layer's recompute
+    gathers stay gathered until that layer's backward ends (coordinator ``:389-394``), a block rather than a
+    module; a layer-major step's held block (``integration/train_batch.py``) is gathered outside the coordinator.
 
     Args:
         max_live_numel: ``stage3_max_live_parameters`` (elements).
@@ -497,9 +503,18 @@ def deepspeed_gathered_numel(max_live_numel: int, max_reuse_numel: int, largest_
         largest_module_numel: elements of the module with the most parameters of its own (what one fetch
             gathers; the largest parameter tensor of a model of linear layers).
         model_numel: parameters of the model.
+        persistent_numel: elements of the persistent parameters (``ds_persist``).
     """
-    bound = max(int(max_live_numel), int(max_reuse_numel), 0) + 2 * max(int(largest_module_numel), 0)
+    bound = max(int(max_live_numel), int(max_reuse_numel), 0) + 2 * max(int(largest_module_numel), 0) + max(
+        int(persistent_numel), 0)
     return max(min(bound, int(model_numel)), 0)
+
+
+def persistent_numel(tensor_numels, threshold: int) -> int:
+    """Elements of the parameters DeepSpeed keeps persistent: each tensor of at most ``threshold`` elements
+    (``stage3_param_persistence_threshold``; ``mark_persistent_parameters``, ``parameter_offload.py:317-329``,
+    with ``model_persistence_threshold`` left at its unbounded default)."""
+    return sum(int(n) for n in tensor_numels if int(n) <= int(threshold))
 
 
 def deepspeed_cpu_rank_bytes(gathered_numel: int, model_numel: int, param_bytes_per_elem: int,

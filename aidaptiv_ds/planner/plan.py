@@ -96,6 +96,7 @@ from .auto import (
     deepspeed_sub_group_numels,
     explain_dram_budget,
     live_partition_bytes,
+    persistent_numel,
     prefetch_bytes_from_budget,
     process_phases,
 )
@@ -128,6 +129,8 @@ DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
 #: DeepSpeed 0.19.8's default of ``stage3_max_reuse_distance`` (elements)
 DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
+#: DeepSpeed 0.19.8's default of ``stage3_param_persistence_threshold`` (elements)
+DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD = 100_000
 VRAM_OVERHEAD_BYTES = 2 * GiB
 STRIPE_UNIT = 1 << 20
 DEFAULT_READ_GBPS = 7.0
@@ -203,6 +206,8 @@ class PlanInput:
             gathered parameters: :func:`~aidaptiv_ds.planner.auto.deepspeed_gathered_numel`); defaults:
             DeepSpeed's 1e9 and 1e9, and the 2e7-element bucket a CPU rank runs with when the config leaves it
             out.
+        param_persistence_threshold: DeepSpeed's ``stage3_param_persistence_threshold`` (elements): tensors of
+            at most this many elements stay gathered (default DeepSpeed's 1e5).
         cpu_ranks: the ranks compute on the CPU (DeepSpeed's CPU accelerator; ``gpus`` then counts
             ranks): what a GPU would hold (gathered parameters, reduce buckets, activations) is host
             memory too; there is no VRAM check (see :func:`cpu_rank_host_bytes`).
@@ -249,6 +254,7 @@ class PlanInput:
     cpu_rank_baseline: int = CPU_RANK_BASELINE_BYTES
     max_live_parameters: int = DEEPSPEED_MAX_LIVE_PARAMETERS
     max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE
+    param_persistence_threshold: int = DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD
     reduce_bucket_size: int = CPU_REDUCE_BUCKET_NUMEL
     vram_overhead: int = VRAM_OVERHEAD_BYTES
     shape_source: str = "exact"
@@ -704,11 +710,12 @@ def rank_state(inp: PlanInput) -> RankState:
 def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankPolicy:
     """A CPU rank's :class:`~aidaptiv_ds.planner.working_set.RankPolicy` as the runtime fills it: the read-ahead
     window the parameter swapper asks for (2 x the largest partition, ``prefetch_bytes: "auto"``), DeepSpeed's
-    working set from ``--max-live-parameters``, ``--max-reuse-distance`` and ``--reduce-bucket-size`` (a module
-    being the largest parameter tensor), and ``activations`` (bytes)."""
+    working set from ``--max-live-parameters``, ``--max-reuse-distance``, ``--param-persistence-threshold`` and
+    ``--reduce-bucket-size`` (a module being the largest parameter tensor), and ``activations`` (bytes)."""
     pb = PARAM_BYTES[inp.dtype]
+    persistent = persistent_numel((t.numel for t in inp.shape.tensors()), inp.param_persistence_threshold)
     gathered = deepspeed_gathered_numel(inp.max_live_parameters, inp.max_reuse_distance, _largest_param_numel(inp),
-                                        inp.params)
+                                        inp.params, persistent)
     ds = deepspeed_cpu_rank_bytes(gathered, inp.params, pb, inp.reduce_bucket_size,
                                   grad_accum_bytes(inp.dtype), partition_ranks=inp.dp)
     live = live_partition_bytes(gathered, inp.params, pb, partition_ranks=inp.dp)
