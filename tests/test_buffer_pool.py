@@ -100,21 +100,23 @@ def test_bad_arguments_name_the_value():
         HostBufferPool(1000)
 
 
-def _take_into(p: HostBufferPool, n: int, live: list) -> None:
-    buf = p.take(n)
+def _take_into(p: HostBufferPool, n: int, live: list, high: bool = False) -> None:
+    buf = p.take(n, high=high)
     if buf is not None:
         buf.fill_(len(live) % 251)
         live.append(buf)
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * MiB)), min_size=1, max_size=60))
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 5 * MiB)), min_size=1, max_size=60))
 def test_live_buffers_never_overlap_and_bytes_add_up(ops):
+    """Carves at either end (0: low, 1: high) and deaths (2) in any order: no two live buffers overlap, the
+    counters add up, nothing is handed out twice."""
     p = HostBufferPool(16 * MiB)
     live: list[torch.Tensor] = []
-    for alloc, n in ops:
-        if alloc or not live:
-            _take_into(p, n, live)
+    for op, n in ops:
+        if op < 2 or not live:
+            _take_into(p, n, live, high=op == 1)
         else:
             live.pop(n % len(live))
         spans = sorted(_span(b) for b in live)
@@ -148,12 +150,17 @@ def test_the_runtime_makes_a_pool_only_where_no_heap_is_kept(monkeypatch):
         assert buffers.current_pool() is rt.buffer_pool
         rt_mod.Runtime.settle_host_memory_reuse(rt, heap_bytes=2, budget_free_bytes=1, pool_bytes=4 * MiB)
         assert rt.buffer_pool.capacity == 12 * MiB and buffers.current_pool() is rt.buffer_pool
+        assert not rt.buffer_pool.pipeline_at_top  # budget 0: every buffer carved low
+        rt_mod.Runtime.settle_host_memory_reuse(rt, heap_bytes=2, budget_free_bytes=1, pool_bytes=4 * MiB, rides=True)
+        assert rt.buffer_pool.capacity == 16 * MiB and not rt.buffer_pool.pipeline_at_top  # riding at budget 0 too
         budgeted = fake("auto", "auto", budget=6 * MiB)  # the budget's units are carved from the pool too
         rt_mod.Runtime.settle_host_memory_reuse(budgeted, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
-        assert budgeted.buffer_pool.capacity == 14 * MiB
+        assert budgeted.buffer_pool.capacity == 14 * MiB and not budgeted.buffer_pool.pipeline_at_top  # in step()
         first = budgeted.buffer_pool
-        rt_mod.Runtime.settle_host_memory_reuse(budgeted, heap_bytes=2, budget_free_bytes=1, pool_bytes=4 * MiB)
+        rt_mod.Runtime.settle_host_memory_reuse(budgeted, heap_bytes=2, budget_free_bytes=1, pool_bytes=4 * MiB,
+                                                rides=True)
         assert budgeted.buffer_pool.capacity == 18 * MiB  # the budget once, each engine's windows
+        assert budgeted.buffer_pool.pipeline_at_top  # riding at a budget above 0
         assert first.retired and not budgeted.buffer_pool.retired  # the first gives its pages back as they die
         off = fake(False, "auto")
         rt_mod.Runtime.settle_host_memory_reuse(off, heap_bytes=2, budget_free_bytes=1, pool_bytes=8 * MiB)
@@ -338,7 +345,7 @@ def test_a_miss_gives_back_what_it_adds_not_every_free_page(pool):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6 * MiB)), min_size=1, max_size=50))
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6 * MiB)), min_size=1, max_size=50))
 def test_clean_ranges_are_free_and_not_resident_and_misses_fit_beside_the_region(ops):
     """The pool's clean set (pages not resident) lies inside its free ranges, sums to ``clean_bytes``, and
     is what ``mincore`` says; after every allocation the region's resident pages plus the live misses fit
@@ -352,7 +359,7 @@ def test_clean_ranges_are_free_and_not_resident_and_misses_fit_beside_the_region
                 live.pop(n % len(live))
                 gc.collect()
             else:
-                b = buffers.alloc_aligned(n)
+                b = buffers.alloc_aligned(n, pipeline=kind == 3)  # 3: a pipeline slice, carved high
                 b.fill_(1)  # touch it
                 live.append(b)
             c = p.counters()  # merges what was returned
@@ -424,3 +431,35 @@ def test_a_carve_takes_the_lowest_free_range_so_untouched_pages_stay_untouched()
     assert p.contains(c) and c.data_ptr() == p._start  # the lowest range
     assert _region_resident(p) == before  # no page touched that was not resident already
     assert p.clean_bytes >= 4 * MiB  # the top stays clean
+
+
+def test_the_pipelines_slices_are_carved_at_the_top_apart_from_longer_lived_buffers():
+    """io/pool.py [Note: the pipeline's slices at the top]: the optimizer pipeline's slices (one size, each dead
+    within the phase) carved low between buffers that live longer leave holes each too small for the next slice;
+    carved at the top, a dead slice's range is free whole for the next one. The same sequence of requests misses
+    with every buffer carved low and does not with the slices high."""
+    def misses(high: bool, at_top: bool = True) -> int:
+        p = HostBufferPool(100 * MiB, pipeline_at_top=at_top)
+        slices, kept = [], []
+        slices.append(p.take(30 * MiB, high=high))
+        kept.append(p.take(10 * MiB))  # a long-lived buffer carved while the slice lives (a cached copy)
+        slices.append(p.take(30 * MiB, high=high))
+        kept.append(p.take(10 * MiB))
+        slices.pop(0)  # the first slice's update is done
+        gc.collect()
+        kept.append(p.take(10 * MiB))
+        slices.append(p.take(30 * MiB, high=high))  # the third slice: 50 MiB free in all
+        return int(p.miss_bytes) // MiB
+
+    assert misses(high=False) == 30  # low: free are [10, 30) and [80, 100) MiB, neither holds 30
+    assert misses(high=True) == 0
+    assert misses(high=True, at_top=False) == 30  # a pool that keeps no pipeline at the top (budget 0) carves low
+    p = HostBufferPool(16 * MiB)
+    a, b = p.take(4 * MiB, high=True), p.take(2 * MiB)
+    assert a.data_ptr() == p._start + 12 * MiB and b.data_ptr() == p._start  # the top end, the bottom end
+    # a granule that does not divide the region: the high carve stays on a granule, the sliver above it free
+    q = HostBufferPool(4 * MiB, granule=12288)  # 341.3 granules
+    c = q.take(1, high=True)
+    assert (c.data_ptr() - q._start) % 12288 == 0 and q.free_bytes() == q.capacity - 12288
+    assert q.largest_free() == (q.capacity - 12288) // 12288 * 12288
+

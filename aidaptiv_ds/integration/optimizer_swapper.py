@@ -335,7 +335,8 @@ class AidaptivOptimizerSwapper:
         if g.slice is not None:
             return g.slice
         n = self._span(g, g.valid_slots)
-        buf = alloc_aligned(self._span(g, g.slots))
+        # a slice the plan does not keep: at the pool's top (io/pool.py, [Note: the pipeline's slices at the top])
+        buf = alloc_aligned(self._span(g, g.slots), pipeline=not g.resident)
         psw = self.rt.param_swapper
         links = self.master_links.of(g)
         if master_from_params and psw is not None and not all(psw.is_master_alias(k.ds_id) for k in links):
@@ -490,7 +491,7 @@ class AidaptivOptimizerSwapper:
             self.groups[key] = g
             self.order.append(key)
             self.rt.store.allocate(self._extent_key(g), self._span(g, g.slots))
-            buf = alloc_aligned(self._span(g, g.slots))
+            buf = alloc_aligned(self._span(g, g.slots), pipeline=not g.resident)
             buf[: g.slot_bytes].view(self.dtype).copy_(src.reshape(-1))
             s = self._new_slice(g, buf)
             if not g.resident:

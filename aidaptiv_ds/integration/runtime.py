@@ -208,7 +208,8 @@ class Runtime:
         if not self._engines and (self.param_swapper is None or not self.param_swapper.live_partitions()):
             _close_runtime(self)
 
-    def settle_host_memory_reuse(self, heap_bytes: int, budget_free_bytes: int, pool_bytes: int = 0) -> bool:
+    def settle_host_memory_reuse(self, heap_bytes: int, budget_free_bytes: int, pool_bytes: int = 0,
+                                 rides: bool = False) -> bool:
         """Decide ``io.reuse_host_memory: "auto"`` and ``io.buffer_pool`` once the plan is known; returns
         whether heap reuse is on.
 
@@ -226,7 +227,9 @@ class Runtime:
         budget) plus the DRAM budget (the units the tier keeps within it: resident gradient, optimizer and
         parameter slices, cached ones), so that what the budget holds is carved from the same region
         ([Note: the budget's units in the pool] in ``io/pool.py``). A second engine's plan adds its windows:
-        the pool is replaced by one of the summed size (buffers of the first stay valid and return to it).
+        the pool is replaced by one of the summed size (buffers of the first stay valid and return to it). With
+        the updates riding the forward (``rides``) at a budget above 0, the pool carves the optimizer pipeline's
+        slices at its top ([Note: the pipeline's slices at the top] in ``io/pool.py``).
         """
         if self.cfg.io.reuse_host_memory == "auto" and not self.reuse_host_memory:
             if int(heap_bytes) <= int(budget_free_bytes):
@@ -235,7 +238,9 @@ class Runtime:
                 self.cfg.io.buffer_pool is True or (self.cfg.io.buffer_pool == "auto" and not self.reuse_host_memory)):
             old = self.buffer_pool
             size = int(pool_bytes) + (old.capacity if old is not None else self.budget)
-            self.buffer_pool = HostBufferPool(size)
+            # the pipeline's slices apart at the top only where they are carved among the budget's long-lived units,
+            # the riding forward (io/pool.py, [Note: the pipeline's slices at the top])
+            self.buffer_pool = HostBufferPool(size, pipeline_at_top=bool(rides) and self.budget > 0)
             if old is not None:  # its buffers stay valid; its pages go back as they die
                 old.retire()
             use_pool(self.buffer_pool)

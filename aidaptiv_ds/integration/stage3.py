@@ -434,7 +434,7 @@ def make_stage3_class(base: type) -> type:
                     rank_ws = cut_budget(policy)
             grad_window, rides, pool_bytes = rank_ws.grad_window, rank_ws.rides, rank_ws.pool_bytes
             ws, overhead, in_backward_window = rank_ws.total, rank_ws.overhead, rank_ws.in_backward_window
-            rt.settle_host_memory_reuse(ws - overhead, plan.cache_bytes, pool_bytes)
+            rt.settle_host_memory_reuse(ws - overhead, plan.cache_bytes, pool_bytes, rides=rides)
             device_sync = None
             if not get_accelerator().is_synchronized_device() and self.reduce_and_partition_stream is not None:
                 device_sync = self.reduce_and_partition_stream.synchronize  # gradient copies run on that stream

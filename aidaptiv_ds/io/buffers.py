@@ -106,7 +106,8 @@ REGISTRY = BufferRegistry()
 
 
 def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int = PAGE_BYTES,
-                  pin: bool | None = None, zero: bool = False, register: bool = False) -> torch.Tensor:
+                  pin: bool | None = None, zero: bool = False, register: bool = False,
+                  pipeline: bool = False) -> torch.Tensor:
     """Allocate a 1-D host tensor whose first byte is ``alignment``-aligned.
 
     Args:
@@ -117,6 +118,9 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
         zero: fill with zeros (otherwise the content is undefined).
         register: record the range in :data:`REGISTRY` (``is_pinned`` then holds for the buffer and
             its views until ``REGISTRY.remove`` is called).
+        pipeline: a buffer of the step's pipeline that dies within its phase (an optimizer sub-group's slice
+            that the budget does not keep): carved from the pool's top, apart from the buffers that live longer
+            (:mod:`aidaptiv_ds.io.pool`, [Note: the pipeline's slices at the top]).
 
     An unpinned buffer of at least :data:`~aidaptiv_ds.io.pool.POOL_MIN_BYTES` is carved from the
     process's buffer pool when one is in use (:func:`use_pool`) and has room; it goes back to the pool
@@ -136,7 +140,7 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, alignment: int 
     else:
         pool = _POOL
         asked = pool is not None and nbytes >= POOL_MIN_BYTES and pool.granule % alignment == 0
-        carved = pool.take(nbytes) if asked and pool is not None else None
+        carved = pool.take(nbytes, high=pipeline) if asked and pool is not None else None
         if carved is not None:  # granule-aligned already
             return _hand_out(carved[:nbytes], dtype, zero, register)
         if asked and pool is not None:  # a miss: fresh memory the pool counts while it lives
