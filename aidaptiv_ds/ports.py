@@ -29,6 +29,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     of the 12,000 below the range is never handed out by the kernel, only bound on purpose; one that binds
     now is returned (never twice in a process), else the kernel's choice as before.
 
+    [Note: a slice per process tree] Two processes that draw at once (two test workers, each with its children)
+    can draw the same free port, and the later bind fails or, worse, a rank of one job joins the other's
+    rendezvous. ``AIDAPTIV_PORT_SLICE=i/n`` (inherited by children) confines this process to the ``i``-th of
+    ``n`` equal slices of the range; ``tests/conftest.py`` gives each pytest-xdist worker its own.
+
     Raises:
         OSError: ``host`` is not a local address.
     """
@@ -36,6 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     lo, _ = ephemeral_range()
     first, last = max(1024, lo - 12000), lo - 1
+    first, last = _slice(first, last, os.environ.get("AIDAPTIV_PORT_SLICE", ""))
     rng = random.Random()
     if last > first:
         for _ in range(64):
@@ -52,6 +58,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _slice(first: int, last: int, spec: str) -> tuple[int, int]:
+    """The ``i``-th of ``n`` equal parts of ports ``first..last`` for ``spec`` ``"i/n"``; the whole range for an
+    empty or malformed ``spec``."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        return first, last
+    if not 0 <= i < n:
+        return first, last
+    width = (last - first + 1) // n
+    return first + i * width, first + (i + 1) * width - 1
 
 
 def ensure_env() -> dict[str, str]:

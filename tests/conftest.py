@@ -59,6 +59,11 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
 #: the session's torch-extensions directory, exported to every child (see the module docstring)
 EXT_DIR = os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
     tempfile.gettempdir(), "aidaptiv_ds_torch_extensions_" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]))
+#: each pytest-xdist worker, and every child it starts, draws rendezvous ports from its own slice of the range
+#: (aidaptiv_ds/ports.py, [Note: a slice per process tree]): two workers never hand out the same port
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    os.environ["AIDAPTIV_PORT_SLICE"] = (f"{int(os.environ['PYTEST_XDIST_WORKER'][2:])}/"
+                                         f"{int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))}")
 #: DeepSpeed's op that every CPU-accelerator process JIT-builds at ``deepspeed.initialize``
 _PREBUILD = """
 import deepspeed.ops
@@ -215,7 +220,11 @@ def _warm_matplotlib_font_cache() -> None:
 
 
 def pytest_sessionstart(session):
-    # the vLLM tests (-m vllm, in the vllm venv) start no DeepSpeed process: no comm op to build
+    # the vLLM tests (-m vllm, in the vllm venv) start no DeepSpeed process: no comm op to build. Under pytest-xdist
+    # the controller builds it before it starts the workers (its session starts first); a worker started again
+    # after a crash must not remove the lock a build of the other worker's child holds
+    if hasattr(session.config, "workerinput"):
+        return
     if not session.config.option.collectonly and session.config.option.markexpr.strip() != "vllm":
         _prebuild_extensions()
         _warm_matplotlib_font_cache()

@@ -56,6 +56,22 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_bind():
         s.bind(("127.0.0.1", ports[0]))  # still free
 
 
+def test_a_port_slice_confines_the_draws_to_its_part_of_the_range(monkeypatch):
+    """ports.py [Note: a slice per process tree]: with ``AIDAPTIV_PORT_SLICE=i/n`` (what tests/conftest.py gives each
+    pytest-xdist worker) every port comes from the ``i``-th of ``n`` parts, so two workers never draw the same one;
+    a malformed value draws from the whole range."""
+    from aidaptiv_ds.ports import _slice, ephemeral_range, free_port
+
+    lo, _ = ephemeral_range()
+    first, last = max(1024, lo - 12000), lo - 1
+    parts = [_slice(first, last, f"{i}/2") for i in (0, 1)]
+    assert parts[0][0] == first and parts[0][1] < parts[1][0] and parts[1][1] <= last
+    for i, (a, b) in enumerate(parts):
+        monkeypatch.setenv("AIDAPTIV_PORT_SLICE", f"{i}/2")
+        assert all(a <= free_port() <= b for _ in range(10))
+    assert _slice(first, last, "2/2") == _slice(first, last, "x") == (first, last)
+
+
 WORKER = """
 import atexit, sys
 from aidaptiv_ds.process_group import run_worker

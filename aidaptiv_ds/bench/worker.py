@@ -64,9 +64,10 @@ import sys
 import time
 import traceback
 
-for _k, _v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-               ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29631")):
-    os.environ.setdefault(_k, _v)
+#: a single rank's launcher environment, where the runner gave none (set in :func:`main`, not at import: a test
+#: importing this module must not leave a fixed port in its process's environment)
+_SINGLE_RANK_ENV = (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                    ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29631"))
 
 
 class ResultFile:
@@ -434,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 2:
         print("usage: python -m aidaptiv_ds.bench.worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
+    for k, v in _SINGLE_RANK_ENV:
+        os.environ.setdefault(k, v)
     with open(argv[0]) as f:
         spec = json.load(f)
     out = ResultFile(argv[1], backend=spec["backend"], pid=os.getpid())
