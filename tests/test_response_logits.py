@@ -112,3 +112,21 @@ def test_the_gathered_parameters_are_counted_once_in_the_memory_parts():
     assert planned_parts(None, cpu, 10_000, 8, 1, 1, 4, True)["deepspeed_bytes"] == (10_000 + 500) * 4
     two = planned_parts(None, nvme, 10_000, 8, 1, 2, 4, True)["deepspeed_bytes"]
     assert two == 10_000 * 4 + 3 * 500 * 4  # the gathered copies and the reduce-scatter's three buckets
+
+
+def test_the_memory_parts_count_a_built_models_own_modules():
+    """finetune/memory.py with the built model (``module=engine.module``): a model family the planner does not
+    know is counted from its module tree as the runtime counts it (the largest module twice, the persistent
+    parameters), not as one module the size of the model."""
+    from aidaptiv_ds.finetune.memory import planned_parts
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(100, 100) for _ in range(10)])  # 10 x 10,100 elements
+    knobs = {"zero_optimization": {"offload_param": {"device": "cpu"}, "stage3_max_live_parameters": 1000,
+                                   "stage3_max_reuse_distance": 1000, "reduce_bucket_size": 500}}
+    n = sum(p.numel() for p in model.parameters())
+    assert planned_parts(None, knobs, n, 8, 1, 1, 4, True)["deepspeed_bytes"] == (n + 500) * 4
+    assert planned_parts(None, knobs, n, 8, 1, 1, 4, True, module=model)["deepspeed_bytes"] == \
+        (1000 + 2 * 10_100 + 500) * 4
+    model[3].bias.ds_persist = True  # as mark_persistent_parameters flags a tensor under the threshold
+    assert planned_parts(None, knobs, n, 8, 1, 1, 4, True, module=model)["deepspeed_bytes"] == \
+        (1000 + 2 * 10_100 + 100 + 500) * 4

@@ -422,7 +422,7 @@ def run(args: FinetuneArgs) -> dict:
         summary["memory"] = memory_parts(summary, planned_parts(
             engine.module.config.to_dict() if hasattr(engine.module, "config") else None, cfg, n_params,
             args.max_seq_length, settings.micro_batch, world, dtype.itemsize, _cpu_ranks(), checkpointing=ckpt,
-            logits_tokens=stats.get("max_logits_tokens")), world)
+            logits_tokens=stats.get("max_logits_tokens"), module=engine.module), world)
         if log is not None:
             log.write(summary)
     finally:

@@ -33,7 +33,7 @@ from ..units import format_bytes
 
 def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq_len: int, micro_batch: int,
                   world: int, dtype_bytes: int, cpu: bool, checkpointing: bool = False,
-                  logits_tokens: int | None = None) -> dict:
+                  logits_tokens: int | None = None, module=None) -> dict:
     """``{"deepspeed_bytes", "activations_logits_bytes"}`` per rank (None where unknown; 0 on GPU ranks,
     where both are device memory).
 
@@ -43,6 +43,10 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
         checkpointing: the run recomputed each layer's activations in backward.
         logits_tokens: the most tokens of one micro-batch the LM head computed logits for (default
             ``seq_len x micro_batch``; fewer with logits at the response positions only).
+        module: the model as DeepSpeed built it (``engine.module``): its module tree gives the largest fetch and
+            the persistent parameters (``integration/zero_params.py``); without it, the model config's shape
+            (a module being the largest tensor), or the whole model as one module for a family the planner
+            does not know.
     """
     if not cpu:
         return {"deepspeed_bytes": 0, "activations_logits_bytes": 0}
@@ -51,7 +55,6 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
         deepspeed_cpu_rank_bytes,
         deepspeed_gathered_numel,
         live_partition_bytes,
-        persistent_numel,
     )
     from ..planner.model_size import shape_from_config
     from ..planner.plan import (
@@ -60,6 +63,7 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
         DEEPSPEED_MAX_REUSE_DISTANCE,
         DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
         activation_bytes,
+        shape_gathered_numel,
     )
 
     shape = None
@@ -69,14 +73,17 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
         except (ValueError, KeyError, TypeError):
             shape = None  # a model family the planner does not know
     zero = ds_config.get("zero_optimization") or {}
-    # a module being the largest parameter tensor; with no shape known, the whole model
-    largest = shape.largest_param_numel if shape is not None else n_params
-    threshold = int(float(zero.get("stage3_param_persistence_threshold", DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD)))
-    persistent = persistent_numel((t.numel for t in shape.tensors()), threshold) if shape is not None else 0
-    gathered = deepspeed_gathered_numel(
-        int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS))),
-        int(float(zero.get("stage3_max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE))), largest, n_params,
-        persistent)
+    knobs = {"max_live_numel": int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS))),
+             "max_reuse_numel": int(float(zero.get("stage3_max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE)))}
+    if module is not None:  # the built model's own tree, as the runtime counts it (integration/stage3.py)
+        from ..integration.zero_params import largest_fetch_numel, persistent_numel_of
+
+        gathered = deepspeed_gathered_numel(knobs["max_live_numel"], knobs["max_reuse_numel"],
+                                            largest_fetch_numel(module), n_params,
+                                            persistent_numel_of(module.parameters()))
+    else:
+        threshold = int(float(zero.get("stage3_param_persistence_threshold", DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD)))
+        gathered = shape_gathered_numel(shape, n_params, persistence_threshold=threshold, **knobs)
     bucket = int(float(zero.get("reduce_bucket_size", CPU_REDUCE_BUCKET_NUMEL)))
     ds = deepspeed_cpu_rank_bytes(gathered, n_params, dtype_bytes, bucket, dtype_bytes, partition_ranks=world)
     if int(world) == 1 and (zero.get("offload_param") or {}).get("device") == "nvme":

@@ -50,6 +50,7 @@ from .optimizer_state import AidaptivOptimizerState
 from .optimizer_swapper import AidaptivOptimizerSwapper, SubgroupFormat, SwapperLinks
 from .phase import EnginePhase, Phase
 from .runtime import auto_dram_budget, get_runtime
+from .zero_params import largest_fetch_numel, persistent_numel_of
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -64,18 +65,6 @@ class DeepSpeedHostShare(typing.NamedTuple):
     live_partition_bytes: int
     #: ranks of the partition group the parameters are gathered over (the data-parallel size)
     gather_ranks: int
-
-
-def _largest_module_numel(module) -> int:
-    """Elements of the parameters one ZeRO-3 fetch gathers for the largest module of ``module``'s tree (a module's
-    own parameters; a ZeRO-3 leaf module's whole subtree, as ``fetch_sub_module`` gathers,
-    ``parameter_offload.py:546``); 0 without a module."""
-    if module is None:
-        return 0
-    from deepspeed.utils import z3_leaf_module
-
-    return max((sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters(recurse=z3_leaf_module(m)))
-                for m in module.modules()), default=0)
 
 
 _ENGINE_IDS = itertools.count()
@@ -299,10 +288,10 @@ def make_stage3_class(base: type) -> type:
                 return DeepSpeedHostShare(0, 0, 1)
             offload = getattr(self, "parameter_offload", None)
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
-            persistent = sum(int(p.ds_numel) for p in module_params if getattr(p, "ds_persist", False))
+            persistent = persistent_numel_of(module_params)
             gathered = deepspeed_gathered_numel(getattr(offload, "_max_available_parameters_in_numel", 0) or 0,
                                                 getattr(offload, "_max_reuse_distance_in_numel", 0) or 0,
-                                                _largest_module_numel(self._aidaptiv.module), model_numel, persistent)
+                                                largest_fetch_numel(self._aidaptiv.module), model_numel, persistent)
             import deepspeed.comm as dist
             ranks = dist.get_world_size(group=self.dp_process_group)
             ds = deepspeed_cpu_rank_bytes(gathered, model_numel, self.dtype.itemsize,

@@ -32,3 +32,22 @@ def swapper_of(param: torch.Tensor):
 def optimizer_swapper_of(optimizer):
     """The optimizer swapper of a ZeRO-3 optimizer (DeepSpeed's or aidaptiv_ds's), or None."""
     return getattr(optimizer, "optimizer_swapper", None)
+
+
+def largest_fetch_numel(module: torch.nn.Module | None) -> int:
+    """Elements one ZeRO-3 fetch gathers for the largest module of ``module``'s tree: a module's own parameters,
+    a ZeRO-3 leaf module's whole subtree (``deepspeed.utils.set_z3_leaf_modules``; ``fetch_sub_module`` gathers
+    it at once, ``parameter_offload.py:546``); 0 without a module. The ``largest_module_numel`` of
+    :func:`aidaptiv_ds.planner.auto.deepspeed_gathered_numel`."""
+    if module is None:
+        return 0
+    from deepspeed.utils import z3_leaf_module
+
+    return max((sum(full_numel(p) for p in m.parameters(recurse=z3_leaf_module(m))) for m in module.modules()),
+               default=0)
+
+
+def persistent_numel_of(params) -> int:
+    """Elements of the parameters among ``params`` that ZeRO-3 keeps gathered for good (``param.ds_persist``,
+    set by ``mark_persistent_parameters`` from ``stage3_param_persistence_threshold``); 0 for plain parameters."""
+    return sum(full_numel(p) for p in params if getattr(p, "ds_persist", False))

@@ -707,15 +707,38 @@ def rank_state(inp: PlanInput) -> RankState:
                      alias=inp.dtype == "fp32", moments=None if inp.moments == "fp32" else inp.moments)
 
 
+def shape_gathered_numel(shape: ModelShape | None, model_numel: int, *, max_live_numel: int, max_reuse_numel: int,
+                         persistence_threshold: int, largest_module_numel: int | None = None) -> int:
+    """Elements DeepSpeed keeps gathered on a rank of a model of ``shape``
+    (:func:`~aidaptiv_ds.planner.auto.deepspeed_gathered_numel`), a module being its largest parameter tensor
+    (``largest_module_numel`` where given, such as a tensor scaled to ``--params``) and the tensors of at most
+    ``persistence_threshold`` elements persistent; with no shape known, a module may be the whole model and
+    nothing is counted persistent. A built model is counted from its module tree instead
+    (``integration/zero_params.py``, as the runtime does).
+
+    Args:
+        shape: the model's :class:`~aidaptiv_ds.planner.model_size.ModelShape`, or None.
+        model_numel: parameters of the model.
+        max_live_numel / max_reuse_numel / persistence_threshold: ``stage3_max_live_parameters``,
+            ``stage3_max_reuse_distance``, ``stage3_param_persistence_threshold`` (elements).
+    """
+    if shape is None:
+        return deepspeed_gathered_numel(max_live_numel, max_reuse_numel, model_numel, model_numel)
+    largest = shape.largest_param_numel if largest_module_numel is None else largest_module_numel
+    persistent = persistent_numel((t.numel for t in shape.tensors()), persistence_threshold)
+    return deepspeed_gathered_numel(max_live_numel, max_reuse_numel, largest, model_numel, persistent)
+
+
 def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankPolicy:
     """A CPU rank's :class:`~aidaptiv_ds.planner.working_set.RankPolicy` as the runtime fills it: the read-ahead
     window the parameter swapper asks for (2 x the largest partition, ``prefetch_bytes: "auto"``), DeepSpeed's
     working set from ``--max-live-parameters``, ``--max-reuse-distance``, ``--param-persistence-threshold`` and
     ``--reduce-bucket-size`` (a module being the largest parameter tensor), and ``activations`` (bytes)."""
     pb = PARAM_BYTES[inp.dtype]
-    persistent = persistent_numel((t.numel for t in inp.shape.tensors()), inp.param_persistence_threshold)
-    gathered = deepspeed_gathered_numel(inp.max_live_parameters, inp.max_reuse_distance, _largest_param_numel(inp),
-                                        inp.params, persistent)
+    gathered = shape_gathered_numel(inp.shape, inp.params, max_live_numel=inp.max_live_parameters,
+                                    max_reuse_numel=inp.max_reuse_distance,
+                                    persistence_threshold=inp.param_persistence_threshold,
+                                    largest_module_numel=_largest_param_numel(inp))
     ds = deepspeed_cpu_rank_bytes(gathered, inp.params, pb, inp.reduce_bucket_size,
                                   grad_accum_bytes(inp.dtype), partition_ranks=inp.dp)
     live = live_partition_bytes(gathered, inp.params, pb, partition_ranks=inp.dp)
@@ -1109,4 +1132,4 @@ __all__ = ["CacheDrive", "PlanInput", "CapacityPlan", "DrivePlan", "Verdict", "m
            "rank_traffic", "schedule_costs", "schedule_report",
            "activation_bytes", "layer_activation_bytes", "training_flops_per_token", "usable_cache_bytes",
            "store_reserve", "PARAM_BYTES", "MOMENT_BYTES", "MOMENT_ELEMENT_BYTES", "RULE_OF_THUMB_BYTES_PER_PARAM",
-           "MIN_FREE_BYTES", "FREE_FRACTION"]
+           "MIN_FREE_BYTES", "FREE_FRACTION", "shape_gathered_numel"]
