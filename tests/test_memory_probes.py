@@ -115,3 +115,17 @@ def test_sweep_table_shows_both_peaks_and_both_fits():
     assert "| **slope, B/param (steps)** | **0.20** |" in table
     assert "| **slope, B/param (process)** | **0.30** |" in table
     assert "1.52 / 1.63 GiB" in table  # 100M: steps / process
+
+
+def test_the_sweeps_plan_keeps_an_explicit_zero_knob():
+    """``planned_host_bytes``: a knob left out of the run's config (None) is DeepSpeed's default, an explicit 0
+    is 0 (``stage3_max_live_parameters: 0`` prefetches nothing; with the sweep's reuse distance of 0 DeepSpeed
+    then keeps two modules gathered, planner/auto.py [Note: what bounds the gathered parameters])."""
+    from aidaptiv_ds.bench.backends import TrainSettings
+    from aidaptiv_ds.bench.memory import planned_host_bytes
+    from aidaptiv_ds.bench.models import LlamaShape
+
+    shape = LlamaShape(hidden=256, intermediate=704, layers=4, heads=4, kv_heads=4, vocab=1024)
+    unset = planned_host_bytes(shape, TrainSettings(dtype="fp32"))
+    zero = planned_host_bytes(shape, TrainSettings(dtype="fp32", max_live_parameters=0))
+    assert zero["total"] < unset["total"], (zero, unset)

@@ -45,6 +45,12 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def _or_default(value: int | None, default: int) -> int:
+    """A DeepSpeed knob as the run's config has it: None (left out of the config, :func:`.backends.ds_config`)
+    is DeepSpeed's default; 0 is 0."""
+    return int(default if value is None else value)
+
+
 def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: int | None = None,
                        layer_major: bool = False, cache_bytes: int | None = None) -> dict:
     """What ``aidaptiv-ds plan --cpu-ranks`` says one CPU rank of this run needs besides a DRAM budget of 0
@@ -67,10 +73,10 @@ def planned_host_bytes(shape: LlamaShape, settings: TrainSettings, ram_bytes: in
                     activation_checkpointing=bool(settings.activation_checkpointing),
                     sub_group_size=int(settings.sub_group_size), cpu_ranks=True,
                     gradient_clipping=float(settings.clip),
-                    max_live_parameters=int(settings.max_live_parameters or DEEPSPEED_MAX_LIVE_PARAMETERS),
+                    max_live_parameters=_or_default(settings.max_live_parameters, DEEPSPEED_MAX_LIVE_PARAMETERS),
                     max_reuse_distance=int(settings.max_reuse_distance),  # always in the run's config
                     param_persistence_threshold=int(settings.persistence_threshold),
-                    reduce_bucket_size=int(settings.reduce_bucket_size or CPU_REDUCE_BUCKET_NUMEL),
+                    reduce_bucket_size=_or_default(settings.reduce_bucket_size, CPU_REDUCE_BUCKET_NUMEL),
                     grad_accum=int(settings.gradient_accumulation))
     plan = make_plan(inp)
     if layer_major:
