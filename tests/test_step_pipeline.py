@@ -54,6 +54,20 @@ def test_a_checkpoint_right_after_step_holds_the_ridden_updates(tmp_path):
     assert_same_as_deepspeed(tmp_path, "reload", 1, "--load", "full", "--clip", "1e-3", "--ride")
 
 
+@pytest.mark.parametrize("scenario,args", [
+    ("fragment_set", ("--api", "full")),  # safe_set_* / safe_get_* of weights and moments right after step()
+    ("gathered_edit", ()),  # GatheredParameters(modifier_rank=0) edits between steps
+    ("eval_between", ()),  # an eval forward (no backward) after each step()
+], ids=["safe_set_get", "gathered_edit", "eval_forward"])
+def test_deepspeeds_zero3_api_between_step_and_the_riding_forward(tmp_path, scenario, args):
+    """DeepSpeed's public ZeRO-3 API called while updates wait for the next forward (two ranks): each call
+    first runs the updates of what it touches (``StepPipeline.drain`` / the gather), so what it reads and
+    writes, and the run after it, are DeepSpeed's bit for bit ([Note: exactness] in step_pipeline.py)."""
+    from test_zero3_api import assert_same_as_deepspeed
+    got = assert_same_as_deepspeed(tmp_path, scenario, 2, *args, "--clip", "1e-3", "--ride")
+    assert got[0]["optimizer_steps"]["riding_forward"] > 0, got[0]["optimizer_steps"]
+
+
 def test_a_failed_update_is_raised_by_every_later_wait(tmp_path):
     res = run_scenario(tmp_path, "aidaptiv", "ride_failure", 1, "--clip", "1e-3", "--dtype", "bf16", "--ride")
     failed = [k for k, v in res[0]["checks"].items() if not v]

@@ -50,7 +50,10 @@ def run_scenario(tmp_path, backend: str, scenario: str, world: int, *args: str) 
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def assert_same_as_deepspeed(tmp_path, scenario: str, world: int, *args: str, ref_args: tuple | None = None) -> None:
+def assert_same_as_deepspeed(tmp_path, scenario: str, world: int, *args: str, ref_args: tuple | None = None
+                             ) -> list[dict]:
+    """Run ``scenario`` with DeepSpeed's CPU offload and with aidaptiv_ds; both pass its checks and every result
+    is equal bit for bit. Returns aidaptiv_ds's per-rank results."""
     ref = run_scenario(tmp_path, "cpu", scenario, world, *(args if ref_args is None else ref_args))
     got = run_scenario(tmp_path, "aidaptiv", scenario, world, *args)
     for name, res in (("DeepSpeed's CPU offload", ref), ("aidaptiv_ds", got)):
@@ -61,6 +64,7 @@ def assert_same_as_deepspeed(tmp_path, scenario: str, world: int, *args: str, re
     diffs += [f"read-back {k} differs" for k in sorted(set(reads_ref) | set(reads_got))
               if not _same(reads_ref.get(k), reads_got.get(k))]
     assert not diffs, "\n".join(diffs)
+    return got
 
 
 @pytest.mark.parametrize("api", ["full", "local"])

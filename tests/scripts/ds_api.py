@@ -473,6 +473,9 @@ def main():
     if rank == 0:
         out["params"] = params
         out["reads"] = run.reads
+    if a.backend == "aidaptiv":
+        from aidaptiv_ds.integration.runtime import current_runtime
+        out["optimizer_steps"] = current_runtime().counters()["optimizer_steps"]  # which path each step took
     torch.save(out, os.path.join(a.out, f"rank{rank}.pt"))
     failed = [k for k, v in run.checks.items() if not v]
     print(json.dumps({"rank": rank, "losses": run.losses, "failed_checks": failed}))
