@@ -1,6 +1,7 @@
 """``dram_budget: "auto"`` on a CPU rank leaves room for DeepSpeed's own working set (gathered parameters up
-to the larger of ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules, the ``reduce_bucket_size`` gradient bucket and, over several ranks, the two
-copies of it its reduce-scatter makes), which a GPU would hold in VRAM (aidaptiv_ds/planner/auto.py,
+to the larger of ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules, a recomputed
+layer's frozen parameters, the ``reduce_bucket_size`` gradient bucket and, over several ranks, the two copies of
+it its reduce-scatter makes), which a GPU would hold in VRAM (aidaptiv_ds/planner/auto.py,
 ``deepspeed_cpu_rank_bytes``)."""
 from __future__ import annotations
 
@@ -40,19 +41,11 @@ def test_the_gathered_bound_is_the_larger_knob_plus_two_modules_at_most_the_mode
 LOW = {"stage3_max_live_parameters": 2000, "stage3_max_reuse_distance": 2000}
 
 
-@pytest.mark.engine
-@pytest.mark.parametrize("zero", [{}, {"stage3_max_live_parameters": 2000}, LOW,
-                                  {"stage3_max_live_parameters": 2000, "stage3_max_reuse_distance": 0},
-                                  {**LOW, "stage3_param_persistence_threshold": 64}],
-                         ids=["defaults", "max-live-low", "both-low", "reuse-0", "both-low-persistent-biases"])
-def test_deepspeed_gathers_no_more_than_the_runtime_plans(tmp_path, monkeypatch, zero):
-    """planner/auto.py [Note: what bounds the gathered parameters]: the elements DeepSpeed holds gathered (the
-    parameters whose ``ds_status`` is AVAILABLE after every fetch and release of its coordinator and after every
-    step, 3 steps of a stack of 8 Linear layers: the trace is complete from step 2 on) stay within what the runtime
-    plans for them on one rank, its parameters' swap buffers. With ``stage3_max_live_parameters`` lowered and the
-    reuse distance left at 1e9, DeepSpeed keeps the whole model gathered into the backward: the bound of
-    ``max_live`` alone, counted before, was short by 16x here. Persistent parameters (the biases, with the
-    threshold at 64) stay gathered on top."""
+def _gathered_peak_and_plan(tmp_path, monkeypatch, model, zero, forward) -> tuple[int, int, int]:
+    """Train ``model`` 3 steps over one rank (``forward(engine) -> loss``); returns the peak of the elements
+    DeepSpeed holds gathered (the parameters whose ``ds_status`` is AVAILABLE after every fetch and release of
+    its coordinator and after every step: the trace is complete from step 2 on), the elements the runtime plans
+    for them (its parameters' swap buffers over one rank) and the model's elements."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
@@ -72,26 +65,94 @@ def test_deepspeed_gathers_no_more_than_the_runtime_plans(tmp_path, monkeypatch,
             return out
         monkeypatch.setattr(C, name, counted)
     one_rank_env(monkeypatch)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
     cfg = nvme_config(tmp_path / "cache", **zero)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg)
     params.extend(engine.module.parameters())
     try:
         for _ in range(3):
-            loss = engine(torch.randn(1, 64)).square().mean()
-            engine.backward(loss)
+            engine.backward(forward(engine))
             engine.step()
             count()
         share = engine.optimizer._aidaptiv_deepspeed_host_share(list(engine.module.parameters()))
-        numel = sum(p.ds_numel for p in engine.module.parameters())
-        assert 0 < peak[0] <= share.live_partition_bytes // 4 <= numel, (peak[0], share)
-        if zero == {"stage3_max_live_parameters": 2000}:
-            assert peak[0] == numel  # the reuse distance (1e9) kept all of it, 16x max_live
+        return peak[0], share.live_partition_bytes // 4, sum(p.ds_numel for p in engine.module.parameters())
     finally:
         rt = engine.optimizer._aidaptiv.rt
         engine.destroy()
         rt.close()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("zero", [{}, {"stage3_max_live_parameters": 2000}, LOW,
+                                  {"stage3_max_live_parameters": 2000, "stage3_max_reuse_distance": 0},
+                                  {**LOW, "stage3_param_persistence_threshold": 64}],
+                         ids=["defaults", "max-live-low", "both-low", "reuse-0", "both-low-persistent-biases"])
+def test_deepspeed_gathers_no_more_than_the_runtime_plans(tmp_path, monkeypatch, zero):
+    """planner/auto.py [Note: what bounds the gathered parameters]: what DeepSpeed holds gathered over 3 steps of
+    a stack of 8 Linear layers stays within what the runtime plans for it on one rank. With
+    ``stage3_max_live_parameters`` lowered and the reuse distance left at 1e9, DeepSpeed keeps the whole model
+    gathered into the backward: the bound of ``max_live`` alone, counted before, was short by 16x here.
+    Persistent parameters (the biases, with the threshold at 64) stay gathered on top."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    peak, planned, numel = _gathered_peak_and_plan(tmp_path, monkeypatch, model, zero,
+                                                   lambda engine: engine(torch.randn(1, 64)).square().mean())
+    assert 0 < peak <= planned <= numel, (peak, planned)
+    if zero == {"stage3_max_live_parameters": 2000}:
+        assert peak == numel  # the reuse distance (1e9) kept all of it, 16x max_live
+
+
+class _Block(torch.nn.Module):
+    """Six 64x64 Linear layers, the first five frozen (or none): a layer with frozen parameters."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.frozen = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(5))
+        self.out = torch.nn.Linear(64, 64)
+        for p in self.frozen.parameters():
+            p.requires_grad_(not frozen)
+
+    def forward(self, x):
+        for f in self.frozen:
+            x = torch.relu(f(x))
+        return self.out(x)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, frozen: bool, checkpointing: bool) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block(frozen) for _ in range(8))
+        self.checkpointing = checkpointing
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing else layer(x)
+        return x
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("frozen,checkpointing", [(True, True), (True, False), (False, True)],
+                         ids=["frozen-checkpointed", "frozen", "checkpointed"])
+def test_a_recomputed_layers_frozen_parameters_stay_gathered_and_are_planned(tmp_path, monkeypatch, frozen,
+                                                                             checkpointing):
+    """[Note: what bounds the gathered parameters]: under activation checkpointing DeepSpeed keeps the frozen
+    parameters a layer's recompute gathers until that layer's backward ends, so with frozen layers (a partly
+    frozen fine-tune) a whole layer is gathered (24,960 elements here), past the knobs-plus-two-modules bound
+    (10,320); the runtime plans the largest layer's frozen parameters on top. Without checkpointing, or with
+    nothing frozen, DeepSpeed stays within two modules."""
+    torch.manual_seed(0)
+    model = _Stack(frozen, checkpointing)
+    module = 64 * 64 + 64
+    peak, planned, numel = _gathered_peak_and_plan(
+        tmp_path, monkeypatch, model, LOW,
+        lambda engine: engine(torch.randn(1, 64, requires_grad=True)).square().mean())
+    assert 0 < peak <= planned <= numel, (peak, planned)
+    knobs_and_two_modules = LOW["stage3_max_live_parameters"] + 2 * module
+    if frozen and checkpointing:
+        assert peak == 6 * module > knobs_and_two_modules, peak  # the whole recomputed layer
+    else:
+        assert peak <= 2 * module, peak
 
 
 def test_reduce_path_copies_by_partition_group():

@@ -130,3 +130,6 @@ def test_the_memory_parts_count_a_built_models_own_modules():
     model[3].bias.ds_persist = True  # as mark_persistent_parameters flags a tensor under the threshold
     assert planned_parts(None, knobs, n, 8, 1, 1, 4, True, module=model)["deepspeed_bytes"] == \
         (1000 + 2 * 10_100 + 100 + 500) * 4
+    model[5].weight.requires_grad_(False)  # a frozen layer: recomputed, it stays gathered (planner/auto.py)
+    assert planned_parts(None, knobs, n, 8, 1, 1, 4, True, module=model)["deepspeed_bytes"] == \
+        (1000 + 2 * 10_100 + 100 + 10_000 + 500) * 4

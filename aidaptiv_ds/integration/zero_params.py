@@ -51,3 +51,22 @@ def persistent_numel_of(params) -> int:
     """Elements of the parameters among ``params`` that ZeRO-3 keeps gathered for good (``param.ds_persist``,
     set by ``mark_persistent_parameters`` from ``stage3_param_persistence_threshold``); 0 for plain parameters."""
     return sum(full_numel(p) for p in params if getattr(p, "ds_persist", False))
+
+
+def frozen_block_numel(module: torch.nn.Module | None) -> int:
+    """Elements of the frozen parameters (``requires_grad`` False) of the largest layer of ``module``: an element
+    of a ``ModuleList`` or ``Sequential`` (a decoder's layer stack, the unit activation checkpointing recomputes),
+    or all the frozen parameters of a model without such a stack; 0 when nothing is frozen. Under activation
+    checkpointing DeepSpeed keeps a recomputed layer's frozen parameters gathered until that layer's backward
+    ends ([Note: what bounds the gathered parameters] in ``planner/auto.py``). Counted whether or not the run
+    checkpoints: the engine cannot tell before the first backward."""
+    if module is None:
+        return 0
+    frozen = sum(full_numel(p) for p in module.parameters() if not p.requires_grad)
+    if frozen == 0:
+        return 0
+    layers = [child for m in module.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))
+              for child in m.children()]
+    if not layers:
+        return frozen
+    return max(sum(full_numel(p) for p in layer.parameters() if not p.requires_grad) for layer in layers)
