@@ -41,16 +41,19 @@ def test_the_gathered_bound_is_the_larger_knob_plus_two_modules_at_most_the_mode
 LOW = {"stage3_max_live_parameters": 2000, "stage3_max_reuse_distance": 2000}
 
 
-def _gathered_peak_and_plan(tmp_path, monkeypatch, model, zero, forward) -> tuple[int, int, int]:
-    """Train ``model`` 3 steps over one rank (``forward(engine) -> loss``); returns the peak of the elements
+def _gathered_peak_and_plan(tmp_path, monkeypatch, model, zero, step, accumulation: int = 1
+                            ) -> tuple[int, int, int]:
+    """Train ``model`` 3 optimizer steps over one rank (``step(engine, i)`` runs the i-th); returns the peak of the elements
     DeepSpeed holds gathered (the parameters whose ``ds_status`` is AVAILABLE after every fetch and release of
-    its coordinator and after every step: the trace is complete from step 2 on), the elements the runtime plans
+    its coordinator, after every hold and release of a layer-major step's block, and after every step: the trace
+    is complete from step 2 on), the elements the runtime plans
     for them (its parameters' swap buffers over one rank) and the model's elements."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
 
     import aidaptiv_ds  # noqa: F401  (installs the hooks)
+    from aidaptiv_ds.integration.train_batch import EnginePieces
 
     params: list = []
     peak = [0]
@@ -58,21 +61,22 @@ def _gathered_peak_and_plan(tmp_path, monkeypatch, model, zero, forward) -> tupl
     def count() -> None:
         peak[0] = max(peak[0], sum(p.ds_numel for p in params if p.ds_status == ZeroParamStatus.AVAILABLE))
 
-    for name in ("fetch_sub_module", "release_sub_module"):
-        def counted(self, *a, _real=getattr(C, name), **k):
+    for cls, name in ((C, "fetch_sub_module"), (C, "release_sub_module"), (EnginePieces, "hold"),
+                      (EnginePieces, "unhold")):
+        def counted(self, *a, _real=getattr(cls, name), **k):
             out = _real(self, *a, **k)
             count()
             return out
-        monkeypatch.setattr(C, name, counted)
+        monkeypatch.setattr(cls, name, counted)
     one_rank_env(monkeypatch)
     cfg = nvme_config(tmp_path / "cache", **zero)
+    cfg["gradient_accumulation_steps"] = accumulation
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=cfg)
     params.extend(engine.module.parameters())
     try:
-        for _ in range(3):
-            engine.backward(forward(engine))
-            engine.step()
+        for i in range(3):
+            step(engine, i)
             count()
         share = engine.optimizer._aidaptiv_deepspeed_host_share(list(engine.module.parameters()))
         return peak[0], share.live_partition_bytes // 4, sum(p.ds_numel for p in engine.module.parameters())
@@ -80,6 +84,14 @@ def _gathered_peak_and_plan(tmp_path, monkeypatch, model, zero, forward) -> tupl
         rt = engine.optimizer._aidaptiv.rt
         engine.destroy()
         rt.close()
+
+
+def _step(loss_of):
+    """One optimizer step of one micro-batch: ``engine.backward(loss_of(engine))``, ``engine.step()``."""
+    def step(engine, i):
+        engine.backward(loss_of(engine))
+        engine.step()
+    return step
 
 
 @pytest.mark.engine
@@ -95,8 +107,8 @@ def test_deepspeed_gathers_no_more_than_the_runtime_plans(tmp_path, monkeypatch,
     Persistent parameters (the biases, with the threshold at 64) stay gathered on top."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
-    peak, planned, numel = _gathered_peak_and_plan(tmp_path, monkeypatch, model, zero,
-                                                   lambda engine: engine(torch.randn(1, 64)).square().mean())
+    peak, planned, numel = _gathered_peak_and_plan(tmp_path, monkeypatch, model, zero, _step(
+        lambda engine: engine(torch.randn(1, 64)).square().mean()))
     assert 0 < peak <= planned <= numel, (peak, planned)
     if zero == {"stage3_max_live_parameters": 2000}:
         assert peak == numel  # the reuse distance (1e9) kept all of it, 16x max_live
@@ -144,15 +156,46 @@ def test_a_recomputed_layers_frozen_parameters_stay_gathered_and_are_planned(tmp
     torch.manual_seed(0)
     model = _Stack(frozen, checkpointing)
     module = 64 * 64 + 64
-    peak, planned, numel = _gathered_peak_and_plan(
-        tmp_path, monkeypatch, model, LOW,
-        lambda engine: engine(torch.randn(1, 64, requires_grad=True)).square().mean())
+    peak, planned, numel = _gathered_peak_and_plan(tmp_path, monkeypatch, model, LOW, _step(
+        lambda engine: engine(torch.randn(1, 64, requires_grad=True)).square().mean()))
     assert 0 < peak <= planned <= numel, (peak, planned)
     knobs_and_two_modules = LOW["stage3_max_live_parameters"] + 2 * module
     if frozen and checkpointing:
         assert peak == 6 * module > knobs_and_two_modules, peak  # the whole recomputed layer
     else:
         assert peak <= 2 * module, peak
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("layer_major", [True, False], ids=["layer-major", "micro-batch-major"])
+def test_a_layer_major_steps_held_block_is_planned(tmp_path, monkeypatch, layer_major):
+    """[Note: what bounds the gathered parameters]: a layer-major step (``engine.train_batch``, two micro-batches)
+    holds each block of the trunk gathered outside DeepSpeed's coordinator, a whole layer of the 4-layer Llama
+    (38,528 elements) against 19,408 by the knobs-plus-two-modules bound; the runtime plans the trunk's largest
+    block on top for a model with a trunk. Micro-batch by micro-batch DeepSpeed stays within two modules."""
+    from aidaptiv_ds.bench.fuzz_models import batch, build
+    from aidaptiv_ds.integration.trunk import find_trunk
+
+    torch.manual_seed(0)
+    model = build("llama", 64, 4)
+    layer = max(sum(p.numel() for p in b.parameters()) for b in find_trunk(model).blocks)
+    module = max(p.numel() for p in model.parameters() if p.dim() == 2)  # the largest Linear (no biases)
+
+    def step(engine, i):
+        xs = [batch("llama", 64, 1, 2 * i + j, 0, torch.float32) for j in range(2)]
+        if layer_major:
+            engine.train_batch(iter(xs))
+            return
+        for x in xs:
+            engine.backward(engine(x))
+            engine.step()
+
+    peak, planned, numel = _gathered_peak_and_plan(tmp_path, monkeypatch, model, LOW, step, accumulation=2)
+    assert 0 < peak <= planned < numel, (peak, planned)
+    if layer_major:
+        assert peak == layer > LOW["stage3_max_live_parameters"] + 2 * module, (peak, layer, module)
+    else:
+        assert peak <= LOW["stage3_max_live_parameters"] + 2 * module, (peak, module)
 
 
 def test_reduce_path_copies_by_partition_group():

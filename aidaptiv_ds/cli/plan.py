@@ -189,7 +189,7 @@ def register(subparsers) -> None:
                         "on CPU ranks, with --max-reuse-distance")
     p.add_argument("--max-reuse-distance", type=float, default=DEEPSPEED_MAX_REUSE_DISTANCE,
                    help="DeepSpeed's stage3_max_reuse_distance in elements (default 1e9, DeepSpeed's): DeepSpeed keeps "
-                        "up to the larger of the two gathered, plus two modules")
+                        "up to the larger of the two gathered, plus two modules and a layer")
     p.add_argument("--param-persistence-threshold", type=float, default=DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
                    help="DeepSpeed's stage3_param_persistence_threshold in elements (default 1e5, DeepSpeed's): "
                         "tensors this small stay gathered on top")

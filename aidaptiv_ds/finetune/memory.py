@@ -12,8 +12,8 @@ Peak RSS alone does not say whose memory it was. The loop measures each accounti
     swap buffers' pool the tier's units are carved from, whichever is larger: measured (per rank, the ranks'
     sum divided by their number); the pool's misses, fresh memory beside it, fall in the rest;
   - **DeepSpeed's working set**: the parameters it keeps gathered (up to the larger of
-    ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules and a recomputed layer's
-    frozen parameters, :func:`aidaptiv_ds.planner.auto.deepspeed_gathered_numel`) and its reduce buckets
+    ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules and a layer held (a
+    layer-major step's block, a recomputed layer's frozen parameters), :func:`aidaptiv_ds.planner.auto.deepspeed_gathered_numel`) and its reduce buckets
     (:func:`aidaptiv_ds.planner.auto.deepspeed_cpu_rank_bytes`): planned, from the config's knobs and the
     model's module tree; host memory on CPU ranks only (on a GPU it is device memory). On one rank with the
     parameters on the cache tier the gathered parameters are our swap buffers, already in "ours" ([Note: the
@@ -77,11 +77,12 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
     knobs = {"max_live_numel": int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS))),
              "max_reuse_numel": int(float(zero.get("stage3_max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE)))}
     if module is not None:  # the built model's own tree, as the runtime counts it (integration/stage3.py)
-        from ..integration.zero_params import frozen_block_numel, largest_fetch_numel, persistent_numel_of
+        from ..integration.trunk import held_layer_numel
+        from ..integration.zero_params import largest_fetch_numel, persistent_numel_of
 
         gathered = deepspeed_gathered_numel(knobs["max_live_numel"], knobs["max_reuse_numel"],
                                             largest_fetch_numel(module), n_params,
-                                            persistent_numel_of(module.parameters()), frozen_block_numel(module))
+                                            persistent_numel_of(module.parameters()), held_layer_numel(module))
     else:
         threshold = int(float(zero.get("stage3_param_persistence_threshold", DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD)))
         gathered = shape_gathered_numel(shape, n_params, persistence_threshold=threshold, **knobs)

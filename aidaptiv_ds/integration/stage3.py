@@ -50,7 +50,8 @@ from .optimizer_state import AidaptivOptimizerState
 from .optimizer_swapper import AidaptivOptimizerSwapper, SubgroupFormat, SwapperLinks
 from .phase import EnginePhase, Phase
 from .runtime import auto_dram_budget, get_runtime
-from .zero_params import frozen_block_numel, largest_fetch_numel, persistent_numel_of
+from .trunk import held_layer_numel
+from .zero_params import largest_fetch_numel, persistent_numel_of
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -292,7 +293,7 @@ def make_stage3_class(base: type) -> type:
             gathered = deepspeed_gathered_numel(getattr(offload, "_max_available_parameters_in_numel", 0) or 0,
                                                 getattr(offload, "_max_reuse_distance_in_numel", 0) or 0,
                                                 largest_fetch_numel(self._aidaptiv.module), model_numel, persistent,
-                                                frozen_block_numel(self._aidaptiv.module))
+                                                held_layer_numel(self._aidaptiv.module))
             import deepspeed.comm as dist
             ranks = dist.get_world_size(group=self.dp_process_group)
             ds = deepspeed_cpu_rank_bytes(gathered, model_numel, self.dtype.itemsize,

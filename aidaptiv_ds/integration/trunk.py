@@ -11,7 +11,7 @@ import functools
 import torch
 
 from .config import AidaptivConfigError
-from .zero_params import full_numel
+from .zero_params import frozen_block_numel, full_numel
 
 #: the fix every refusal of a layer-major step names
 FIX = ("Fix: train it micro-batch by micro-batch (engine(batch); engine.backward(loss); engine.step()), "
@@ -86,6 +86,23 @@ def find_trunk(model: torch.nn.Module) -> Trunk:
                 f"aidaptiv_ds: layer-major training (engine.train_batch): parameter {qual} is also used inside "
                 f"{trunk.name}; its gradients would be summed in another order than DeepSpeed's. " + FIX)
     return trunk
+
+
+def held_layer_numel(model: torch.nn.Module | None) -> int:
+    """Elements of one layer DeepSpeed's coordinator does not bound, which the gathered-parameter plan counts
+    ([Note: what bounds the gathered parameters] in ``planner/auto.py``): a layer-major step holds a whole block
+    of the trunk gathered (:class:`~aidaptiv_ds.integration.train_batch.EnginePieces` ``hold``, outside the
+    coordinator), so for a model with a trunk (which ``engine.train_batch`` may run) the largest block; else the
+    frozen parameters of the largest layer, which a recompute keeps gathered (:func:`.zero_params.frozen_block_numel`).
+    """
+    if model is None:
+        return 0
+    frozen = frozen_block_numel(model)
+    try:
+        trunk = find_trunk(model)
+    except AidaptivConfigError:
+        return frozen
+    return max(frozen, max(sum(full_numel(p) for p in b.parameters()) for b in trunk.blocks))
 
 
 def tied_outside(model: torch.nn.Module, trunk: Trunk) -> list[torch.nn.Parameter]:

@@ -99,9 +99,9 @@ weaker bound, never data.
 
 [Note: the gathered parameters in the pool] Over one rank DeepSpeed's gathered parameters are their partitions'
 swap buffers (``planner/auto.py``, [Note: the gathered parameters' partitions]), up to the larger of
-``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules of them ([Note: what bounds
-the gathered parameters]; 1e9 by default: most of a model below a few billion parameters stays gathered from the
-forward into the backward), and over several ranks the partitions stay beside the gathered
+``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules and a layer of them ([Note:
+what bounds the gathered parameters]; 1e9 by default: most of a model below a few billion parameters stays
+gathered from the forward into the backward), and over several ranks the partitions stay beside the gathered
 copies. The plan counted them as DeepSpeed's working set over one rank, outside the region, and not at all over
 several; carved from the region, they took the room of the step's other buffers. With the updates riding the
 forward (10M fp32 Llama, ``tests/test_budget_in_pool.py``) 16-29 MB of optimizer slices a step missed; the

@@ -47,8 +47,8 @@ host's), so what the plan promises is what the runtime does:
   ``launch/memory_sweep.py``).
 * on CPU ranks also DeepSpeed's own working set (:func:`deepspeed_cpu_rank_bytes`), which a GPU
   would hold in VRAM: the gathered parameters DeepSpeed keeps live (the larger of
-  ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules and a layer's frozen
-  parameters, at most the model:
+  ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` plus two modules and a layer held (a
+  layer-major step's block, a recomputed layer's frozen parameters), at most the model:
   :func:`deepspeed_gathered_numel`) and its gradient reduce path: the ``reduce_bucket_size`` bucket and, while a
   bucket is reduced over several ranks, two transient copies of it (``reduce_scatter_coalesced``
   interleaves the bucket's partitions into a new flat tensor with ``torch.cat``, and gloo's
@@ -474,9 +474,9 @@ def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int 
 
 
 def deepspeed_gathered_numel(max_live_numel: int, max_reuse_numel: int, largest_module_numel: int,
-                             model_numel: int, persistent_numel: int = 0, frozen_block_numel: int = 0) -> int:
-    """Elements DeepSpeed's ZeRO-3 coordinator holds gathered at once, at most: ``min(model, max(max_live,
-    max_reuse) + 2 x largest module + persistent + frozen block)``.
+                             model_numel: int, persistent_numel: int = 0, held_layer_numel: int = 0) -> int:
+    """Elements DeepSpeed holds gathered at once, at most: ``min(model, max(max_live, max_reuse) + 2 x largest
+    module + persistent + a held layer)``.
 
     [Note: what bounds the gathered parameters] ``stage3_max_live_parameters`` bounds only the prefetch: a module
     call prefetches up to ``min(max_live - available, prefetch bucket)`` more elements
@@ -500,8 +500,14 @@ def deepspeed_gathered_numel(max_live_numel: int, max_reuse_numel: int, largest_
     of 8 blocks of six 64x64 Linear layers, five of them frozen, each block under non-reentrant
     ``torch.utils.checkpoint``; both knobs 2000): 24,960 elements gathered (a whole block) against 10,320 by the
     bound without it, 4,160 without checkpointing and 8,320 with checkpointing and nothing frozen
-    (``tests/test_auto_budget_cpu.py``). Not in the bound: a layer-major step's held block
-    (``integration/train_batch.py``) is gathered outside the coordinator.
+    (``tests/test_auto_budget_cpu.py``). A layer-major step (``engine.train_batch``) holds each block of the
+    trunk gathered while the micro-batches pass it (``integration/train_batch.py``), outside the coordinator's
+    count: measured on a 4-layer Llama (both knobs 2000 or 0), a whole layer (38,528 elements) against 19,408 by
+    the bound without it (17,408 with knobs 0; micro-batch by micro-batch 8,768). Both are one layer, so the bound
+    adds the larger of the two (:func:`aidaptiv_ds.integration.trunk.held_layer_numel`): for a model with a
+    trunk, whose runs may be layer-major, its largest block whole (the engine cannot tell at initialisation); the
+    over-count of a run micro-batch by micro-batch is one layer less two modules, and nothing where the knobs
+    already cover the model (DeepSpeed's defaults for a model under 1e9 parameters).
 
     Args:
         max_live_numel: ``stage3_max_live_parameters`` (elements).
@@ -510,11 +516,12 @@ def deepspeed_gathered_numel(max_live_numel: int, max_reuse_numel: int, largest_
             gathers; the largest parameter tensor of a model of linear layers).
         model_numel: parameters of the model.
         persistent_numel: elements of the persistent parameters (``ds_persist``).
-        frozen_block_numel: elements of the frozen parameters of the largest layer a recompute covers
-            (:func:`aidaptiv_ds.integration.zero_params.frozen_block_numel`; 0 when nothing is frozen).
+        held_layer_numel: elements of one layer gathered outside the coordinator's bound: a layer-major step's
+            held block, or a recomputed layer's frozen parameters
+            (:func:`aidaptiv_ds.integration.trunk.held_layer_numel`; 0 for neither).
     """
     bound = max(int(max_live_numel), int(max_reuse_numel), 0) + 2 * max(int(largest_module_numel), 0) + max(
-        int(persistent_numel), 0) + max(int(frozen_block_numel), 0)
+        int(persistent_numel), 0) + max(int(held_layer_numel), 0)
     return max(min(bound, int(model_numel)), 0)
 
 

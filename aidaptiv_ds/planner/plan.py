@@ -632,12 +632,15 @@ def _core(inp: PlanInput) -> dict:
             "dram_need": dram.margin_bytes + ws + (dram.budget_bytes if inp.dram_budget is not None else 0)}
 
 
+def _shape_scale(inp: PlanInput) -> float:
+    """``n_params / shape`` when ``--params`` overrides the count, else 1."""
+    return inp.params / inp.shape.n_params if inp.n_params is not None and inp.shape.n_params else 1.0
+
+
 def _largest_param_numel(inp: PlanInput) -> int:
     """Elements of the model's largest parameter (scaled by ``n_params / shape`` when ``--params`` overrides the
     count), at least 1."""
-    shape = inp.shape
-    scale = inp.params / shape.n_params if inp.n_params is not None and shape.n_params else 1.0
-    return max(int(max(shape.largest_param_numel, 1) * scale), 1)
+    return max(int(max(inp.shape.largest_param_numel, 1) * _shape_scale(inp)), 1)
 
 
 def grad_accum_bytes(dtype: str) -> int:
@@ -708,25 +711,28 @@ def rank_state(inp: PlanInput) -> RankState:
 
 
 def shape_gathered_numel(shape: ModelShape | None, model_numel: int, *, max_live_numel: int, max_reuse_numel: int,
-                         persistence_threshold: int, largest_module_numel: int | None = None) -> int:
+                         persistence_threshold: int, scale: float = 1.0) -> int:
     """Elements DeepSpeed keeps gathered on a rank of a model of ``shape``
-    (:func:`~aidaptiv_ds.planner.auto.deepspeed_gathered_numel`), a module being its largest parameter tensor
-    (``largest_module_numel`` where given, such as a tensor scaled to ``--params``) and the tensors of at most
-    ``persistence_threshold`` elements persistent; with no shape known, a module may be the whole model and
-    nothing is counted persistent. A built model is counted from its module tree instead
-    (``integration/zero_params.py``, as the runtime does).
+    (:func:`~aidaptiv_ds.planner.auto.deepspeed_gathered_numel`): a module being its largest parameter tensor, the
+    tensors of at most ``persistence_threshold`` elements persistent, and its largest block held (a decoder has a
+    trunk, so its runs may be layer-major: :func:`aidaptiv_ds.integration.trunk.held_layer_numel`, as the runtime
+    counts it); with no shape known, a module may be the whole model and nothing is counted persistent or held. A
+    built model is counted from its module tree instead (``integration/zero_params.py``, as the runtime does).
 
     Args:
         shape: the model's :class:`~aidaptiv_ds.planner.model_size.ModelShape`, or None.
         model_numel: parameters of the model.
         max_live_numel / max_reuse_numel / persistence_threshold: ``stage3_max_live_parameters``,
             ``stage3_max_reuse_distance``, ``stage3_param_persistence_threshold`` (elements).
+        scale: the factor ``--params`` scales the shape's tensors by (the largest tensor and block; persistent
+            tensors stay as the shape has them).
     """
     if shape is None:
         return deepspeed_gathered_numel(max_live_numel, max_reuse_numel, model_numel, model_numel)
-    largest = shape.largest_param_numel if largest_module_numel is None else largest_module_numel
+    largest = max(int(max(shape.largest_param_numel, 1) * scale), 1)
+    block = int(max((sum(t.numel for t in b) for b in shape.blocks), default=0) * scale)
     persistent = persistent_numel((t.numel for t in shape.tensors()), persistence_threshold)
-    return deepspeed_gathered_numel(max_live_numel, max_reuse_numel, largest, model_numel, persistent)
+    return deepspeed_gathered_numel(max_live_numel, max_reuse_numel, largest, model_numel, persistent, block)
 
 
 def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankPolicy:
@@ -737,8 +743,7 @@ def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankP
     pb = PARAM_BYTES[inp.dtype]
     gathered = shape_gathered_numel(inp.shape, inp.params, max_live_numel=inp.max_live_parameters,
                                     max_reuse_numel=inp.max_reuse_distance,
-                                    persistence_threshold=inp.param_persistence_threshold,
-                                    largest_module_numel=_largest_param_numel(inp))
+                                    persistence_threshold=inp.param_persistence_threshold, scale=_shape_scale(inp))
     ds = deepspeed_cpu_rank_bytes(gathered, inp.params, pb, inp.reduce_bucket_size,
                                   grad_accum_bytes(inp.dtype), partition_ranks=inp.dp)
     live = live_partition_bytes(gathered, inp.params, pb, partition_ranks=inp.dp)
