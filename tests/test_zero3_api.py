@@ -109,6 +109,16 @@ def test_destroy_then_new_engine_loads_checkpoint(tmp_path, load):
     assert_same_as_deepspeed(tmp_path, "reload", 1, "--load", load, ref_args=ref)
 
 
+@pytest.mark.parametrize("load", ["full", "no_optimizer"])
+def test_a_resume_keeps_a_changing_learning_rate(tmp_path, load):
+    """With a learning-rate schedule (DeepSpeed's WarmupDecayLR: the lr changes every step), the step after a
+    load uses the learning rate the saved run would have used: DeepSpeed restores the optimizer's param groups
+    with its state (``optimizer.load_state_dict``), and the scheduler writes the lr only at its next step. Before,
+    aidaptiv_ds restored the scheduler but not the param groups, so the first resumed step ran at the scheduler's
+    starting lr (0 here: the weights did not move). Without the optimizer states both keep the new engine's."""
+    assert_same_as_deepspeed(tmp_path, "reload", 1, "--load", load, "--scheduler")
+
+
 def test_eval_forward_between_steps(tmp_path):
     assert_same_as_deepspeed(tmp_path, "eval_between", 2)
 

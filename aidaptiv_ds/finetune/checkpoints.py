@@ -165,9 +165,11 @@ def save(engine, output_dir: str, step: int, trainer_state: dict, client_state: 
             pass
     distributed.barrier()
     # [Note: the optimizer's learning rate.] The LR scheduler's state is restored by load_checkpoint, but
-    # a DeepSpeed scheduler writes the optimizer's lr only in its next step(), and the optimizer's
-    # param_groups are not restored with NVMe offload, so the first resumed step would use the
-    # scheduler's initial lr. The lr of every param group is saved here and set again by load().
+    # a DeepSpeed scheduler writes the optimizer's lr only in its next step(), and DeepSpeed's own NVMe
+    # offload does not restore the optimizer's param_groups, so the first resumed step would use the
+    # scheduler's initial lr. aidaptiv_ds's load restores them (integration/checkpointing.py,
+    # restore_param_groups); for the job's runs on DeepSpeed's own offload the lr of every param group is
+    # saved here and set again by load().
     lrs = [g["lr"] for g in engine.optimizer.param_groups]
     engine.save_checkpoint(path, client_state={CLIENT_KEY: {**client_state, "param_group_lrs": lrs}})
     torch.save(rng_states(), _rng_file(path, rank, world))

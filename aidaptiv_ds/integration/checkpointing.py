@@ -495,6 +495,27 @@ def _ds_version() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- load
+def restore_param_groups(groups: list[dict], saved: list[dict], tag_path: str) -> None:
+    """Set each of the optimizer's param groups to its saved hyperparameters (``lr``, ``betas``, ``eps``,
+    ``weight_decay``, ...; the scalars and sequences :func:`save_rank_state` keeps), as DeepSpeed's own load does
+    with the optimizer's state (``stage3.py:3552``, ``optimizer.load_state_dict``). A learning-rate scheduler
+    writes the lr only at its next step, so without this the first step after a load runs at the lr the new
+    engine started with, not the saved run's (a changing schedule resumed inexactly; at a warm-up's start, lr 0).
+
+    Raises:
+        ValueError: the checkpoint has another number of param groups (saved from another optimizer setup).
+    """
+    if not saved:
+        return  # a checkpoint from before the groups were saved: the engine's own, as before
+    if len(saved) != len(groups):
+        raise ValueError(f"aidaptiv_ds: checkpoint {tag_path} has {len(saved)} optimizer param group(s), this "
+                         f"engine's optimizer {len(groups)}. Fix: load it with the param groups it was saved with, "
+                         f"or pass load_optimizer_states=False to keep only the weights")
+    for group, values in zip(groups, saved, strict=True):
+        for k, v in values.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+
+
 def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) -> None:
     """Fill this rank's sub-groups (re-partitioned for the current world) and rebuild the partitions."""
     rt, sw = opt._aidaptiv.rt, opt.optimizer_swapper
@@ -537,6 +558,7 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
             for k, v in idx.get("loss_scaler", {}).items():
                 if hasattr(opt, "loss_scaler") and hasattr(opt.loss_scaler, k):
                     setattr(opt.loss_scaler, k, v)
+            restore_param_groups(opt.optimizer.param_groups, idx.get("param_groups") or [], reader.tag_path)
     # the low-precision partitions are the masters cast down, as DeepSpeed's reset_swap_buffers does
     psw = opt._aidaptiv_param_swapper()
     with opt._aidaptiv.phase.during(Phase.LOADING):

@@ -92,6 +92,7 @@ def parse():
     ap.add_argument("--load", choices=["module_only", "no_optimizer", "full"], default="module_only")
     ap.add_argument("--clip", type=float, default=None, help="gradient_clipping (default: left out, DeepSpeed's 1.0)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--scheduler", action="store_true", help="DeepSpeed's WarmupDecayLR: the lr changes every step")
     ap.add_argument("--ride", action="store_true", help="aidaptiv.step_rides_forward: true (off by default on CPU)")
     ap.add_argument("--local_rank", type=int, default=None)
     return ap.parse_args()
@@ -108,6 +109,9 @@ def config(a, cache: str, offload_param: bool = True, extra_zero: dict | None = 
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}, "zero_optimization": zero}
     if a.clip is not None:
         cfg["gradient_clipping"] = a.clip
+    if a.scheduler:  # a learning rate that changes every step
+        cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
+                                                                "warmup_num_steps": 3, "total_num_steps": 12}}
     if a.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if ours:
