@@ -179,3 +179,20 @@ def test_model_source_classification(tmp_path):
         resolve_source(str(tmp_path / "x.gguf"))
     with pytest.raises(FileNotFoundError, match="no such directory"):
         resolve_source(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("name", ["aidaptiv_zero3.json", "aidaptiv_zero3_multi.json", "aidaptiv_inference.json"])
+def test_shipped_aidaptiv_sections_hold_no_auto_for_accelerate(name):
+    """HF Trainer's accelerate refuses every ``"auto"`` it does not fill itself (``DeepSpeedPlugin.fill_match``:
+    "`aidaptiv.dram_budget` not found in kwargs"), our section's too: the shipped configs leave such keys out
+    (each ``"auto"`` is its default), so they run under Trainer unchanged (found by a new-user trial)."""
+    with open(os.path.join(REPO, "ds_configs", name)) as f:
+        section = json.load(f)["aidaptiv"]
+
+    def autos(d, prefix="aidaptiv"):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from autos(v, f"{prefix}.{k}")
+            elif v == "auto":
+                yield f"{prefix}.{k}"
+    assert not list(autos(section)), name
