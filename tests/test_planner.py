@@ -403,13 +403,49 @@ def test_cli_bf16_moments_halve_the_moments(tmp_path):
     assert d32["total_state_bytes"] - d16["total_state_bytes"] == 4 * 70 * 10 ** 9
     assert d32["per_step"]["write_bytes"] - d16["per_step"]["write_bytes"] == pytest.approx(4 * 70e9, rel=0.01)
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "aidaptiv": {"optimizer_state": {"moments": "bf16"}}}))
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "gradient_clipping": 0,
+                               "aidaptiv": {"optimizer_state": {"moments": "bf16"}}}))
     rc, out = run_cli(*common, "--deepspeed", str(cfg))
     assert json.loads(out)["total_state_bytes"] == d16["total_state_bytes"]
     rc8, out8 = run_cli(*common, "--moments", "int8")  # codes and one fp32 scale per 256: 2.03 B/param
     d8 = json.loads(out8)
     assert d32["total_state_bytes"] - d8["total_state_bytes"] == pytest.approx((8 - 2.03125) * 70e9, rel=1e-6)
     assert d32["per_step"]["write_bytes"] - d8["per_step"]["write_bytes"] == pytest.approx(5.97 * 70e9, rel=0.01)
+
+def test_cli_plans_the_deepspeed_config_it_is_given(tmp_path):
+    """``--deepspeed CONFIG`` gives the run's settings the flags leave out (cli/plan_config.py): the plan of a
+    config equals the plan of the same settings as flags; a key the config leaves out is DeepSpeed's default
+    (``gradient_clipping`` 1.0, fp32 without a bf16/fp16 section); ``aidaptiv.dram_budget`` is per rank; a flag
+    given wins; an HF ``"auto"`` is named among the assumptions; a missing file is refused by name (found by a
+    new-user trial: the plan of a budget-0, clipping-1.0, fp32 config printed the defaults' 0 B written)."""
+    common = ["plan", "--params", "7e9", "--gpus", "2", "--vram", "48GB", "--dram", "256GB", "--cache", "8TB",
+              "--json"]
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+        "zero_optimization": {"stage": 3, "sub_group_size": 5e7, "stage3_max_live_parameters": 1e8,
+                              "stage3_max_reuse_distance": 1e8, "stage3_param_persistence_threshold": 1e4},
+        "aidaptiv": {"cache_paths": [str(tmp_path)], "dram_budget": "10GiB", "step_in_backward": False}}))
+    flags = ["--dtype", "fp32", "--gradient-clipping", "1.0", "--micro-batch", "2", "--ga", "4",
+             "--sub-group-size", "5e7", "--max-live-parameters", "1e8", "--max-reuse-distance", "1e8",
+             "--param-persistence-threshold", "1e4", "--dram-budget", str(2 * 10 * 2 ** 30), "--step-in-backward",
+             "false"]
+    _, by_config = run_cli(*common, "--deepspeed", str(cfg))
+    _, by_flags = run_cli(*common, *flags)
+    a, b = json.loads(by_config), json.loads(by_flags)
+    assert a["per_step"] == b["per_step"] and a["total_state_bytes"] == b["total_state_bytes"]
+    assert a["dram"] == b["dram"] and a["per_step"]["write_bytes"] > 0
+    _, bf16 = run_cli(*common, "--deepspeed", str(cfg), "--dtype", "bf16")  # a flag given wins
+    assert json.loads(bf16)["total_state_bytes"] < a["total_state_bytes"]
+    cfg.write_text(json.dumps({"gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+                               "zero_optimization": {"stage": 3}}))
+    _, auto = run_cli(*common, "--deepspeed", str(cfg))
+    assumed = " ".join(json.loads(auto)["inputs"]["assumed"])
+    assert "gradient_clipping (--gradient-clipping)" in assumed and "(--dtype)" in assumed and "HF fills" in assumed
+    with pytest.raises(ValueError, match="no such file"):
+        from aidaptiv_ds.cli.plan_config import read_config_settings
+        read_config_settings(str(tmp_path / "missing.json"))
+
 
 def test_cli_refuses_bf16_moments_without_adam(capsys):
     assert main(["plan", "--params", "1e9", "--gpus", "1", "--vram", "48GB", "--dram", "64GB", "--cache", "1TB",

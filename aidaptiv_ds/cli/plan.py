@@ -132,7 +132,8 @@ def register(subparsers) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes; data-parallel size = gpus x nodes (default 1)")
     p.add_argument("--vram", help="memory per GPU, e.g. 96GB (default: NVML, GPU 0)")
     p.add_argument("--dram", help="host memory per node, e.g. 512GB (default: this host's MemTotal)")
-    p.add_argument("--dram-budget", default="auto", help="DRAM tier budget per node or 'auto' (default)")
+    p.add_argument("--dram-budget", default=None, help="DRAM tier budget per node or 'auto' (default: the --deepspeed "
+                   "config's aidaptiv.dram_budget x ranks per node, else auto)")
     p.add_argument("--cache", action="append", default=[], metavar="[PATH:]SIZE[:k=v]",
                    help="a cache drive (repeat per drive): 8TB, /mnt/c0:2TB, /mnt/c0:2TB:read=7:write=6:dwpd=30")
     p.add_argument("--read-gbps", type=float, help=f"default drive read GB/s (default {DEFAULT_READ_GBPS})")
@@ -140,14 +141,15 @@ def register(subparsers) -> None:
     p.add_argument("--dwpd", type=float, help="the drives' rated DWPD, from the data sheet (cache SSDs: 30-100; "
                    f"without it or --tbw: the config's endurance.rated_dwpd, else {EnduranceRating.rated_dwpd}, assumed)")
     p.add_argument("--tbw", help="the drives' rated TBW per drive instead of --dwpd, e.g. 14PB (over --warranty-years)")
-    p.add_argument("--deepspeed", metavar="CONFIG", help="a DeepSpeed config whose \"aidaptiv\" section gives the "
-                   "drives' endurance (rated_dwpd, warranty_years)")
+    p.add_argument("--deepspeed", metavar="CONFIG", help="your DeepSpeed config: the run's settings the flags leave "
+                   "out (dtype, gradient_clipping, micro-batch, accumulation, ZeRO-3 knobs, aidaptiv.dram_budget and "
+                   "step_in_backward) and the drives' endurance (aidaptiv.endurance); a flag given wins")
     p.add_argument("--strict", action="store_true", help="refuse (exit code 1) a plan that fits but writes the drives "
                    "faster than their rated DWPD")
     p.add_argument("--warranty-years", type=float, help=f"default warranty (default {EnduranceRating.warranty_years})")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (default 1)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per micro-step (default 1)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
-    p.add_argument("--grad-accum", "--ga", dest="grad_accum", type=int, default=1,
+    p.add_argument("--grad-accum", "--ga", dest="grad_accum", type=int, default=None,
                    help="gradient accumulation: micro-batches per optimizer step (default 1)")
     p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="both",
                    help="gradient-accumulation schedule to cost: micro-batch-major (what the runtime does), "
@@ -159,7 +161,8 @@ def register(subparsers) -> None:
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
                    help=f"fraction of --gpu-tflops training sustains, for the step-time estimate (default "
                         f"{DEFAULT_MFU})")
-    p.add_argument("--dtype", default="bf16", choices=sorted(PARAM_BYTES))
+    p.add_argument("--dtype", default=None, choices=sorted(PARAM_BYTES),
+                   help="parameter dtype (default bf16; with --deepspeed, the config's bf16/fp16 section)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(MOMENT_BYTES))
     p.add_argument("--moments", default=None, choices=("fp32", "bf16", "int8"),
                    help="format of the optimizer's moments on the tiers (aidaptiv.optimizer_state.moments; bf16 halves "
@@ -171,7 +174,7 @@ def register(subparsers) -> None:
     p.add_argument("--logits-tokens", type=int, default=None, metavar="N",
                    help="tokens per micro-batch the LM head computes logits for (default micro-batch x seq-len; "
                         "fewer when the loss is taken at response tokens only, as launch/finetune.py does)")
-    p.add_argument("--sub-group-size", type=float, default=DEFAULT_SUB_GROUP_SIZE,
+    p.add_argument("--sub-group-size", type=float, default=None,
                    help="optimizer sub-group in elements (DeepSpeed sub_group_size, default 1e9)")
     p.add_argument("--gpu-tflops", default=None, metavar="TFLOPS|PRESET",
                    help=f"peak dense TFLOP/s per GPU for the compute bound, or a preset "
@@ -184,23 +187,24 @@ def register(subparsers) -> None:
                    help="the ranks train on the CPU (DeepSpeed's CPU accelerator), N per node (default: --gpus if "
                         "given, else 1); no GPU flags needed: activations and gathered slices are host memory, and "
                         "there is no VRAM check")
-    p.add_argument("--max-live-parameters", type=float, default=DEEPSPEED_MAX_LIVE_PARAMETERS,
+    p.add_argument("--max-live-parameters", type=float, default=None,
                    help="DeepSpeed's stage3_max_live_parameters in elements (default 1e9, DeepSpeed's): host memory "
                         "on CPU ranks, with --max-reuse-distance")
-    p.add_argument("--max-reuse-distance", type=float, default=DEEPSPEED_MAX_REUSE_DISTANCE,
+    p.add_argument("--max-reuse-distance", type=float, default=None,
                    help="DeepSpeed's stage3_max_reuse_distance in elements (default 1e9, DeepSpeed's): DeepSpeed keeps "
                         "up to the larger of the two gathered, plus two modules and a layer")
-    p.add_argument("--param-persistence-threshold", type=float, default=DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
+    p.add_argument("--param-persistence-threshold", type=float, default=None,
                    help="DeepSpeed's stage3_param_persistence_threshold in elements (default 1e5, DeepSpeed's): "
                         "tensors this small stay gathered on top")
     p.add_argument("--reduce-bucket-size", type=float, default=None,
                    help="DeepSpeed's reduce_bucket_size in elements, if your config sets it (host memory on CPU "
                         "ranks: three buckets while one is reduced over several ranks, one on a single rank; left "
                         "out, a CPU rank runs with 2e7)")
-    p.add_argument("--gradient-clipping", type=float, default=0.0,
-                   help="DeepSpeed's gradient_clipping (default 0: off; HF Trainer's default is 1.0): with it on, "
-                        "steps inside backward keep their gradients until the norm is known")
-    p.add_argument("--step-in-backward", choices=("auto", "true", "false"), default="auto",
+    p.add_argument("--gradient-clipping", type=float, default=None,
+                   help="DeepSpeed's gradient_clipping (default: the --deepspeed config's, where the config leaves it "
+                        "out DeepSpeed's 1.0; without a config 0: off; HF Trainer's default is 1.0): with it on, steps "
+                        "inside backward keep their gradients until the norm is known")
+    p.add_argument("--step-in-backward", choices=("auto", "true", "false"), default=None,
                    help="aidaptiv.step_in_backward (default auto: inside backward where the drives hold a second "
                         "copy of the optimizer state)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -214,6 +218,7 @@ def plan_input_from_args(args) -> PlanInput:
         ValueError: naming the flag, the value and the fix.
     """
     assumed = []
+    args = _with_config_settings(args, assumed)
     if args.model:
         shape, n_params, source = load_model_shape(args.model), None, "exact"
     else:
@@ -277,7 +282,10 @@ def plan_input_from_args(args) -> PlanInput:
     if args.dwpd is None and args.tbw is None and "rated_dwpd" not in endurance and not all(
             "dwpd=" in c or "tbw=" in c for c in args.cache):
         assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd:g}; give the data sheet's figure: --dwpd N or --tbw SIZE)")
-    budget = None if str(args.dram_budget).lower() == "auto" else parse_size(args.dram_budget, "--dram-budget")
+    if isinstance(args.dram_budget, tuple):  # the config's per-rank budget: per node
+        budget = int(args.dram_budget[0]) * gpus
+    else:
+        budget = None if str(args.dram_budget).lower() == "auto" else parse_size(args.dram_budget, "--dram-budget")
     tflops = parse_rate(args.gpu_tflops, GPU_PEAK_TFLOPS, "--gpu-tflops") if args.gpu_tflops is not None else None
     link = parse_rate(args.pcie_gbps, PCIE_PRESETS_GBPS, "--pcie-gbps") if args.pcie_gbps is not None else None
     if not cpu_ranks:
@@ -304,6 +312,35 @@ def plan_input_from_args(args) -> PlanInput:
         reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else CPU_REDUCE_BUCKET_NUMEL, gradient_clipping=args.gradient_clipping,
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward],
         logits_tokens=args.logits_tokens, assumed=assumed)
+
+
+#: the plan's default of each setting :func:`_with_config_settings` fills (flag destination -> value)
+PLAN_DEFAULTS = {"dram_budget": "auto", "micro_batch": 1, "grad_accum": 1, "dtype": "bf16",
+                 "sub_group_size": DEFAULT_SUB_GROUP_SIZE, "max_live_parameters": DEEPSPEED_MAX_LIVE_PARAMETERS,
+                 "max_reuse_distance": DEEPSPEED_MAX_REUSE_DISTANCE,
+                 "param_persistence_threshold": DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
+                 "reduce_bucket_size": None, "gradient_clipping": 0.0, "step_in_backward": "auto"}
+
+
+def _with_config_settings(args, assumed: list) -> argparse.Namespace:
+    """``args`` with each setting the command line left out taken from ``--deepspeed CONFIG``
+    (:mod:`.plan_config`), else the plan's default (:data:`PLAN_DEFAULTS`); a config's ``"auto"`` (filled by HF
+    at run time) is named in ``assumed``. A config's ``dram_budget`` comes back as ``(bytes per rank,)``."""
+    out = argparse.Namespace(**vars(args))
+    given = {}
+    if args.deepspeed:
+        from .plan_config import read_config_settings
+        cs = read_config_settings(args.deepspeed)
+        given = dict(cs.values)
+        if isinstance(given.get("dram_budget"), int):
+            given["dram_budget"] = (given["dram_budget"],)
+        if cs.unknown:
+            assumed.append(f"\"auto\" in --deepspeed {args.deepspeed} (HF fills it at run time), planned with the "
+                           f"defaults; give the flags: {', '.join(cs.unknown)}")
+    for dest, default in PLAN_DEFAULTS.items():
+        if getattr(out, dest, None) is None:
+            setattr(out, dest, given.get(dest, default))
+    return out
 
 
 def _config_endurance(path: str) -> dict:

@@ -1,0 +1,122 @@
+"""What ``aidaptiv-ds plan --deepspeed CONFIG`` takes from the DeepSpeed config: the run's settings that change
+the plan, where the command line leaves them out.
+
+A flag given on the command line wins; a setting the config has comes next; then the plan's default. The
+settings and where each comes from in the config (DeepSpeed 0.19.8's defaults where the config leaves a key
+out, as the runtime would run it):
+
+=============================== ================================================= ==========================
+flag                            config key                                        left out of the config
+=============================== ================================================= ==========================
+``--dtype``                     ``bf16.enabled`` / ``fp16.enabled``               fp32
+``--gradient-clipping``         ``gradient_clipping``                             1.0 (DeepSpeed's default)
+``--micro-batch``               ``train_micro_batch_size_per_gpu``                the flag's default
+``--grad-accum``                ``gradient_accumulation_steps``                   1
+``--sub-group-size``            ``zero_optimization.sub_group_size``              1e9
+``--max-live-parameters``       ``zero_optimization.stage3_max_live_parameters``  1e9
+``--max-reuse-distance``        ``zero_optimization.stage3_max_reuse_distance``   1e9
+``--param-persistence-threshold`` ``zero_optimization.stage3_param_persistence_threshold`` 1e5
+``--reduce-bucket-size``        ``zero_optimization.reduce_bucket_size``          the flag's default
+``--dram-budget``               ``aidaptiv.dram_budget`` (per rank) x ranks       ``"auto"``
+``--step-in-backward``          ``aidaptiv.step_in_backward``                     ``"auto"``
+=============================== ================================================= ==========================
+
+A value HF Trainer fills at run time (``"auto"``) is not known here: the plan keeps the flag's default and
+says so in its assumptions, naming the flag that gives it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+#: flag destination -> (config path, what DeepSpeed uses when the key is left out; None: the flag's default)
+SETTINGS: dict[str, tuple[tuple[str, ...], object]] = {
+    "gradient_clipping": (("gradient_clipping",), 1.0),
+    "micro_batch": (("train_micro_batch_size_per_gpu",), None),
+    "grad_accum": (("gradient_accumulation_steps",), 1),
+    "sub_group_size": (("zero_optimization", "sub_group_size"), None),
+    "max_live_parameters": (("zero_optimization", "stage3_max_live_parameters"), None),
+    "max_reuse_distance": (("zero_optimization", "stage3_max_reuse_distance"), None),
+    "param_persistence_threshold": (("zero_optimization", "stage3_param_persistence_threshold"), None),
+    "reduce_bucket_size": (("zero_optimization", "reduce_bucket_size"), None),
+    "step_in_backward": (("aidaptiv", "step_in_backward"), None),
+}
+
+_FLAGS = {"gradient_clipping": "--gradient-clipping", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+          "sub_group_size": "--sub-group-size", "max_live_parameters": "--max-live-parameters",
+          "max_reuse_distance": "--max-reuse-distance",
+          "param_persistence_threshold": "--param-persistence-threshold",
+          "reduce_bucket_size": "--reduce-bucket-size", "step_in_backward": "--step-in-backward",
+          "dtype": "--dtype", "dram_budget": "--dram-budget"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSettings:
+    """The plan's settings a DeepSpeed config gives.
+
+    Attributes:
+        values: flag destination -> value, as the command line would give it (``dtype`` a name, ``dram_budget``
+            bytes per rank or ``"auto"``, ``step_in_backward`` ``"auto"``/``"true"``/``"false"``).
+        unknown: the keys whose value is ``"auto"`` (HF fills them at run time), as ``"<config key> (<flag>)"``.
+    """
+    values: dict
+    unknown: tuple[str, ...]
+
+
+def _get(cfg: dict, path: tuple[str, ...]):
+    node = cfg
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def read_config_settings(path: str) -> ConfigSettings:
+    """The settings of the DeepSpeed config file at ``path`` (module docstring).
+
+    Raises:
+        ValueError: the file does not exist or is not JSON, or a setting is not a number where one is needed
+            (naming the key, the value and the fix); AidaptivConfigError: the ``"aidaptiv"`` section is invalid.
+    """
+    from ..integration.config import load_ds_dict, parse_section, section_enabled
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--deepspeed {path!r}: no such file. Fix: give the path of your DeepSpeed JSON config")
+    try:
+        cfg = load_ds_dict(path) or {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--deepspeed {path!r}: {e}") from None
+    values: dict = {}
+    unknown: list[str] = []
+
+    def number(dest: str, key: str, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"--deepspeed {path!r}: {key} is {v!r}, not a number. Fix: give a number (or \"auto\" "
+                             f"under HF Trainer)")
+        return v
+
+    for dest, (keys, left_out) in SETTINGS.items():
+        key = ".".join(keys)
+        v = _get(cfg, keys)
+        if v == "auto":
+            unknown.append(f"{key} ({_FLAGS[dest]})")
+        elif v is None:
+            if left_out is not None:
+                values[dest] = left_out
+        elif dest == "step_in_backward":
+            values[dest] = {True: "true", False: "false"}.get(v, v)
+        else:
+            values[dest] = number(dest, key, v)
+    flags = [_get(cfg, (k, "enabled")) for k in ("bf16", "fp16")]
+    if "auto" in flags:
+        unknown.append("bf16/fp16.enabled (--dtype)")
+    else:
+        values["dtype"] = "bf16" if flags[0] is True else "fp16" if flags[1] is True else "fp32"
+    if section_enabled(cfg):
+        sec = cfg["aidaptiv"]
+        if sec.get("dram_budget") == "auto" or "dram_budget" not in sec:
+            values["dram_budget"] = "auto"
+        else:
+            values["dram_budget"] = parse_section(sec).dram_budget  # bytes per rank, checked as the runtime does
+    return ConfigSettings(values, tuple(unknown))
