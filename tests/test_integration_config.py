@@ -69,13 +69,17 @@ def test_bad_size_names_key_value_and_forms(tmp_path, value):
 
 
 def test_missing_path_is_created_as_deepspeed_creates_nvme_path(tmp_path, caplog):
-    """DeepSpeed creates a missing ``nvme_path``; so does the section, with one log line naming it."""
+    """DeepSpeed creates a missing ``nvme_path``; so does the section, with one warning naming it (shown by
+    default: a mistyped path is created too) and, on the root filesystem, saying so with the fix."""
     import logging
+    import os
     cfg = good(tmp_path, cache_paths=[str(tmp_path / "new" / "cache")])
-    with caplog.at_level(logging.INFO, logger="aidaptiv_ds"):
+    with caplog.at_level(logging.WARNING, logger="aidaptiv_ds"):
         validate(cfg)
     assert (tmp_path / "new" / "cache").is_dir()
-    assert sum("created the cache directory" in r.getMessage() for r in caplog.records) == 1
+    (msg,) = [r.getMessage() for r in caplog.records if "created the missing cache directory" in r.getMessage()]
+    on_root = os.stat(tmp_path).st_dev == os.stat("/").st_dev
+    assert ("on the root filesystem /" in msg and "fix aidaptiv.cache_paths" in msg) == on_root, msg
 
 
 def test_missing_path_that_cannot_be_created(tmp_path):

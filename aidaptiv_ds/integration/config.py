@@ -670,8 +670,12 @@ def create_cache_path(path: str, field: str = f"{SECTION}.cache_paths") -> bool:
                              f"Fix: create it (mkdir -p {ap}) or list an existing directory on the cache drive.") from None
     if ap not in _CREATED:
         _CREATED.add(ap)
-        log.info("aidaptiv_ds: created the cache directory %s (on %s), as DeepSpeed creates a missing nvme_path", ap,
-                 filesystem_of(ap))
+        on_root = os.stat(ap).st_dev == os.stat("/").st_dev
+        # a warning, shown by default: a mistyped path is created, and the state's writes go wherever it landed
+        log.warning("aidaptiv_ds: created the missing cache directory %s (on %s), as DeepSpeed creates a missing "
+                    "nvme_path%s", ap, filesystem_of(ap),
+                    "; it is on the root filesystem /, not on a cache drive of its own: if the path is a typo, stop "
+                    "and fix aidaptiv.cache_paths" if on_root else "")
     return True
 
 
