@@ -137,8 +137,8 @@ def describe(m: dict | None) -> str:
     if m.get("model_loading_bytes"):
         inner.append(f"model loading {b(m['model_loading_bytes'])} before step 1")
     if m.get("steps_peak_rss_bytes"):
-        parts = [f"ours {b(m['ours_bytes'])} (DRAM tier {b(m['dram_tier_bytes'])} of the {b(m['dram_budget_bytes'])} "
-                 f"budget, its working buffers {b(m['dram_working_bytes'])}, buffer pool {b(m['buffer_pool_bytes'])})"]
+        from ..telemetry.report import ours_text
+        parts = [f"ours {ours_text(m)}"]
         if m.get("deepspeed_bytes"):
             parts.append(f"DeepSpeed's working set ~{b(m['deepspeed_bytes'])} (planned)")
         if m.get("activations_logits_bytes"):

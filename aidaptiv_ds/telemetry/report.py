@@ -168,15 +168,25 @@ def whole_run(m: dict) -> dict | None:
             "per_path": per_path, "peak_rss_bytes": max(peaks) or None}
 
 
+def ours_text(mem: dict) -> str:
+    """``"<ours> (<its parts>)"`` of :func:`aidaptiv_ds.finetune.memory.memory_parts`: where there is a buffer pool the
+    DRAM tier's units and buffers are carved from it, so ours is the larger of the two, not their sum."""
+    b = lambda k: format_bytes(mem[k]) if mem.get(k) is not None else "n/a"  # noqa: E731
+    tier = f"DRAM tier {b('dram_tier_bytes')} of the {b('dram_budget_bytes')} budget with its working buffers " \
+           f"{b('dram_working_bytes')}"
+    if mem.get("buffer_pool_bytes"):
+        return f"{b('ours_bytes')} (the larger of the {tier} and the buffer pool {b('buffer_pool_bytes')} they are " \
+               f"carved from)"
+    return f"{b('ours_bytes')} ({tier})"
+
+
 def _memory_rows(mem: dict | None) -> list[tuple[str, str]]:
     if not mem:
         return []
     b = lambda k: format_bytes(mem[k]) if mem.get(k) is not None else "n/a"  # noqa: E731
     rows = [("peak RSS: model loading (before step 1)", b("model_loading_bytes")),
             ("peak RSS: the steps", b("steps_peak_rss_bytes")),
-            ("  ours: aidaptiv_ds's buffers", f"{b('ours_bytes')} (DRAM tier {b('dram_tier_bytes')} of the "
-                                              f"{b('dram_budget_bytes')} budget, its working buffers "
-                                              f"{b('dram_working_bytes')}, buffer pool {b('buffer_pool_bytes')})")]
+            ("  ours: aidaptiv_ds's buffers", ours_text(mem))]
     if mem.get("deepspeed_bytes"):
         rows.append(("  DeepSpeed's working set (planned: gathered parameters, reduce buckets)", b("deepspeed_bytes")))
     if mem.get("activations_logits_bytes"):
