@@ -9,7 +9,11 @@ enabled ``"aidaptiv"`` section. Works under every launcher::
     torchrun --nproc_per_node 8 -m aidaptiv_ds.run train.py --deepspeed ds_config.json
     deepspeed --num_gpus 8 --module aidaptiv_ds.run train.py --deepspeed ds_config.json
 
-(``launch/aidaptiv_run.py`` is the same as a file, for launchers that want a script path.) At exit,
+(``launch/aidaptiv_run.py`` is the same as a file, for launchers that want a script path.) Run by ``python``
+alone, with no launcher's rank variables (``RANK``, ``WORLD_SIZE``, MPI's, SLURM's), it is one process of a
+world of one, as the ``deepspeed`` launcher would start it: ``RANK=0``, ``LOCAL_RANK=0``, ``WORLD_SIZE=1``,
+``LOCAL_WORLD_SIZE=1``, ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (without them DeepSpeed looks for MPI and
+fails on a missing ``mpi4py``). At exit,
 a gloo default process group the script left is destroyed, so it cannot abort the finished process
 (:mod:`aidaptiv_ds.process_group`). The alternative for every process of an
 environment is the opt-in site hook, ``aidaptiv-ds site-hook install``.
@@ -22,6 +26,23 @@ import sys
 
 import aidaptiv_ds  # noqa: F401 - installs the hooks (now, or when the script imports deepspeed)
 from aidaptiv_ds.process_group import destroy_gloo_group_at_exit
+
+
+#: environment variables by which a launcher says this process's rank (torchrun, deepspeed, MPI, SLURM)
+LAUNCHER_RANK_VARS = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def single_process_env(env=os.environ) -> dict:
+    """The variables a world of one process needs, where no launcher set a rank (module docstring); ``{}`` under a
+    launcher. Sets them in ``env`` (a ``MASTER_PORT`` already there is kept) and returns what it set."""
+    if any(k in env for k in LAUNCHER_RANK_VARS):
+        return {}
+    from .ports import free_port
+
+    out = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": env.get("MASTER_PORT") or str(free_port())}
+    env.update(out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     script = os.path.abspath(argv[0])
     sys.argv = [script] + argv[1:]
     sys.path.insert(0, os.path.dirname(script))
+    single_process_env()
     destroy_gloo_group_at_exit()  # a script without destroy_process_group() exits cleanly (process_group.py)
     runpy.run_path(script, run_name="__main__")
 

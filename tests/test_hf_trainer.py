@@ -77,3 +77,21 @@ def test_layer_major_trainer_equals_the_cpu_offload_trainer(tmp_path):
     got = trainer_run(ours, tmp_path, "layer_major", extra=("3", "14", "layer_major"))
     assert got["layer_major_steps"] == 1 and want["layer_major_steps"] == 0
     assert len(got["losses"]) == 3 and got["losses"] == want["losses"]
+
+
+def test_a_lone_process_is_a_world_of_one_and_a_launchers_ranks_are_kept():
+    """``python -m aidaptiv_ds.run`` with no launcher's rank variables sets those of a world of one (DeepSpeed
+    would look for MPI and fail on a missing mpi4py, found by a new-user trial); under any launcher's variables
+    it sets nothing."""
+    from aidaptiv_ds.run import single_process_env
+
+    env: dict = {"MASTER_PORT": "29999"}
+    single_process_env(env)
+    assert env["RANK"] == env["LOCAL_RANK"] == "0" and env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "1"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "29999"  # a port given is kept
+    fresh: dict = {}
+    single_process_env(fresh)
+    assert 0 < int(fresh["MASTER_PORT"]) < 65536
+    for launcher in ({"RANK": "3", "WORLD_SIZE": "8"}, {"OMPI_COMM_WORLD_RANK": "1"}, {"SLURM_PROCID": "0"}):
+        env = dict(launcher)
+        assert single_process_env(env) == {} and env == launcher

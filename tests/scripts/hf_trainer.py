@@ -2,21 +2,17 @@
 
     python -m aidaptiv_ds.run tests/scripts/hf_trainer.py MODEL_DIR DS_CONFIG OUT_DIR [GA [EXAMPLES [layer_major]]]
 
-With ``layer_major`` it uses ``aidaptiv_ds.finetune.hf_trainer.LayerMajorTrainer`` instead of ``Trainer`` (the
+No launcher variables are set here: ``aidaptiv_ds.run`` makes a lone ``python`` process a world of one, and
+``accelerate launch`` sets its own. ``use_cpu`` on a host without CUDA is HF's own requirement for CPU training
+(without it HF counts the launcher's ranks twice in the batch size), with DeepSpeed's CPU offload alike. With
+``layer_major`` it uses ``aidaptiv_ds.finetune.hf_trainer.LayerMajorTrainer`` instead of ``Trainer`` (the
 only change a script makes for layer-major accumulation).
 """
 import json
-import os
 import sys
 
-os.environ.setdefault("RANK", "0")
-os.environ.setdefault("LOCAL_RANK", "0")
-os.environ.setdefault("WORLD_SIZE", "1")
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", "29631")
-
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 
 def main():
