@@ -171,3 +171,20 @@ def test_unsupported_deepspeed_version_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(inst, "SUPPORTED_DEEPSPEED", ("9.9.9",))
     with pytest.raises(inst.UnsupportedDeepSpeedError, match="supports DeepSpeed 9.9.9; this environment has 0.19.8"):
         deepspeed.zero.Init(config_dict_or_path=good(tmp_path))
+
+
+def test_an_nvme_path_outside_the_cache_paths_is_named(tmp_path, caplog):
+    """``offload_*.nvme_path`` not among ``aidaptiv.cache_paths``: the state goes to the cache paths, so a warning
+    names the unused directory and the fix (found by a new-user trial: it was accepted silently)."""
+    import logging
+    cfg = good(tmp_path)
+    other = str(tmp_path / "elsewhere")
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = other
+    with caplog.at_level(logging.WARNING, logger="aidaptiv_ds"):
+        validate(cfg)
+    (msg,) = [r.getMessage() for r in caplog.records if "is not among aidaptiv.cache_paths" in r.getMessage()]
+    assert "offload_optimizer.nvme_path" in msg and other in msg and "Fix:" in msg
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aidaptiv_ds"):
+        validate(good(tmp_path))  # nvme_path among the cache paths: nothing to say
+    assert not [r for r in caplog.records if "is not among" in r.getMessage()]

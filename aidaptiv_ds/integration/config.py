@@ -637,6 +637,8 @@ def validate(ds: dict, check_paths: bool = True, training: bool | None = None) -
             raise AidaptivConfigError(
                 f"{e}\n  {SECTION}.cache_paths: not set, so it is [{nvme!r}] from zero_optimization.{which}."
                 f"nvme_path. Fix: set aidaptiv.cache_paths to list every cache directory") from None
+    else:
+        _warn_unused_nvme_paths(ds.get("zero_optimization") or {}, cfg.cache_paths)
     if check_paths:
         for i, p in enumerate(cfg.cache_paths):
             try:
@@ -649,6 +651,22 @@ def validate(ds: dict, check_paths: bool = True, training: bool | None = None) -
 
 
 _CREATED: set = set()
+_WARNED_NVME: set = set()
+
+
+def _warn_unused_nvme_paths(zero: dict, cache_paths: list) -> None:
+    """Warn once per path when an offload section's ``nvme_path`` is not among ``aidaptiv.cache_paths``: the state
+    goes to the cache paths and that directory is not used (a user who meant it as the drive would not know)."""
+    mine = {os.path.realpath(os.path.expanduser(str(p))) for p in cache_paths}
+    for which in ("offload_param", "offload_optimizer"):
+        sec = zero.get(which) or {}
+        nvme = sec.get("nvme_path") if isinstance(sec, dict) and _device(sec.get("device")) == "nvme" else None
+        if not isinstance(nvme, str) or os.path.realpath(os.path.expanduser(nvme)) in mine or nvme in _WARNED_NVME:
+            continue
+        _WARNED_NVME.add(nvme)
+        log.warning("aidaptiv_ds: zero_optimization.%s.nvme_path %s is not among aidaptiv.cache_paths %s: the state "
+                    "is written to the cache paths and %s is not used. Fix: list it in aidaptiv.cache_paths, or set "
+                    "nvme_path to one of them", which, nvme, list(cache_paths), nvme)
 
 
 def create_cache_path(path: str, field: str = f"{SECTION}.cache_paths") -> bool:
