@@ -59,10 +59,6 @@ from .phase import Phase
 
 log = logging.getLogger("aidaptiv_ds")
 
-#: Keys of DeepSpeed's model-states file that are not the client's (``engine.py:5017-5038``).
-DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-           "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
-           "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
 #: Crash points of a save, in order (``AIDAPTIV_TEST_KILL_AT``, :mod:`aidaptiv_ds.io.killpoint`):
 #: ``mid_switch`` exists only where the filesystem cannot exchange two directories atomically.
 KILL_POINTS = ("before_deepspeed", "after_deepspeed", "subgroup", "after_rank_state", "before_manifest",
@@ -671,8 +667,12 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
         engine.module.load_state_dict(buf_state, strict=False)
     opt.checkpoint_event_epilogue()
     reader.close()
-    client = {k: v for k, v in ms.items() if k not in DS_KEYS}
-    return path, client
+    # what DeepSpeed's _load_checkpoint returns (engine.py:4666-4730): the model-states file it read and every key
+    # of it that the load did not consume
+    consumed = {"module"} if load_module_only else {
+        "module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
+        *(("lr_scheduler",) if load_lr_scheduler_states else ()), *(("optimizer",) if load_optimizer_states else ())}
+    return ms_file, {k: v for k, v in ms.items() if k not in consumed}
 
 
 def install(engine_cls) -> None:

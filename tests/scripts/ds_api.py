@@ -420,8 +420,12 @@ def scenario_reload(a, rank):
     run.eng = eng2
     kw = {"module_only": dict(load_module_only=True), "no_optimizer": dict(load_optimizer_states=False),
           "full": {}}[a.load]
-    path, _ = eng2.load_checkpoint(ckpt, tag="t2", **kw)
+    path, client = eng2.load_checkpoint(ckpt, tag="t2", **kw)
     run.checks["loaded"] = path is not None
+    # what load_checkpoint returns, as DeepSpeed returns it: the model-states file read, the keys left to the client
+    run.reads["load_path"] = os.path.relpath(path, ckpt)
+    if a.load == "full":  # (module_only is compared with DeepSpeed's load_optimizer_states=False: other keys left)
+        run.reads["client_keys"] = sorted(client)
     for n in saved:  # the weights the first engine saved are the second one's now
         run.checks[f"loaded:{n}"] = torch.equal(saved[n], _gather(eng2, n))
     for s in range(2, 2 + a.steps):
