@@ -44,11 +44,20 @@ def severities(r):
     return [(p["severity"], p["problem"], p["fix"]) for p in r["problems"]]
 
 
-def test_missing_path_is_an_error_with_mkdir_fix(tmp_path):
+def test_missing_path_is_a_warning_as_the_run_creates_it_and_an_uncreatable_one_an_error(tmp_path):
+    """As the runtime (integration/config.py create_cache_path, as DeepSpeed creates a missing nvme_path): a
+    missing path a run can create is usable with a warning naming where it lands and the mkdir fix; one below a
+    file cannot be created: an error (found by a new-user trial: doctor said UNUSABLE where the run went on)."""
     r = doctor.check_cache_path(str(tmp_path / "no" / "such"))
-    assert r["usable"] is False and r["exists"] is False
+    assert r["usable"] is True and r["exists"] is False
     (sev, problem, fix), = severities(r)
-    assert sev == "error" and "does not exist" in problem and f"mkdir -p {tmp_path}/no/such" in fix
+    assert sev == "warning" and "does not exist: a run creates it" in problem and str(tmp_path) in problem
+    assert f"mkdir -p {tmp_path}/no/such" in fix and "typo" in fix
+    (tmp_path / "a_file").write_text("x")
+    r = doctor.check_cache_path(str(tmp_path / "a_file" / "cache"))
+    assert r["usable"] is False
+    (sev, problem, fix), = severities(r)
+    assert sev == "error" and "cannot be created" in problem and "not a directory" in problem
 
 
 def test_good_path_probe_writes_reads_and_cleans_up(tmp_path):
@@ -203,7 +212,8 @@ def test_cli_exit_codes_and_json(tmp_path, monkeypatch):
     assert rep["host_memory"]["total_bytes"] > 0
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc_bad = main(["doctor", "--cache", str(tmp_path), "--cache", str(tmp_path / "missing")])
+        (tmp_path / "a_file").write_text("x")
+        rc_bad = main(["doctor", "--cache", str(tmp_path), "--cache", str(tmp_path / "a_file" / "missing")])
     assert rc_bad == 1
     text = out.getvalue()
     assert "UNUSABLE" in text and "fix: mount the cache drive there or create the directory" in text

@@ -107,13 +107,26 @@ def check_cache_path(path: str, probe=direct_io_probe, proc_root: str = "/proc")
                "total_bytes": None, "o_direct": None, "probe": None, "problems": []}
     probs = r["problems"]
     if not r["exists"]:
+        # the runtime creates a missing cache path as DeepSpeed creates a missing nvme_path
+        # (integration/config.py create_cache_path): usable where it can be created, and said so
         parent = ap
         while parent != "/" and not os.path.exists(parent):
             parent = os.path.dirname(parent)
-        probs.append(_problem("error", f"{path} does not exist",
-                              f"mount the cache drive there or create the directory: mkdir -p {ap} "
-                              f"(the nearest existing parent is {parent}, on {mount_of(parent, proc_root)['fstype']})"))
-        r["usable"] = False
+        mnt = mount_of(parent, proc_root)
+        where = f"the nearest existing parent is {parent}, on {mnt['fstype']} at {mnt['mount_point']}"
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            probs.append(_problem("error", f"{path} does not exist and cannot be created ({where}, "
+                                           f"{'not a directory' if not os.path.isdir(parent) else 'not writable'})",
+                                  f"mount the cache drive there or create the directory: mkdir -p {ap}"))
+            r["usable"] = False
+            return r
+        on_root = os.stat(parent).st_dev == os.stat("/").st_dev
+        r.update(fstype=mnt["fstype"], mount_point=mnt["mount_point"], writable=True)
+        probs.append(_problem("warning", f"{path} does not exist: a run creates it ({where}"
+                                         f"{'; the root filesystem, not a cache drive of its own' if on_root else ''})",
+                              f"check the path for a typo; mount the cache drive there or create the directory: "
+                              f"mkdir -p {ap}"))
+        r["usable"] = True
         return r
     if not r["is_dir"]:
         probs.append(_problem("error", f"{path} is not a directory",
