@@ -92,17 +92,20 @@ def held_layer_numel(model: torch.nn.Module | None) -> int:
     """Elements of one layer DeepSpeed's coordinator does not bound, which the gathered-parameter plan counts
     ([Note: what bounds the gathered parameters] in ``planner/auto.py``): a layer-major step holds a whole block
     of the trunk gathered (:class:`~aidaptiv_ds.integration.train_batch.EnginePieces` ``hold``, outside the
-    coordinator), so for a model with a trunk (which ``engine.train_batch`` may run) the largest block; else the
-    frozen parameters of the largest layer, which a recompute keeps gathered (:func:`.zero_params.frozen_block_numel`).
+    coordinator), and a recompute keeps the frozen parameters of the region it recomputes gathered until that
+    region's backward ends. For a model with a trunk (which ``engine.train_batch`` may run, and whose blocks HF
+    checkpoints one at a time) the largest block covers both; for a model without one, whose checkpointed regions
+    are not known (a ``ModuleDict`` of blocks, ``checkpoint_sequential`` segments of several layers), all its
+    frozen parameters (:func:`.zero_params.frozen_block_numel`). HF's ``every_n_layers`` above 1 recomputes
+    several blocks at once: not counted.
     """
     if model is None:
         return 0
-    frozen = frozen_block_numel(model)
     try:
         trunk = find_trunk(model)
     except AidaptivConfigError:
-        return frozen
-    return max(frozen, max(sum(full_numel(p) for p in b.parameters()) for b in trunk.blocks))
+        return frozen_block_numel(model)
+    return max(sum(full_numel(p) for p in b.parameters()) for b in trunk.blocks)
 
 
 def tied_outside(model: torch.nn.Module, trunk: Trunk) -> list[torch.nn.Parameter]:

@@ -54,19 +54,12 @@ def persistent_numel_of(params) -> int:
 
 
 def frozen_block_numel(module: torch.nn.Module | None) -> int:
-    """Elements of the frozen parameters (``requires_grad`` False) of the largest layer of ``module``: an element
-    of a ``ModuleList`` or ``Sequential`` (a decoder's layer stack, the unit activation checkpointing recomputes),
-    or all the frozen parameters of a model without such a stack; 0 when nothing is frozen. Under activation
-    checkpointing DeepSpeed keeps a recomputed layer's frozen parameters gathered until that layer's backward
-    ends ([Note: what bounds the gathered parameters] in ``planner/auto.py``). Counted whether or not the run
-    checkpoints: the engine cannot tell before the first backward."""
+    """Elements of the frozen parameters (``requires_grad`` False) of ``module``, all of them: under activation
+    checkpointing DeepSpeed keeps the frozen parameters a recompute gathers until the recomputed region's backward
+    ends ([Note: what bounds the gathered parameters] in ``planner/auto.py``), and the regions a script checkpoints
+    are not known here (a layer, a ``ModuleDict``'s block, a ``checkpoint_sequential`` segment of several). 0 when
+    nothing is frozen. Counted whether or not the run checkpoints: the engine cannot tell before the first
+    backward. A model with an HF trunk is counted by its blocks instead (:func:`.trunk.held_layer_numel`)."""
     if module is None:
         return 0
-    frozen = sum(full_numel(p) for p in module.parameters() if not p.requires_grad)
-    if frozen == 0:
-        return 0
-    layers = [child for m in module.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))
-              for child in m.children()]
-    if not layers:
-        return frozen
-    return max(sum(full_numel(p) for p in layer.parameters() if not p.requires_grad) for layer in layers)
+    return sum(full_numel(p) for p in module.parameters() if not p.requires_grad)

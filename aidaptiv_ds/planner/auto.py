@@ -503,11 +503,14 @@ def deepspeed_gathered_numel(max_live_numel: int, max_reuse_numel: int, largest_
     (``tests/test_auto_budget_cpu.py``). A layer-major step (``engine.train_batch``) holds each block of the
     trunk gathered while the micro-batches pass it (``integration/train_batch.py``), outside the coordinator's
     count: measured on a 4-layer Llama (both knobs 2000 or 0), a whole layer (38,528 elements) against 19,408 by
-    the bound without it (17,408 with knobs 0; micro-batch by micro-batch 8,768). Both are one layer, so the bound
-    adds the larger of the two (:func:`aidaptiv_ds.integration.trunk.held_layer_numel`): for a model with a
-    trunk, whose runs may be layer-major, its largest block whole (the engine cannot tell at initialisation); the
-    over-count of a run micro-batch by micro-batch is one layer less two modules, and nothing where the knobs
-    already cover the model (DeepSpeed's defaults for a model under 1e9 parameters).
+    the bound without it (17,408 with knobs 0; micro-batch by micro-batch 8,768). So the bound adds what is held
+    (:func:`aidaptiv_ds.integration.trunk.held_layer_numel`): for a model with a trunk (an HF decoder, whose runs
+    may be layer-major and whose blocks HF checkpoints one at a time) its largest block whole, which covers a
+    block's frozen parameters too (the engine cannot tell at initialisation whether a run is layer-major; the
+    over-count of a run micro-batch by micro-batch is one layer less two modules, nothing where the knobs already
+    cover the model, DeepSpeed's defaults below 1e9 parameters); for a model without one all its frozen
+    parameters, since the region a script checkpoints is not known (a review found a ``ModuleDict`` of blocks
+    keeping a block gathered and ``checkpoint_sequential``-style segments of two blocks keeping two).
 
     Args:
         max_live_numel: ``stage3_max_live_parameters`` (elements).
