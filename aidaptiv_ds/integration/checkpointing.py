@@ -493,8 +493,9 @@ def _ds_version() -> str:
 # ---------------------------------------------------------------------------------------------- load
 def restore_param_groups(groups: list[dict], saved: list[dict], tag_path: str) -> None:
     """Set each of the optimizer's param groups to its saved hyperparameters (``lr``, ``betas``, ``eps``,
-    ``weight_decay``, ...; the scalars and sequences :func:`save_rank_state` keeps), as DeepSpeed's own load does
-    with the optimizer's state (``stage3.py:3552``, ``optimizer.load_state_dict``). A learning-rate scheduler
+    ``weight_decay``, ...; the scalars and sequences :func:`save_rank_state` keeps), as DeepSpeed's load with its
+    CPU offload does with the optimizer's state (``stage3.py:3552``, ``optimizer.load_state_dict``; its NVMe load
+    skips it). A tensor or ``None`` value (a tensor ``lr``) is not saved, so not restored. A learning-rate scheduler
     writes the lr only at its next step, so without this the first step after a load runs at the lr the new
     engine started with, not the saved run's (a changing schedule resumed inexactly; at a warm-up's start, lr 0).
 
@@ -670,8 +671,9 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
     # what DeepSpeed's _load_checkpoint returns (engine.py:4666-4730): the model-states file it read and every key
     # of it that the load did not consume
     consumed = {"module"} if load_module_only else {
-        "module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
-        *(("lr_scheduler",) if load_lr_scheduler_states else ()), *(("optimizer",) if load_optimizer_states else ())}
+        "module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd"}
+    consumed |= {k for k, flag in (("lr_scheduler", load_lr_scheduler_states), ("optimizer", load_optimizer_states))
+                 if flag}  # appended in both branches
     return ms_file, {k: v for k, v in ms.items() if k not in consumed}
 
 

@@ -426,6 +426,11 @@ def scenario_reload(a, rank):
     run.reads["load_path"] = os.path.relpath(path, ckpt)
     if a.load == "full":  # (module_only is compared with DeepSpeed's load_optimizer_states=False: other keys left)
         run.reads["client_keys"] = sorted(client)
+    if a.load == "module_only":  # DeepSpeed's rule (engine.py _load_checkpoint): the module, and the scheduler's and
+        # the optimizer's states where their flags (True by default) say so, are not the client's
+        ms = torch.load(path, map_location="cpu", weights_only=False)
+        run.checks["module_only_client_keys"] = sorted(client) == sorted(
+            k for k in ms if k not in ("module", "lr_scheduler", "optimizer"))
     for n in saved:  # the weights the first engine saved are the second one's now
         run.checks[f"loaded:{n}"] = torch.equal(saved[n], _gather(eng2, n))
     for s in range(2, 2 + a.steps):
