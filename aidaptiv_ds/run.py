@@ -10,10 +10,10 @@ enabled ``"aidaptiv"`` section. Works under every launcher::
     deepspeed --num_gpus 8 --module aidaptiv_ds.run train.py --deepspeed ds_config.json
 
 (``launch/aidaptiv_run.py`` is the same as a file, for launchers that want a script path.) Run by ``python``
-alone, with no launcher's rank variables (``RANK``, ``WORLD_SIZE``, MPI's, SLURM's), it is one process of a
-world of one, as the ``deepspeed`` launcher would start it: ``RANK=0``, ``LOCAL_RANK=0``, ``WORLD_SIZE=1``,
-``LOCAL_WORLD_SIZE=1``, ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (without them DeepSpeed looks for MPI and
-fails on a missing ``mpi4py``). At exit,
+alone, with no launcher's rank variables (``RANK``, ``WORLD_SIZE``; nor an MPI or SLURM world of several), it
+is one process of a world of one, as the ``deepspeed`` launcher would start it: ``RANK=0``, ``LOCAL_RANK=0``,
+``WORLD_SIZE=1``, ``LOCAL_WORLD_SIZE=1``, ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``, each where the
+environment lacks it (without them DeepSpeed looks for MPI and fails on a missing ``mpi4py``). At exit,
 a gloo default process group the script left is destroyed, so it cannot abort the finished process
 (:mod:`aidaptiv_ds.process_group`). The alternative for every process of an
 environment is the opt-in site hook, ``aidaptiv-ds site-hook install``.
@@ -28,19 +28,31 @@ import aidaptiv_ds  # noqa: F401 - installs the hooks (now, or when the script i
 from aidaptiv_ds.process_group import destroy_gloo_group_at_exit
 
 
-#: environment variables by which a launcher says this process's rank (torchrun, deepspeed, MPI, SLURM)
-LAUNCHER_RANK_VARS = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+#: variables by which torch's and DeepSpeed's launchers give this process its rank
+LAUNCHER_RANK_VARS = ("RANK", "WORLD_SIZE")
+#: the world size MPI and SLURM give: a world of more than one is theirs to set up (DeepSpeed's MPI discovery)
+MPI_WORLD_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
 
 
 def single_process_env(env=os.environ) -> dict:
-    """The variables a world of one process needs, where no launcher set a rank (module docstring); ``{}`` under a
-    launcher. Sets them in ``env`` (a ``MASTER_PORT`` already there is kept) and returns what it set."""
+    """The variables a world of one process needs, where no launcher set a rank (module docstring); ``{}`` under
+    torch's or DeepSpeed's launcher or in an MPI or SLURM world of several (``srun -n1`` is one process: it gets
+    them). Sets only what ``env`` lacks (``LOCAL_RANK``, ``MASTER_PORT`` ... already there are kept) and returns
+    what it set."""
     if any(k in env for k in LAUNCHER_RANK_VARS):
         return {}
+    for k in MPI_WORLD_VARS:
+        try:
+            if int(env.get(k, "1")) > 1:
+                return {}
+        except ValueError:
+            return {}  # a launcher's variable we cannot read: leave the process to it
     from .ports import free_port
 
-    out = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": env.get("MASTER_PORT") or str(free_port())}
+    want = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    out = {k: v for k, v in want.items() if k not in env}
+    if not env.get("MASTER_PORT"):
+        out["MASTER_PORT"] = str(free_port())
     env.update(out)
     return out
 

@@ -92,6 +92,9 @@ def test_a_lone_process_is_a_world_of_one_and_a_launchers_ranks_are_kept():
     fresh: dict = {}
     single_process_env(fresh)
     assert 0 < int(fresh["MASTER_PORT"]) < 65536
-    for launcher in ({"RANK": "3", "WORLD_SIZE": "8"}, {"OMPI_COMM_WORLD_RANK": "1"}, {"SLURM_PROCID": "0"}):
+    for launcher in ({"RANK": "3", "WORLD_SIZE": "8"}, {"OMPI_COMM_WORLD_SIZE": "4"}, {"SLURM_NTASKS": "2"}):
         env = dict(launcher)
         assert single_process_env(env) == {} and env == launcher
+    srun = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "LOCAL_RANK": "0"}  # srun -n1: one process, set up here
+    single_process_env(srun)
+    assert srun["RANK"] == "0" and srun["WORLD_SIZE"] == "1" and srun["LOCAL_RANK"] == "0"
