@@ -79,7 +79,7 @@ def test_missing_path_is_created_as_deepspeed_creates_nvme_path(tmp_path, caplog
     assert (tmp_path / "new" / "cache").is_dir()
     (msg,) = [r.getMessage() for r in caplog.records if "created the missing cache directory" in r.getMessage()]
     on_root = os.stat(tmp_path).st_dev == os.stat("/").st_dev
-    assert ("on the root filesystem /" in msg and "fix aidaptiv.cache_paths" in msg) == on_root, msg
+    assert ("on the root filesystem /" in msg and "fix aidaptiv.cache_paths" in msg) == on_root, msg  # one line
 
 
 def test_missing_path_that_cannot_be_created(tmp_path):
@@ -173,11 +173,12 @@ def test_unsupported_deepspeed_version_is_a_clear_error(tmp_path, monkeypatch):
         deepspeed.zero.Init(config_dict_or_path=good(tmp_path))
 
 
-def test_an_nvme_path_outside_the_cache_paths_is_named(tmp_path, caplog):
+def test_an_nvme_path_outside_the_cache_paths_is_named(tmp_path, caplog, monkeypatch):
     """``offload_*.nvme_path`` not among ``aidaptiv.cache_paths``: the state goes to the cache paths, so a warning
     names the unused directory and the fix (found by a new-user trial: it was accepted silently)."""
     import logging
     cfg = good(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)  # rank 0 (the one that says it)
     other = str(tmp_path / "elsewhere")
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = other
     with caplog.at_level(logging.WARNING, logger="aidaptiv_ds"):

@@ -661,7 +661,8 @@ def _warn_unused_nvme_paths(zero: dict, cache_paths: list) -> None:
     for which in ("offload_param", "offload_optimizer"):
         sec = zero.get(which) or {}
         nvme = sec.get("nvme_path") if isinstance(sec, dict) and _device(sec.get("device")) == "nvme" else None
-        if not isinstance(nvme, str) or os.path.realpath(os.path.expanduser(nvme)) in mine or nvme in _WARNED_NVME:
+        if not isinstance(nvme, str) or os.path.realpath(os.path.expanduser(nvme)) in mine or nvme in _WARNED_NVME \
+                or os.environ.get("RANK", "0") != "0":  # one line per job: rank 0 says it
             continue
         _WARNED_NVME.add(nvme)
         log.warning("aidaptiv_ds: zero_optimization.%s.nvme_path %s is not among aidaptiv.cache_paths %s: the state "
@@ -690,10 +691,11 @@ def create_cache_path(path: str, field: str = f"{SECTION}.cache_paths") -> bool:
         _CREATED.add(ap)
         on_root = os.stat(ap).st_dev == os.stat("/").st_dev
         # a warning, shown by default: a mistyped path is created, and the state's writes go wherever it landed
+        # (one rank creates it; the others find it there)
         log.warning("aidaptiv_ds: created the missing cache directory %s (on %s), as DeepSpeed creates a missing "
                     "nvme_path%s", ap, filesystem_of(ap),
-                    "; it is on the root filesystem /, not on a cache drive of its own: if the path is a typo, stop "
-                    "and fix aidaptiv.cache_paths" if on_root else "")
+                    "; it is on the root filesystem /, not on a cache drive of its own: the training state's writes "
+                    "go there (if that is not meant, fix aidaptiv.cache_paths)" if on_root else "")
     return True
 
 
