@@ -442,6 +442,15 @@ def test_cli_plans_the_deepspeed_config_it_is_given(tmp_path):
     _, auto = run_cli(*common, "--deepspeed", str(cfg))
     assumed = " ".join(json.loads(auto)["inputs"]["assumed"])
     assert "gradient_clipping (--gradient-clipping)" in assumed and "(--dtype)" in assumed and "HF fills" in assumed
+    # DeepSpeed's derivation from train_batch_size (2 ranks: 32 = 2 x 8 x 2), its older bfloat16 key, a lenient
+    # step_in_backward as the runtime reads it, a number written as a string, a stage other than 3 said
+    cfg.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
+                               "bfloat16": {"enabled": True}, "zero_optimization": {"stage": 2, "sub_group_size": "5e7"},
+                               "aidaptiv": {"cache_paths": [str(tmp_path)], "step_in_backward": "yes"}}))
+    _, derived = run_cli(*common, "--deepspeed", str(cfg))
+    d = json.loads(derived)
+    assert d["inputs"]["grad_accum"] == 8 and d["inputs"]["dtype"] == "bf16" and d["inputs"]["sub_group_size"] == 5e7
+    assert d["inputs"]["step_in_backward"] is True and "stage 2" in " ".join(d["inputs"]["assumed"])
     with pytest.raises(ValueError, match="no such file"):
         from aidaptiv_ds.cli.plan_config import read_config_settings
         read_config_settings(str(tmp_path / "missing.json"))

@@ -282,6 +282,7 @@ def plan_input_from_args(args) -> PlanInput:
     if args.dwpd is None and args.tbw is None and "rated_dwpd" not in endurance and not all(
             "dwpd=" in c or "tbw=" in c for c in args.cache):
         assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd:g}; give the data sheet's figure: --dwpd N or --tbw SIZE)")
+    _batch_from_config(args, gpus * args.nodes)
     if isinstance(args.dram_budget, tuple):  # the config's per-rank budget: per node
         budget = int(args.dram_budget[0]) * gpus
     else:
@@ -337,10 +338,28 @@ def _with_config_settings(args, assumed: list) -> argparse.Namespace:
         if cs.unknown:
             assumed.append(f"\"auto\" in --deepspeed {args.deepspeed} (HF fills it at run time), planned with the "
                            f"defaults; give the flags: {', '.join(cs.unknown)}")
+        assumed.extend(cs.notes)
+    out.defaulted = set()  # settings neither a flag nor the config gave
     for dest, default in PLAN_DEFAULTS.items():
         if getattr(out, dest, None) is None:
+            if dest not in given:
+                out.defaulted.add(dest)
             setattr(out, dest, given.get(dest, default))
+    out.train_batch_size = given.get("train_batch_size")
     return out
+
+
+def _batch_from_config(args, ranks: int) -> None:
+    """Where the config gives ``train_batch_size`` and only one of micro-batch and accumulation, the other as
+    DeepSpeed derives it (``train_batch_size = micro x accumulation x ranks``)."""
+    tbs = getattr(args, "train_batch_size", None)
+    if not tbs:
+        return
+    tbs = int(tbs)
+    if "grad_accum" in args.defaulted and "micro_batch" not in args.defaulted:
+        args.grad_accum = max(tbs // (int(args.micro_batch) * ranks), 1)
+    elif "micro_batch" in args.defaulted and "grad_accum" not in args.defaulted:
+        args.micro_batch = max(tbs // (int(args.grad_accum) * ranks), 1)
 
 
 def _config_endurance(path: str) -> dict:

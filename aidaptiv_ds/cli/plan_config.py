@@ -8,17 +8,17 @@ out, as the runtime would run it):
 =============================== ================================================= ==========================
 flag                            config key                                        left out of the config
 =============================== ================================================= ==========================
-``--dtype``                     ``bf16.enabled`` / ``fp16.enabled``               fp32
+``--dtype``                     ``bf16`` (or ``bfloat16``) / ``fp16`` ``.enabled``  fp32
 ``--gradient-clipping``         ``gradient_clipping``                             1.0 (DeepSpeed's default)
-``--micro-batch``               ``train_micro_batch_size_per_gpu``                the flag's default
-``--grad-accum``                ``gradient_accumulation_steps``                   1
+``--micro-batch``               ``train_micro_batch_size_per_gpu``                from ``train_batch_size``
+``--grad-accum``                ``gradient_accumulation_steps``                   from ``train_batch_size``, else 1
 ``--sub-group-size``            ``zero_optimization.sub_group_size``              1e9
 ``--max-live-parameters``       ``zero_optimization.stage3_max_live_parameters``  1e9
 ``--max-reuse-distance``        ``zero_optimization.stage3_max_reuse_distance``   1e9
 ``--param-persistence-threshold`` ``zero_optimization.stage3_param_persistence_threshold`` 1e5
 ``--reduce-bucket-size``        ``zero_optimization.reduce_bucket_size``          the flag's default
 ``--dram-budget``               ``aidaptiv.dram_budget`` (per rank) x ranks       ``"auto"``
-``--step-in-backward``          ``aidaptiv.step_in_backward``                     ``"auto"``
+``--step-in-backward``          ``aidaptiv.step_in_backward`` (as the runtime reads it) ``"auto"``
 =============================== ================================================= ==========================
 
 A value HF Trainer fills at run time (``"auto"``) is not known here: the plan keeps the flag's default and
@@ -33,13 +33,12 @@ import os
 SETTINGS: dict[str, tuple[tuple[str, ...], object]] = {
     "gradient_clipping": (("gradient_clipping",), 1.0),
     "micro_batch": (("train_micro_batch_size_per_gpu",), None),
-    "grad_accum": (("gradient_accumulation_steps",), 1),
+    "grad_accum": (("gradient_accumulation_steps",), None),
     "sub_group_size": (("zero_optimization", "sub_group_size"), None),
     "max_live_parameters": (("zero_optimization", "stage3_max_live_parameters"), None),
     "max_reuse_distance": (("zero_optimization", "stage3_max_reuse_distance"), None),
     "param_persistence_threshold": (("zero_optimization", "stage3_param_persistence_threshold"), None),
     "reduce_bucket_size": (("zero_optimization", "reduce_bucket_size"), None),
-    "step_in_backward": (("aidaptiv", "step_in_backward"), None),
 }
 
 _FLAGS = {"gradient_clipping": "--gradient-clipping", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
@@ -58,9 +57,11 @@ class ConfigSettings:
         values: flag destination -> value, as the command line would give it (``dtype`` a name, ``dram_budget``
             bytes per rank or ``"auto"``, ``step_in_backward`` ``"auto"``/``"true"``/``"false"``).
         unknown: the keys whose value is ``"auto"`` (HF fills them at run time), as ``"<config key> (<flag>)"``.
+        notes: what else the plan should say about the config (a ZeRO stage other than 3).
     """
     values: dict
     unknown: tuple[str, ...]
+    notes: tuple[str, ...] = ()
 
 
 def _get(cfg: dict, path: tuple[str, ...]):
@@ -89,11 +90,17 @@ def read_config_settings(path: str) -> ConfigSettings:
         raise ValueError(f"--deepspeed {path!r}: {e}") from None
     values: dict = {}
     unknown: list[str] = []
+    notes: list[str] = []
 
     def number(dest: str, key: str, v):
+        if isinstance(v, str):  # DeepSpeed's config model takes numbers written as strings too
+            try:
+                v = float(v)
+            except ValueError:
+                v = None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"--deepspeed {path!r}: {key} is {v!r}, not a number. Fix: give a number (or \"auto\" "
-                             f"under HF Trainer)")
+            raise ValueError(f"--deepspeed {path!r}: {key} is {_get(cfg, tuple(key.split('.')))!r}, not a number. "
+                             f"Fix: give a number (or \"auto\" under HF Trainer)")
         return v
 
     for dest, (keys, left_out) in SETTINGS.items():
@@ -104,19 +111,23 @@ def read_config_settings(path: str) -> ConfigSettings:
         elif v is None:
             if left_out is not None:
                 values[dest] = left_out
-        elif dest == "step_in_backward":
-            values[dest] = {True: "true", False: "false"}.get(v, v)
         else:
             values[dest] = number(dest, key, v)
-    flags = [_get(cfg, (k, "enabled")) for k in ("bf16", "fp16")]
+    tbs = _get(cfg, ("train_batch_size",))
+    if tbs not in (None, "auto") and ("micro_batch" not in values or "grad_accum" not in values):
+        # DeepSpeed derives the missing one of micro-batch and accumulation from the batch and the ranks
+        values["train_batch_size"] = number("train_batch_size", "train_batch_size", tbs)
+    flags = [_get(cfg, (k, "enabled")) for k in ("bf16", "bfloat16", "fp16")]  # bfloat16: DeepSpeed's older key
     if "auto" in flags:
         unknown.append("bf16/fp16.enabled (--dtype)")
     else:
-        values["dtype"] = "bf16" if flags[0] is True else "fp16" if flags[1] is True else "fp32"
+        values["dtype"] = "bf16" if True in flags[:2] else "fp16" if flags[2] is True else "fp32"
+    stage = _get(cfg, ("zero_optimization", "stage"))
+    if stage not in (None, 3, "3"):
+        notes.append(f"zero_optimization.stage {stage!r} in --deepspeed {path}: aidaptiv_ds runs ZeRO-3 only "
+                     f"(planned as stage 3)")
     if section_enabled(cfg):
-        sec = cfg["aidaptiv"]
-        if sec.get("dram_budget") == "auto" or "dram_budget" not in sec:
-            values["dram_budget"] = "auto"
-        else:
-            values["dram_budget"] = parse_section(sec).dram_budget  # bytes per rank, checked as the runtime does
-    return ConfigSettings(values, tuple(unknown))
+        sec = parse_section(cfg["aidaptiv"])  # the section's own checks and coercions, as the runtime reads it
+        values["dram_budget"] = sec.dram_budget  # bytes per rank, or "auto"
+        values["step_in_backward"] = {True: "true", False: "false"}.get(sec.step_in_backward, "auto")
+    return ConfigSettings(values, tuple(unknown), tuple(notes))
