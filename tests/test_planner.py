@@ -512,3 +512,20 @@ def test_main_registers_every_module_loudly():
         m.build_parser(["aidaptiv_ds.cli.no_such_subcommand"])
     with pytest.raises(TypeError, match="register"):
         m.build_parser(["aidaptiv_ds.units"])
+
+
+def test_the_plan_names_the_sub_group_the_runtime_picks_where_the_config_leaves_it_out(tmp_path):
+    """``sub_group_size`` left out: DeepSpeed's 1e9 is planned, and the plan names what aidaptiv_ds's runtime picks
+    instead (``auto_sub_group_numel``, the one formula of both: at least 4 sub-groups a rank, 3 in flight within 5%
+    of its memory, between 1e6 and 1e9) with the flag that plans it; a sub-group given says nothing."""
+    from aidaptiv_ds.planner.auto import auto_sub_group_numel
+
+    assert auto_sub_group_numel(7 * 10 ** 9, 1, 25 * 10 ** 9) == int(0.05 * 25e9) // 48  # memory-bound: 26.0M
+    assert auto_sub_group_numel(100 * 10 ** 6, 2, 10 ** 12) == 12_500_000  # a quarter of a rank's 50M
+    assert auto_sub_group_numel(10 ** 6, 1, 10 ** 12) == 10 ** 6 and auto_sub_group_numel(10 ** 13, 1, 0) == 10 ** 9
+    common = ["plan", "--params", "7e9", "--cpu-ranks", "--dram", "25GB", "--cache", "2TB", "--json"]
+    _, out = run_cli(*common)
+    assumed = " ".join(json.loads(out)["inputs"]["assumed"])
+    assert "runs at about 3e+07 on aidaptiv_ds" in assumed and "--sub-group-size 3e+07" in assumed
+    _, given = run_cli(*common, "--sub-group-size", "2e8")
+    assert "sub_group_size" not in " ".join(json.loads(given)["inputs"]["assumed"])

@@ -283,6 +283,13 @@ def plan_input_from_args(args) -> PlanInput:
             "dwpd=" in c or "tbw=" in c for c in args.cache):
         assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd:g}; give the data sheet's figure: --dwpd N or --tbw SIZE)")
     _batch_from_config(args, gpus * args.nodes)
+    if "sub_group_size" in args.defaulted:  # the runtime picks its own where the config leaves it out
+        from ..planner.auto import auto_sub_group_numel
+        pick = auto_sub_group_numel(n_params or shape.n_params, gpus * args.nodes, dram // max(gpus, 1))
+        if pick != int(args.sub_group_size):
+            assumed.append(f"sub_group_size {args.sub_group_size:.0e} (DeepSpeed's default); a config that leaves it "
+                           f"out runs at about {pick:.0e} on aidaptiv_ds (5% of a rank's host memory for three "
+                           f"sub-groups in flight): give --sub-group-size {pick:.0e} to plan that")
     if isinstance(args.dram_budget, tuple):  # the config's per-rank budget: per node
         budget = int(args.dram_budget[0]) * gpus
     else:

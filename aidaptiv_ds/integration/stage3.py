@@ -71,31 +71,24 @@ class DeepSpeedHostShare(typing.NamedTuple):
 _ENGINE_IDS = itertools.count()
 
 
-#: Optimizer sub-groups in flight at once (read i+1, update i, write back i-1), bytes per element each
-#: (fp32 master 4 + Adam moments 8 + gradient 4).
-_PIPELINE_SUBGROUPS, _BYTES_PER_ELEMENT = 3, 16
-
-
 def auto_sub_group_size(ds_config: dict, module, runtime) -> int | None:
     """``zero_optimization.sub_group_size`` to use when the config leaves it out, else None.
 
     DeepSpeed's default (1e9 elements) makes a model of less than a billion parameters per rank one
     sub-group: its optimizer read, update and write-back cannot overlap, and one sub-group's master
-    weights, moments and gradient (16 B/element) are all in host memory at once. Chosen here: at least
-    4 sub-groups per rank, the 3 in flight within 5% of this rank's available host memory, between
-    1e6 elements (12 MB extents: large sequential I/O) and DeepSpeed's 1e9. Adam is elementwise, so
-    the grouping changes no parameter update; only the order in which the gradient norm's per-group
-    parts are added (and so a clipping factor's last bits) depends on it.
+    weights, moments and gradient (16 B/element) are all in host memory at once. Chosen by
+    :func:`aidaptiv_ds.planner.auto.auto_sub_group_numel` from this rank's available host memory. Adam is
+    elementwise, so the grouping changes no parameter update; only the order in which the gradient norm's
+    per-group parts are added (and so a clipping factor's last bits) depends on it.
     """
     zo = (ds_config or {}).get("zero_optimization", {}) if isinstance(ds_config, dict) else {}
     if "sub_group_size" in zo or module is None:
         return None
+    from ..planner.auto import auto_sub_group_numel
     from ..telemetry.sysinfo import host_memory
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
-    per_rank = -(-numel // max(runtime.world, 1))
     avail = int(host_memory().get("available_bytes") or 0) // max(runtime.local_world, 1)
-    by_memory = int(0.05 * avail) // (_PIPELINE_SUBGROUPS * _BYTES_PER_ELEMENT) if avail else 10 ** 9
-    return int(max(min(10 ** 9, by_memory, per_rank // 4), 10 ** 6))
+    return auto_sub_group_numel(numel, runtime.world, avail)
 
 
 def auto_reduce_bucket_size(ds_config: dict) -> int | None:

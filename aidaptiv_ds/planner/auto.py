@@ -473,6 +473,28 @@ def buffer_pool_bytes(phases: dict, deepspeed_bytes: int, activation_bytes: int 
     return max(ours, 0) + min(int(gathered_partition_bytes), int(deepspeed_bytes))
 
 
+#: Optimizer sub-groups in flight at once (read i+1, update i, write back i-1), bytes per element each
+#: (fp32 master 4 + Adam moments 8 + gradient 4): what :func:`auto_sub_group_numel` sizes within 5% of memory.
+PIPELINE_SUBGROUPS, PIPELINE_BYTES_PER_ELEMENT = 3, 16
+
+
+def auto_sub_group_numel(model_numel: int, ranks: int, available_bytes_per_rank: int) -> int:
+    """``sub_group_size`` (elements) the runtime uses where the config leaves it out
+    (``integration/stage3.py``, ``auto_sub_group_size``): at least 4 sub-groups per rank, the 3 in flight within 5%
+    of the rank's available host memory, between 1e6 elements (12 MB extents: large sequential I/O) and DeepSpeed's
+    1e9. DeepSpeed's own default (1e9) makes a model of less than a billion parameters per rank one sub-group, whose
+    read, update and write-back cannot overlap.
+
+    Args:
+        model_numel: parameters of the model; ranks: ranks its partitions spread over;
+        available_bytes_per_rank: host memory available to one rank (bytes; 0: unknown, no memory bound).
+    """
+    per_rank = -(-int(model_numel) // max(int(ranks), 1))
+    by_memory = int(0.05 * available_bytes_per_rank) // (PIPELINE_SUBGROUPS * PIPELINE_BYTES_PER_ELEMENT) \
+        if available_bytes_per_rank else 10 ** 9
+    return int(max(min(10 ** 9, by_memory, per_rank // 4), 10 ** 6))
+
+
 def deepspeed_gathered_numel(max_live_numel: int, max_reuse_numel: int, largest_module_numel: int,
                              model_numel: int, persistent_numel: int = 0, held_layer_numel: int = 0) -> int:
     """Elements DeepSpeed holds gathered at once, at most: ``min(model, max(max_live, max_reuse) + 2 x largest
