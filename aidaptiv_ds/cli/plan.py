@@ -265,8 +265,8 @@ def plan_input_from_args(args) -> PlanInput:
     if args.dwpd is not None and args.tbw is not None:
         raise ValueError("--dwpd and --tbw both given; give the drive's rating one way (the data sheet states both: "
                          "TBW = DWPD x capacity x 365 x warranty years)")
-    endurance = _config_endurance(args.deepspeed) if args.deepspeed else {}
-    moments = args.moments or (_config_moments(args.deepspeed) if args.deepspeed else None) or "fp32"
+    endurance = args.config_endurance
+    moments = args.moments or args.config_moments or "fp32"
     defaults = {"read_gbps": args.read_gbps or DEFAULT_READ_GBPS, "write_gbps": args.write_gbps or DEFAULT_WRITE_GBPS,
                 "rated_dwpd": args.dwpd or endurance.get("rated_dwpd") or EnduranceRating.rated_dwpd,
                 "warranty_years": args.warranty_years or endurance.get("warranty_years")
@@ -332,8 +332,9 @@ PLAN_DEFAULTS = {"dram_budget": "auto", "micro_batch": 1, "grad_accum": 1, "dtyp
 
 def _with_config_settings(args, assumed: list) -> argparse.Namespace:
     """``args`` with each setting the command line left out taken from ``--deepspeed CONFIG``
-    (:mod:`.plan_config`), else the plan's default (:data:`PLAN_DEFAULTS`); a config's ``"auto"`` (filled by HF
-    at run time) is named in ``assumed``. A config's ``dram_budget`` comes back as ``(bytes per rank,)``."""
+    (:mod:`.plan_config`, the file read once), else the plan's default (:data:`PLAN_DEFAULTS`); a config's
+    ``"auto"`` (filled by HF at run time) is named in ``assumed``. A config's ``dram_budget`` comes back as
+    ``(bytes per rank,)``; its endurance and moments as ``config_endurance`` and ``config_moments``."""
     out = argparse.Namespace(**vars(args))
     given = {}
     if args.deepspeed:
@@ -353,6 +354,8 @@ def _with_config_settings(args, assumed: list) -> argparse.Namespace:
                 out.defaulted.add(dest)
             setattr(out, dest, given.get(dest, default))
     out.train_batch_size = given.get("train_batch_size")
+    out.config_endurance = cs.endurance if args.deepspeed else {}
+    out.config_moments = cs.moments if args.deepspeed else None
     return out
 
 
@@ -367,36 +370,6 @@ def _batch_from_config(args, ranks: int) -> None:
         args.grad_accum = max(tbs // (int(args.micro_batch) * ranks), 1)
     elif "micro_batch" in args.defaulted and "grad_accum" not in args.defaulted:
         args.micro_batch = max(tbs // (int(args.grad_accum) * ranks), 1)
-
-
-def _config_endurance(path: str) -> dict:
-    """``aidaptiv.endurance`` of the DeepSpeed config at ``path`` (validated as the runtime does):
-    ``rated_dwpd`` and ``warranty_years`` where the section sets them.
-
-    Raises:
-        ValueError / AidaptivConfigError: the file cannot be read or its section is invalid (named).
-    """
-    from ..integration.config import load_ds_dict, parse_section, section_enabled
-
-    try:
-        raw = load_ds_dict(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--deepspeed {path!r}: {e}") from None
-    if not section_enabled(raw):
-        return {}
-    sec = raw["aidaptiv"].get("endurance") or {}
-    cfg = parse_section(raw["aidaptiv"]).endurance  # the section's own checks (keys, values), not the whole config's
-    return {k: getattr(cfg, k) for k in ("rated_dwpd", "warranty_years") if k in sec}
-
-
-def _config_moments(path: str) -> str | None:
-    """``aidaptiv.optimizer_state.moments`` of the DeepSpeed config at ``path`` where its section sets it."""
-    from ..integration.config import load_ds_dict, parse_section, section_enabled
-
-    raw = load_ds_dict(path)  # readable: _config_endurance read it first
-    if not section_enabled(raw) or "optimizer_state" not in raw["aidaptiv"]:
-        return None
-    return parse_section(raw["aidaptiv"]).optimizer_state.moments
 
 
 def _days(x: float | None) -> str:

@@ -41,12 +41,11 @@ SETTINGS: dict[str, tuple[tuple[str, ...], object]] = {
     "reduce_bucket_size": (("zero_optimization", "reduce_bucket_size"), None),
 }
 
-_FLAGS = {"gradient_clipping": "--gradient-clipping", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
-          "sub_group_size": "--sub-group-size", "max_live_parameters": "--max-live-parameters",
-          "max_reuse_distance": "--max-reuse-distance",
-          "param_persistence_threshold": "--param-persistence-threshold",
-          "reduce_bucket_size": "--reduce-bucket-size", "step_in_backward": "--step-in-backward",
-          "dtype": "--dtype", "dram_budget": "--dram-budget"}
+
+
+def _flag(dest: str) -> str:
+    """The ``plan`` flag of a setting (``grad_accum`` -> ``--grad-accum``)."""
+    return "--" + dest.replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +57,14 @@ class ConfigSettings:
             bytes per rank or ``"auto"``, ``step_in_backward`` ``"auto"``/``"true"``/``"false"``).
         unknown: the keys whose value is ``"auto"`` (HF fills them at run time), as ``"<config key> (<flag>)"``.
         notes: what else the plan should say about the config (a ZeRO stage other than 3).
+        endurance: ``aidaptiv.endurance``'s ``rated_dwpd`` and ``warranty_years`` where the section sets them.
+        moments: ``aidaptiv.optimizer_state.moments`` where the section sets it, else None.
     """
     values: dict
     unknown: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    endurance: dict = dataclasses.field(default_factory=dict)
+    moments: str | None = None
 
 
 def _get(cfg: dict, path: tuple[str, ...]):
@@ -92,7 +95,7 @@ def read_config_settings(path: str) -> ConfigSettings:
     unknown: list[str] = []
     notes: list[str] = []
 
-    def number(dest: str, key: str, v):
+    def number(key: str, v):
         if isinstance(v, str):  # DeepSpeed's config model takes numbers written as strings too
             try:
                 v = float(v)
@@ -107,16 +110,16 @@ def read_config_settings(path: str) -> ConfigSettings:
         key = ".".join(keys)
         v = _get(cfg, keys)
         if v == "auto":
-            unknown.append(f"{key} ({_FLAGS[dest]})")
+            unknown.append(f"{key} ({_flag(dest)})")
         elif v is None:
             if left_out is not None:
                 values[dest] = left_out
         else:
-            values[dest] = number(dest, key, v)
+            values[dest] = number(key, v)
     tbs = _get(cfg, ("train_batch_size",))
     if tbs not in (None, "auto") and ("micro_batch" not in values or "grad_accum" not in values):
         # DeepSpeed derives the missing one of micro-batch and accumulation from the batch and the ranks
-        values["train_batch_size"] = number("train_batch_size", "train_batch_size", tbs)
+        values["train_batch_size"] = number("train_batch_size", tbs)
     flags = [_get(cfg, (k, "enabled")) for k in ("bf16", "bfloat16", "fp16")]  # bfloat16: DeepSpeed's older key
     if "auto" in flags:
         unknown.append("bf16/fp16.enabled (--dtype)")
@@ -126,8 +129,13 @@ def read_config_settings(path: str) -> ConfigSettings:
     if stage not in (None, 3, "3"):
         notes.append(f"zero_optimization.stage {stage!r} in --deepspeed {path}: aidaptiv_ds runs ZeRO-3 only "
                      f"(planned as stage 3)")
+    endurance, moments = {}, None
     if section_enabled(cfg):
-        sec = parse_section(cfg["aidaptiv"])  # the section's own checks and coercions, as the runtime reads it
+        raw = cfg["aidaptiv"]
+        sec = parse_section(raw)  # the section's own checks and coercions, as the runtime reads it
         values["dram_budget"] = sec.dram_budget  # bytes per rank, or "auto"
         values["step_in_backward"] = {True: "true", False: "false"}.get(sec.step_in_backward, "auto")
-    return ConfigSettings(values, tuple(unknown), tuple(notes))
+        endurance = {k: getattr(sec.endurance, k) for k in ("rated_dwpd", "warranty_years")
+                     if k in (raw.get("endurance") or {})}
+        moments = sec.optimizer_state.moments if "optimizer_state" in raw else None
+    return ConfigSettings(values, tuple(unknown), tuple(notes), endurance, moments)
