@@ -54,7 +54,6 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
     from ..planner.auto import (
         CPU_REDUCE_BUCKET_NUMEL,
         deepspeed_cpu_rank_bytes,
-        deepspeed_gathered_numel,
         live_partition_bytes,
     )
     from ..planner.model_size import shape_from_config
@@ -77,12 +76,9 @@ def planned_parts(model_config: dict | None, ds_config: dict, n_params: int, seq
     knobs = {"max_live_numel": int(float(zero.get("stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_PARAMETERS))),
              "max_reuse_numel": int(float(zero.get("stage3_max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE)))}
     if module is not None:  # the built model's own tree, as the runtime counts it (integration/stage3.py)
-        from ..integration.trunk import held_layer_numel
-        from ..integration.zero_params import largest_fetch_numel, persistent_numel_of
+        from ..integration.trunk import module_gathered_numel
 
-        gathered = deepspeed_gathered_numel(knobs["max_live_numel"], knobs["max_reuse_numel"],
-                                            largest_fetch_numel(module), n_params,
-                                            persistent_numel_of(module.parameters()), held_layer_numel(module))
+        gathered = module_gathered_numel(module, knobs["max_live_numel"], knobs["max_reuse_numel"])
     else:
         threshold = int(float(zero.get("stage3_param_persistence_threshold", DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD)))
         gathered = shape_gathered_numel(shape, n_params, persistence_threshold=threshold, **knobs)

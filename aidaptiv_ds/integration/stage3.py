@@ -27,7 +27,6 @@ from deepspeed.accelerator import get_accelerator
 from ..planner.auto import (
     CPU_REDUCE_BUCKET_NUMEL,
     deepspeed_cpu_rank_bytes,
-    deepspeed_gathered_numel,
     live_partition_bytes,
 )
 from ..planner.working_set import RankPolicy, RankState, rank_working_set
@@ -50,8 +49,7 @@ from .optimizer_state import AidaptivOptimizerState
 from .optimizer_swapper import AidaptivOptimizerSwapper, SubgroupFormat, SwapperLinks
 from .phase import EnginePhase, Phase
 from .runtime import auto_dram_budget, get_runtime
-from .trunk import held_layer_numel
-from .zero_params import largest_fetch_numel, persistent_numel_of
+from .trunk import module_gathered_numel
 
 log = logging.getLogger("aidaptiv_ds")
 
@@ -282,11 +280,9 @@ def make_stage3_class(base: type) -> type:
                 return DeepSpeedHostShare(0, 0, 1)
             offload = getattr(self, "parameter_offload", None)
             model_numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params)
-            persistent = persistent_numel_of(module_params)
-            gathered = deepspeed_gathered_numel(getattr(offload, "_max_available_parameters_in_numel", 0) or 0,
-                                                getattr(offload, "_max_reuse_distance_in_numel", 0) or 0,
-                                                largest_fetch_numel(self._aidaptiv.module), model_numel, persistent,
-                                                held_layer_numel(self._aidaptiv.module))
+            gathered = module_gathered_numel(self._aidaptiv.module, getattr(
+                offload, "_max_available_parameters_in_numel", 0) or 0, getattr(
+                offload, "_max_reuse_distance_in_numel", 0) or 0) if self._aidaptiv.module is not None else 0
             import deepspeed.comm as dist
             ranks = dist.get_world_size(group=self.dp_process_group)
             ds = deepspeed_cpu_rank_bytes(gathered, model_numel, self.dtype.itemsize,

@@ -11,7 +11,7 @@ import functools
 import torch
 
 from .config import AidaptivConfigError
-from .zero_params import frozen_block_numel, full_numel
+from .zero_params import frozen_numel, full_numel, largest_fetch_numel, persistent_numel_of
 
 #: the fix every refusal of a layer-major step names
 FIX = ("Fix: train it micro-batch by micro-batch (engine(batch); engine.backward(loss); engine.step()), "
@@ -96,7 +96,7 @@ def held_layer_numel(model: torch.nn.Module | None) -> int:
     region's backward ends. For a model with a trunk (which ``engine.train_batch`` may run, and whose blocks HF
     checkpoints one at a time) the largest block covers both; for a model without one, whose checkpointed regions
     are not known (a ``ModuleDict`` of blocks, ``checkpoint_sequential`` segments of several layers), all its
-    frozen parameters (:func:`.zero_params.frozen_block_numel`). HF's ``every_n_layers`` above 1 recomputes
+    frozen parameters (:func:`.zero_params.frozen_numel`). HF's ``every_n_layers`` above 1 recomputes
     several blocks at once: not counted.
     """
     if model is None:
@@ -104,8 +104,20 @@ def held_layer_numel(model: torch.nn.Module | None) -> int:
     try:
         trunk = find_trunk(model)
     except AidaptivConfigError:
-        return frozen_block_numel(model)
+        return frozen_numel(model)
     return max(sum(full_numel(p) for p in b.parameters()) for b in trunk.blocks)
+
+
+def module_gathered_numel(model: torch.nn.Module, max_live_numel: int, max_reuse_numel: int) -> int:
+    """Elements DeepSpeed keeps gathered for the built ``model`` (ZeRO-3 parameters or plain ones), from its module
+    tree: :func:`aidaptiv_ds.planner.auto.deepspeed_gathered_numel` with its largest fetch, its persistent
+    parameters and the layer it may hold. The runtime's and the fine-tuning job's one count."""
+    from ..planner.auto import deepspeed_gathered_numel
+
+    params = list(model.parameters())
+    return deepspeed_gathered_numel(max_live_numel, max_reuse_numel, largest_fetch_numel(model),
+                                    sum(full_numel(p) for p in params), persistent_numel_of(params),
+                                    held_layer_numel(model))
 
 
 def tied_outside(model: torch.nn.Module, trunk: Trunk) -> list[torch.nn.Parameter]:

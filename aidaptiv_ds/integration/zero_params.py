@@ -53,7 +53,7 @@ def persistent_numel_of(params) -> int:
     return sum(full_numel(p) for p in params if getattr(p, "ds_persist", False))
 
 
-def frozen_block_numel(module: torch.nn.Module | None) -> int:
+def frozen_numel(module: torch.nn.Module | None) -> int:
     """Elements of the frozen parameters (``requires_grad`` False) of ``module``, all of them: under activation
     checkpointing DeepSpeed keeps the frozen parameters a recompute gathers until the recomputed region's backward
     ends ([Note: what bounds the gathered parameters] in ``planner/auto.py``), and the regions a script checkpoints
