@@ -514,10 +514,11 @@ def test_main_registers_every_module_loudly():
         m.build_parser(["aidaptiv_ds.units"])
 
 
-def test_the_plan_names_the_sub_group_the_runtime_picks_where_the_config_leaves_it_out(tmp_path):
-    """``sub_group_size`` left out: DeepSpeed's 1e9 is planned, and the plan names what aidaptiv_ds's runtime picks
-    instead (``auto_sub_group_numel``, the one formula of both: at least 4 sub-groups a rank, 3 in flight within 5%
-    of its memory, between 1e6 and 1e9) with the flag that plans it; a sub-group given says nothing."""
+def test_the_plan_plans_the_sub_group_the_runtime_picks_where_the_config_leaves_it_out(tmp_path):
+    """``sub_group_size`` left out (of the flags and the config): the plan is the plan of what aidaptiv_ds's runtime
+    picks then (``auto_sub_group_numel``, the one formula of both: at least 4 sub-groups a rank, 3 in flight within
+    5% of its memory, between 1e6 and 1e9), not of DeepSpeed's 1e9, and names it among its assumptions; a
+    sub-group given (flag or config) is planned as given and says nothing."""
     from aidaptiv_ds.planner.auto import auto_sub_group_numel
 
     assert auto_sub_group_numel(7 * 10 ** 9, 1, 25 * 10 ** 9) == int(0.05 * 25e9) // 48  # memory-bound: 26.0M
@@ -525,7 +526,20 @@ def test_the_plan_names_the_sub_group_the_runtime_picks_where_the_config_leaves_
     assert auto_sub_group_numel(10 ** 6, 1, 10 ** 12) == 10 ** 6 and auto_sub_group_numel(10 ** 13, 1, 0) == 10 ** 9
     common = ["plan", "--params", "7e9", "--cpu-ranks", "--dram", "25GB", "--cache", "2TB", "--json"]
     _, out = run_cli(*common)
-    assumed = " ".join(json.loads(out)["inputs"]["assumed"])
-    assert "runs at about 3e+07 on aidaptiv_ds" in assumed and "--sub-group-size 3e+07" in assumed
+    left_out = json.loads(out)
+    assumed = " ".join(left_out["inputs"]["assumed"])
+    assert left_out["inputs"]["sub_group_size"] == 26_041_666 and "sub_group_size 26,041,666 elements" in assumed
+    _, picked = run_cli(*common, "--sub-group-size", "26041666")
+    picked = json.loads(picked)
+    assert "sub_group_size" not in " ".join(picked["inputs"]["assumed"])
+    for p in (left_out, picked):
+        p["inputs"].pop("assumed")
+        p["wear"].pop("changes")  # re-planned with more DRAM, a sub-group left out is picked anew (grows with it)
+    assert left_out == picked  # the same plan as the pick given
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": 2e8}}))
+    _, from_config = run_cli(*common, "--deepspeed", str(cfg))
+    from_config = json.loads(from_config)["inputs"]
+    assert from_config["sub_group_size"] == 2 * 10 ** 8 and "sub_group_size" not in " ".join(from_config["assumed"])
     _, given = run_cli(*common, "--sub-group-size", "2e8")
     assert "sub_group_size" not in " ".join(json.loads(given)["inputs"]["assumed"])

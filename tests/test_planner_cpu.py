@@ -65,10 +65,10 @@ def test_cpu_rank_plans_that_fit_are_true(model, dram, drives, dtype):
 
 
 def test_cli_cpu_ranks_needs_no_gpu_flags_and_prints_no_vram(capsys):
-    rc = main(["plan", "--params", "7e9", "--cache", "/tmp", "--cpu-ranks", "--dram", "25GB"])
+    rc = main(["plan", "--params", "7e9", "--cache", "80GB", "--cpu-ranks", "--dram", "25GB"])
     out = capsys.readouterr().out
     assert rc == 1 and "VRAM" not in out and "vram" not in out
-    assert "1 CPU rank(s)" in out and "re-planned with these changes: FITS" in out
+    assert "1 CPU rank(s)" in out and "re-planned with that change: FITS" in out
     rc = main(["plan", "--params", "1e9", "--cache", "4TB", "--cpu-ranks", "2", "--dram", "512GB", "--json"])
     assert rc == 0 and '"gpus": 2' in capsys.readouterr().out
 

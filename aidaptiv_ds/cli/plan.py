@@ -175,7 +175,9 @@ def register(subparsers) -> None:
                    help="tokens per micro-batch the LM head computes logits for (default micro-batch x seq-len; "
                         "fewer when the loss is taken at response tokens only, as launch/finetune.py does)")
     p.add_argument("--sub-group-size", type=float, default=None,
-                   help="optimizer sub-group in elements (DeepSpeed sub_group_size, default 1e9)")
+                   help="optimizer sub-group in elements (DeepSpeed sub_group_size; default: the config's, else what "
+                        "aidaptiv_ds picks where a config leaves it out: at least 4 per rank, 3 within 5%% of a "
+                        "rank's host memory)")
     p.add_argument("--gpu-tflops", default=None, metavar="TFLOPS|PRESET",
                    help=f"peak dense TFLOP/s per GPU for the compute bound, or a preset "
                         f"({', '.join(f'{k} = {v:g}' for k, v in GPU_PEAK_TFLOPS.items())}); the step-time "
@@ -202,7 +204,7 @@ def register(subparsers) -> None:
                         "out, a CPU rank runs with 2e7)")
     p.add_argument("--gradient-clipping", type=float, default=None,
                    help="DeepSpeed's gradient_clipping (default: the --deepspeed config's, where the config leaves it "
-                        "out DeepSpeed's 1.0; without a config 0: off; HF Trainer's default is 1.0): with it on, steps "
+                        "out, and without one, DeepSpeed's 1.0, also HF Trainer's; 0: off): with it on, steps "
                         "inside backward keep their gradients until the norm is known")
     p.add_argument("--step-in-backward", choices=("auto", "true", "false"), default=None,
                    help="aidaptiv.step_in_backward (default auto: inside backward where the drives hold a second "
@@ -283,13 +285,8 @@ def plan_input_from_args(args) -> PlanInput:
             "dwpd=" in c or "tbw=" in c for c in args.cache):
         assumed.append(f"rated DWPD ({EnduranceRating.rated_dwpd:g}; give the data sheet's figure: --dwpd N or --tbw SIZE)")
     _batch_from_config(args, gpus * args.nodes)
-    if "sub_group_size" in args.defaulted:  # the runtime picks its own where the config leaves it out
-        from ..planner.auto import auto_sub_group_numel
-        pick = auto_sub_group_numel(n_params or shape.n_params, gpus * args.nodes, dram // max(gpus, 1))
-        if pick != int(args.sub_group_size):
-            assumed.append(f"sub_group_size {args.sub_group_size:.0e} (DeepSpeed's default); a config that leaves it "
-                           f"out runs at about {pick:.0e} on aidaptiv_ds (5% of a rank's host memory for three "
-                           f"sub-groups in flight): give --sub-group-size {pick:.0e} to plan that")
+    if "sub_group_size" in args.defaulted:  # planned as the runtime picks it where the config leaves it out
+        args.sub_group_size = None
     if isinstance(args.dram_budget, tuple):  # the config's per-rank budget: per node
         budget = int(args.dram_budget[0]) * gpus
     else:
@@ -305,13 +302,13 @@ def plan_input_from_args(args) -> PlanInput:
                            f"--gpu-tflops) for the schedules' estimate")
     if args.mfu == DEFAULT_MFU and (tflops is not None or not cpu_ranks):
         assumed.append(f"training sustains {DEFAULT_MFU:g} of the peak FLOP/s (give --mfu)")
-    return PlanInput(
+    inp = PlanInput(
         shape=shape, n_params=n_params, shape_source=source, gpus=gpus, nodes=args.nodes, vram=vram, dram=dram,
         drives=drives, dram_budget=budget, micro_batch=args.micro_batch, seq_len=args.seq_len,
         grad_accum=args.grad_accum, dtype=args.dtype, optimizer=args.optimizer,
         moments=moments,
         activation_checkpointing=not args.no_activation_checkpointing, flash_attention=not args.no_flash_attention,
-        dropout=args.dropout, sub_group_size=int(args.sub_group_size),
+        dropout=args.dropout, sub_group_size=None if args.sub_group_size is None else int(args.sub_group_size),
         gpu_flops=tflops * 1e12 if tflops else None, schedule=args.schedule, link_gbps=link, gpu_mfu=args.mfu,
         dataset_tokens=int(args.dataset_tokens) if args.dataset_tokens else None, epochs=args.epochs,
         step_time_s=args.step_time, cpu_ranks=cpu_ranks,
@@ -320,6 +317,11 @@ def plan_input_from_args(args) -> PlanInput:
         reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else CPU_REDUCE_BUCKET_NUMEL, gradient_clipping=args.gradient_clipping,
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward],
         logits_tokens=args.logits_tokens, assumed=assumed)
+    if inp.sub_group_size is None:
+        assumed.append(f"sub_group_size {inp.sub_group_numel:,} elements (left out: aidaptiv_ds picks it from a rank's "
+                       f"host memory, 5% for the three sub-groups in flight; DeepSpeed's own default is 1e9; give "
+                       f"--sub-group-size to plan another)")
+    return inp
 
 
 #: the plan's default of each setting :func:`_with_config_settings` fills (flag destination -> value)
@@ -327,7 +329,7 @@ PLAN_DEFAULTS = {"dram_budget": "auto", "micro_batch": 1, "grad_accum": 1, "dtyp
                  "sub_group_size": DEFAULT_SUB_GROUP_SIZE, "max_live_parameters": DEEPSPEED_MAX_LIVE_PARAMETERS,
                  "max_reuse_distance": DEEPSPEED_MAX_REUSE_DISTANCE,
                  "param_persistence_threshold": DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
-                 "reduce_bucket_size": None, "gradient_clipping": 0.0, "step_in_backward": "auto"}
+                 "reduce_bucket_size": None, "gradient_clipping": 1.0, "step_in_backward": "auto"}
 
 
 def _with_config_settings(args, assumed: list) -> argparse.Namespace:

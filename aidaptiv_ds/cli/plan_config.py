@@ -12,7 +12,7 @@ flag                            config key                                      
 ``--gradient-clipping``         ``gradient_clipping``                             1.0 (DeepSpeed's default)
 ``--micro-batch``               ``train_micro_batch_size_per_gpu``                from ``train_batch_size``
 ``--grad-accum``                ``gradient_accumulation_steps``                   from ``train_batch_size``, else 1
-``--sub-group-size``            ``zero_optimization.sub_group_size``              1e9
+``--sub-group-size``            ``zero_optimization.sub_group_size``              aidaptiv_ds's pick (below)
 ``--max-live-parameters``       ``zero_optimization.stage3_max_live_parameters``  1e9
 ``--max-reuse-distance``        ``zero_optimization.stage3_max_reuse_distance``   1e9
 ``--param-persistence-threshold`` ``zero_optimization.stage3_param_persistence_threshold`` 1e5
@@ -21,7 +21,9 @@ flag                            config key                                      
 ``--step-in-backward``          ``aidaptiv.step_in_backward`` (as the runtime reads it) ``"auto"``
 =============================== ================================================= ==========================
 
-A value HF Trainer fills at run time (``"auto"``) is not known here: the plan keeps the flag's default and
+Where ``sub_group_size`` is left out (of the config and the command line) the plan uses what the runtime
+picks then (:func:`aidaptiv_ds.planner.auto.auto_sub_group_numel`), not DeepSpeed's 1e9, and names it among the
+assumptions. A value HF Trainer fills at run time (``"auto"``) is not known here: the plan keeps the flag's default and
 says so in its assumptions, naming the flag that gives it.
 """
 from __future__ import annotations

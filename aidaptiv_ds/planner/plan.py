@@ -91,6 +91,7 @@ from .auto import (
     RANK_OVERHEAD_BYTES,
     DramBudget,
     auto_prefetch_bytes,
+    auto_sub_group_numel,
     deepspeed_cpu_rank_bytes,
     deepspeed_gathered_numel,
     deepspeed_sub_group_numels,
@@ -195,7 +196,8 @@ class PlanInput:
         logits_tokens: tokens per micro-batch whose logits the LM head computes (default ``micro_batch x
             seq_len``; fewer where the loss takes logits at the response positions only, the fine-tuning job's
             default: ``finetune/loop.py``); on CPU ranks logits and the loss are host memory.
-        sub_group_size: optimizer sub-group in elements (DeepSpeed ``sub_group_size``).
+        sub_group_size: optimizer sub-group in elements (DeepSpeed ``sub_group_size``); None: left out of the
+            config, planned as the runtime picks it then (:attr:`sub_group_numel`).
         gpu_flops: peak FLOP/s per GPU for the compute bound (None: no compute bound).
         dataset_tokens / epochs: for writes per epoch and per run (None: not computed).
         step_time_s: a measured step time for the endurance pace (None: the lower bound).
@@ -245,7 +247,7 @@ class PlanInput:
     activation_checkpointing: bool = True
     flash_attention: bool = True
     dropout: bool = False
-    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    sub_group_size: int | None = DEFAULT_SUB_GROUP_SIZE
     gpu_flops: float | None = None
     dataset_tokens: int | None = None
     epochs: float = 1.0
@@ -283,6 +285,16 @@ class PlanInput:
     def dp(self) -> int:
         return self.gpus * self.nodes
 
+    @property
+    def sub_group_numel(self) -> int:
+        """The sub-group the run uses (elements): ``sub_group_size`` as given, else (None) what the runtime picks
+        where the config leaves it out, from the parameters over the ranks and a rank's share of ``dram``
+        (:func:`~aidaptiv_ds.planner.auto.auto_sub_group_numel`; the runtime takes the host's available memory,
+        this the node's total: the pick grows with the DRAM a re-planned change adds)."""
+        if self.sub_group_size is not None:
+            return int(self.sub_group_size)
+        return auto_sub_group_numel(self.params, self.dp, self.dram // max(self.gpus, 1))
+
     def validate(self) -> None:
         """Raises AidaptivConfigError (a ``ValueError``) naming the flag, the value and the fix for inputs
         that make no plan."""
@@ -300,14 +312,14 @@ class PlanInput:
                   ("--moments", self.moments, self.moments == "fp32" or (self.moments in MOMENT_FORMATS
                                                                            and self.optimizer in ("adam", "adamw")),
                    "use fp32, or bf16 or int8 with --optimizer adam or adamw"),
-                  ("--sub-group-size", self.sub_group_size, self.sub_group_size >= 1, "give 1 or more elements"),
+                  ("--sub-group-size", self.sub_group_size, self.sub_group_numel >= 1, "give 1 or more elements"),
                   ("--params", self.params, self.params >= 1, "give a positive parameter count such as 405e9"),
                   ("--schedule", self.schedule, self.schedule in SCHEDULE_CHOICES,
                    f"use one of {', '.join(SCHEDULE_CHOICES)}"),
                   ("--pcie-gbps", self.link_gbps, self.link_gbps is None or self.link_gbps > 0,
                    f"give positive GB/s or a preset ({', '.join(PCIE_PRESETS_GBPS)})"),
                   ("--mfu", self.gpu_mfu, 0 < self.gpu_mfu <= 1, "give a fraction in (0, 1], e.g. 0.5")]
-        groups = -(-self.params // max(self.dp, 1)) // max(self.sub_group_size, 1)
+        groups = -(-self.params // max(self.dp, 1)) // max(self.sub_group_numel, 1)
         checks.append(("--sub-group-size", self.sub_group_size, groups <= 1_000_000,
                        "give at most a million sub-groups per rank, e.g. 1e9 elements (DeepSpeed's default)"))
         for d in self.drives:
@@ -589,7 +601,7 @@ def _core(inp: PlanInput) -> dict:
     """The numbers of the three checks (shared by :func:`make_plan` and the change search)."""
     shape, N, dp, ranks = inp.shape, inp.params, inp.dp, inp.gpus
     pb, mb = PARAM_BYTES[inp.dtype], inp.moment_bytes
-    sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_size, cpu_ranks=inp.cpu_ranks)
+    sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_numel, cpu_ranks=inp.cpu_ranks)
     slice_numel = shape.largest_slice_params
     if inp.n_params is not None and shape.n_params:
         slice_numel = int(slice_numel * N / shape.n_params)
@@ -656,7 +668,7 @@ def rank_sub_group_numels(inp: PlanInput) -> list[int]:
     ``ceil(numel / dp)``, every tensor scaled by ``n_params / shape`` when ``--params`` overrides the count."""
     scale = inp.params / inp.shape.n_params if inp.shape.n_params else 1.0
     parts = [-(-max(int(t.numel * scale), 1) // inp.dp) for t in inp.shape.tensors()]
-    return deepspeed_sub_group_numels(parts, inp.sub_group_size)
+    return deepspeed_sub_group_numels(parts, inp.sub_group_numel)
 
 
 def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> dict:
@@ -820,7 +832,7 @@ def _smallest_change(inp: PlanInput, check: str) -> tuple[str, PlanInput] | None
                 return f"use GPUs with {gb} GB or more", r(inp, vram=gb * 10**9)
         return shorter_sequences(cur, done, check)
     if check == "dram":
-        sg = inp.sub_group_size // 2
+        sg = inp.sub_group_numel // 2
         while sg >= 10**7:
             if inp.dram_budget is None and _passes(r(inp, sub_group_size=sg), check):
                 return f"reduce sub_group_size to {sg:.0e} elements", r(inp, sub_group_size=sg)
@@ -831,7 +843,7 @@ def _smallest_change(inp: PlanInput, check: str) -> tuple[str, PlanInput] | None
                 return f"lower the DRAM budget to {_dec(fit)} or less (or use 'auto')", r(inp, dram_budget=fit)
         if inp.cpu_ranks:  # activations are host memory: the activation settings, on top of the smallest sub-groups
             base, pre = inp, []
-            if inp.dram_budget is None and inp.sub_group_size > 10**7:
+            if inp.dram_budget is None and inp.sub_group_numel > 10**7:
                 base, pre = r(inp, sub_group_size=10**7), ["reduce sub_group_size to 1e+07 elements"]
             found = activation_settings(base, check)
             if len(found) == 2:
@@ -1104,6 +1116,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
     inputs = dataclasses.asdict(inp)
     inputs.pop("shape")
     inputs["n_params"] = N
+    inputs["sub_group_size"] = inp.sub_group_numel  # the one planned (the runtime's pick where left out)
     model = shape.as_dict()
     model.update(n_params=N, shape_source=inp.shape_source)
     plan = CapacityPlan(
