@@ -141,8 +141,7 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
                        "partition_numel": p.ds_tensor.ds_numel} for n, p in fz]
     scaler = {k: v for k, v in vars(getattr(opt, "loss_scaler", object())).items()
               if isinstance(v, (bool, int, float))}
-    groups = [{k: v for k, v in pg.items() if k != "params" and isinstance(v, (bool, int, float, str, list, tuple))}
-              for pg in opt.optimizer.param_groups]
+    groups = [param_group_values(pg) for pg in opt.optimizer.param_groups]
     writer.finish({"subgroups": subgroups, "frozen": frozen, "frozen_file": "frozen.safetensors",
                    "loss_scaler": scaler, "param_groups": groups, "optimizer": type(opt.optimizer).__name__})
     return writer
@@ -490,12 +489,31 @@ def _ds_version() -> str:
     return deepspeed.__version__
 
 
+def param_group_values(group: dict) -> dict:
+    """The hyperparameters of one optimizer param group as the checkpoint's index keeps them (JSON): every entry
+    but ``params`` that is a scalar, a string, ``None`` or a sequence of those, and a one-element tensor (torch's
+    optimizers take ``lr`` as a tensor) as its number; a larger tensor or another object is left out."""
+    out = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor):
+            if v.numel() == 1:
+                out[k] = v.item()
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(x is None or isinstance(x, (bool, int, float, str)) for x in v):
+            out[k] = list(v)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- load
 def restore_param_groups(groups: list[dict], saved: list[dict], tag_path: str) -> None:
     """Set each of the optimizer's param groups to its saved hyperparameters (``lr``, ``betas``, ``eps``,
-    ``weight_decay``, ...; the scalars and sequences :func:`save_rank_state` keeps), as DeepSpeed's load with its
-    CPU offload does with the optimizer's state (``stage3.py:3552``, ``optimizer.load_state_dict``; its NVMe load
-    skips it). A tensor or ``None`` value (a tensor ``lr``) is not saved, so not restored. A learning-rate scheduler
+    ``weight_decay``, ``None`` settings such as ``foreach``, ...: :func:`param_group_values`), as DeepSpeed's load
+    with its CPU offload does with the optimizer's state (``stage3.py:3552``, ``optimizer.load_state_dict``; its
+    NVMe load skips it). A sequence comes back as the type the group holds (``betas`` a tuple); a value the group
+    holds as a tensor (a tensor ``lr``) is written into that tensor. A learning-rate scheduler
     writes the lr only at its next step, so without this the first step after a load runs at the lr the new
     engine started with, not the saved run's (a changing schedule resumed inexactly; at a warm-up's start, lr 0).
 
@@ -510,7 +528,11 @@ def restore_param_groups(groups: list[dict], saved: list[dict], tag_path: str) -
                          f"or pass load_optimizer_states=False to keep only the weights")
     for group, values in zip(groups, saved, strict=True):
         for k, v in values.items():
-            group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+            now = group.get(k)
+            if isinstance(now, torch.Tensor) and now.numel() == 1 and isinstance(v, (int, float)):
+                now.fill_(v)
+            else:
+                group[k] = tuple(v) if isinstance(now, tuple) and isinstance(v, list) else v
 
 
 def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) -> None:
