@@ -51,6 +51,22 @@ def test_read_metrics_keeps_the_last_line_of_a_repeated_step_and_skips_a_cut_lin
     a, b = _step(1), dict(_step(1), loss=9.0)
     m = read_metrics(_run_dir(tmp_path, [a, {"resumed_from": "x/checkpoint-0", "step": 0}, b]))
     assert [s["loss"] for s in m["steps"]] == [9.0] and m["summary"] is None and len(m["resumes"]) == 1
+    assert m["redone"] == [a]  # the superseded line: that step ran, and wrote
+
+
+def test_steps_redone_after_a_resume_count_in_the_whole_runs_bytes(tmp_path):
+    """A run saved at step 2, ran to step 4 and was resumed from step 2: steps 3 and 4 ran twice, and the drives
+    took their writes twice; the whole run says so and counts them (endurance: every byte written)."""
+    first = [_step(1), _step(2), {"checkpoint": "out/checkpoint-2", "step": 2}, _step(3), _step(4)]
+    second = [{"resumed_from": "out/checkpoint-2", "step": 2}, _step(3), _step(4),
+              dict(SUMMARY, resumed_from="out/checkpoint-2", resumed_from_step=2)]
+    out = write_report(_run_dir(tmp_path, first + second))
+    md = open(out["report"], encoding="utf-8").read()
+    assert "| whole run: written / read per parameter per step (cache tier, 6 steps, 2 processes; 2 of them run " \
+           "again after a resume, counted each time) | 12000.00 B" in md, md
+    assert "| whole run: written / read in all (cache tier: setup, steps, evals, saves of every process) | " \
+           "68.66 MiB /" in md  # 6 x 12 MB
+    assert "| whole run: drive /mnt/c0 | 34.33 MiB written" in md  # 6 x 6 MB
 
 
 def test_report_of_a_run_without_cache_tier_or_summary_still_renders(tmp_path, capsys):

@@ -32,10 +32,11 @@ PLOTS = ("loss.png", "io.png", "io_wait.png", "memory.png")
 
 
 def read_metrics(run_dir: str) -> dict:
-    """``{"evals", "steps", "checkpoints", "summary", "resumes", "setups"}`` from ``run_dir/metrics.jsonl``.
+    """``{"evals", "steps", "redone", "checkpoints", "summary", "resumes", "setups"}`` from ``run_dir/metrics.jsonl``.
 
-    A line cut by a killed run is skipped. A step that appears twice (a run resumed from an earlier
-    checkpoint without rewriting the file) keeps its last line.
+    A line cut by a killed run is skipped. A step that appears twice (a run resumed from a checkpoint older than
+    its last step) keeps its last line in ``steps``; the lines it supersedes are in ``redone`` (that work ran, and
+    its bytes reached the drives).
 
     Raises:
         FileNotFoundError: no ``metrics.jsonl`` in ``run_dir`` (names it and what writes it).
@@ -44,7 +45,7 @@ def read_metrics(run_dir: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl; give the --output_dir of a launch/finetune.py run "
                                 f"(or a metrics.jsonl written by aidaptiv_ds.telemetry.metrics.MetricsWriter)")
-    evals, steps, ckpts, resumes, setups, summary = {}, {}, [], [], [], None
+    evals, steps, ckpts, resumes, setups, redone, summary = {}, {}, [], [], [], [], None
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
@@ -62,9 +63,11 @@ def read_metrics(run_dir: str) -> dict:
             elif rec.get("setup"):
                 setups.append(rec)
             elif "loss" in rec and "step" in rec:
+                if rec["step"] in steps:
+                    redone.append(steps[rec["step"]])
                 steps[rec["step"]] = rec
     return {"evals": [evals[k] for k in sorted(evals)], "steps": [steps[k] for k in sorted(steps)],
-            "checkpoints": ckpts, "resumes": resumes, "setups": setups, "summary": summary}
+            "redone": redone, "checkpoints": ckpts, "resumes": resumes, "setups": setups, "summary": summary}
 
 
 def _axes(title: str, ylabel: str):
@@ -147,24 +150,27 @@ def plot_memory(m: dict, path: str) -> str:
 
 
 def whole_run(m: dict) -> dict | None:
-    """Figures of a resumed run as a whole, from its lines (None when it never resumed): ``steps``,
-    ``processes``, ``written``/``read`` (cache tier, every window of every process), ``per_path`` (the steps'
-    bytes per drive), ``step_written``/``step_read`` (the steps'), ``peak_rss_bytes`` (largest of every line)."""
+    """Figures of a resumed run as a whole, from its lines (None when it never resumed): ``steps`` (each step
+    once), ``redone`` (steps run again after a resume from an older checkpoint), ``processes``, ``written``/``read``
+    (cache tier, every window of every process, redone steps included: their bytes reached the drives),
+    ``per_path`` (the steps' bytes per drive), ``step_written``/``step_read`` (the steps', redone included),
+    ``peak_rss_bytes`` (largest of every line)."""
     if not m["resumes"]:
         return None
-    windows = m["steps"] + m["evals"] + m["checkpoints"] + m["setups"]
+    ran = m["steps"] + m.get("redone", [])  # every step line, a step redone after a resume as often as it ran
+    windows = ran + m["evals"] + m["checkpoints"] + m["setups"]
     per_path: dict = {}
-    for s in m["steps"]:
+    for s in ran:
         for p, v in (s.get("per_path") or {}).items():
             cur = per_path.setdefault(p, {"bytes_written": 0, "bytes_read": 0})
             cur["bytes_written"] += v.get("write_bytes", 0)
             cur["bytes_read"] += v.get("read_bytes", 0)
     peaks = [r.get("peak_rss_bytes") or 0 for r in windows] + [(m["summary"] or {}).get("peak_rss_bytes") or 0]
-    return {"steps": len(m["steps"]), "processes": len(m["resumes"]) + 1,
+    return {"steps": len(m["steps"]), "redone": len(ran) - len(m["steps"]), "processes": len(m["resumes"]) + 1,
             "written": sum(r.get("cache_write_bytes") or 0 for r in windows),
             "read": sum(r.get("cache_read_bytes") or 0 for r in windows),
-            "step_written": sum(s.get("cache_write_bytes") or 0 for s in m["steps"]),
-            "step_read": sum(s.get("cache_read_bytes") or 0 for s in m["steps"]),
+            "step_written": sum(s.get("cache_write_bytes") or 0 for s in ran),
+            "step_read": sum(s.get("cache_read_bytes") or 0 for s in ran),
             "per_path": per_path, "peak_rss_bytes": max(peaks) or None}
 
 
@@ -207,9 +213,11 @@ def _rows(s: dict | None, m: dict) -> list[tuple[str, str]]:
     rows = [("eval loss before → after", f"{f(s.get('eval_loss_before'))} → {f(s.get('final_eval_loss'))}"),
             ("steps", str(s.get("steps")) + (f" (resumed at {s['resumed_from_step']})" if s.get("resumed_from") else ""))]
     if w is not None and n:
-        rows += [(f"whole run: written / read per parameter per step (cache tier, {w['steps']} steps, "
-                  f"{w['processes']} processes)", f"{w['step_written'] / n / max(w['steps'], 1):.2f} B / "
-                                                  f"{w['step_read'] / n / max(w['steps'], 1):.2f} B"),
+        ran = w["steps"] + w["redone"]
+        redone = f"; {w['redone']} of them run again after a resume, counted each time" if w["redone"] else ""
+        rows += [(f"whole run: written / read per parameter per step (cache tier, {ran} steps, "
+                  f"{w['processes']} processes{redone})", f"{w['step_written'] / n / max(ran, 1):.2f} B / "
+                                                          f"{w['step_read'] / n / max(ran, 1):.2f} B"),
                  ("whole run: written / read in all (cache tier: setup, steps, evals, saves of every process)",
                   f"{format_bytes(w['written'])} / {format_bytes(w['read'])}")]
         rows += [(f"whole run: drive {p}", f"{format_bytes(d['bytes_written'])} written, {format_bytes(d['bytes_read'])} "
