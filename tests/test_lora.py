@@ -1,8 +1,10 @@
 """PEFT LoRA under ZeRO-3, as users fine-tune with it: a frozen base model (its parameters offloaded, in no
 optimizer sub-group), LoRA adapters trained, activation checkpointing, gradient accumulation 2 and every knob
 the config leaves out at DeepSpeed's default (clipping 1.0, ``sub_group_size``, the persistence threshold).
-aidaptiv_ds trains exactly like DeepSpeed's CPU offload, and a checkpoint saved, loaded into a new engine
-and trained on goes on as if never stopped."""
+aidaptiv_ds trains exactly like DeepSpeed's CPU offload, a checkpoint saved, loaded into a new engine
+and trained on goes on as if never stopped, and DeepSpeed's ``zero_to_fp32`` (its function in a process that
+imports only DeepSpeed, and the script DeepSpeed copies beside the save) reads our checkpoint as it reads
+DeepSpeed's own: the same frozen, trainable and tied weights, bit for bit."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from _oracle import REPO, STORIES, STORIES_ABSENT, free_port
 
 pytestmark = pytest.mark.subprocess  # every test here starts a child process (tests/conftest.py)
@@ -53,3 +56,29 @@ def test_lora_trains_and_resumes_like_deepspeeds_cpu_offload(tmp_path):
     assert got["losses"][-1] < got["losses"][0]  # the adapters learn
     resumed = lora_run(ours, tmp_path, "ours_resumed", "resume")
     assert resumed["losses"] == got["losses"] and resumed["eval"] == got["eval"] and resumed["sums"] == got["sums"]
+    lora_run(ref, tmp_path, "cpu_resumed", "resume")  # DeepSpeed's own checkpoint of the same step
+    ours_sd = _zero_to_fp32(tmp_path / "ours_resumed" / "ckpt", tmp_path / "ours_fp32.pt")
+    ref_sd = _zero_to_fp32(tmp_path / "cpu_resumed" / "ckpt", tmp_path / "cpu_fp32.pt")
+    assert sorted(ours_sd) == sorted(ref_sd) and len(ours_sd) == 68  # 47 frozen, 20 adapters, the tied LM head
+    for k, v in ref_sd.items():
+        assert ours_sd[k].dtype == v.dtype and torch.equal(ours_sd[k], v), k
+    script = tmp_path / "ours_resumed" / "ckpt" / "zero_to_fp32.py"  # DeepSpeed's copy, run as users run it
+    # its default output (its --safe_serialization refuses the tied LM head, on DeepSpeed's own checkpoint too)
+    p = subprocess.run([sys.executable, str(script), str(script.parent), str(tmp_path / "ours_out")],
+                       env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    exported = torch.load(str(tmp_path / "ours_out" / "pytorch_model.bin"), weights_only=True)
+    assert sorted(exported) == sorted(ref_sd) and all(torch.equal(exported[k], ref_sd[k]) for k in ref_sd)
+
+
+def _zero_to_fp32(ckpt, out) -> dict:
+    """DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` of ``ckpt`` in a child process that imports only
+    DeepSpeed (aidaptiv_ds importable, not imported), saved to ``out`` and loaded here."""
+    code = ("import sys, torch\n"
+            "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
+            "assert 'aidaptiv_ds' not in sys.modules\n"
+            "torch.save(get_fp32_state_dict_from_zero_checkpoint(sys.argv[1]), sys.argv[2])\n")
+    p = subprocess.run([sys.executable, "-c", code, str(ckpt), str(out)], env=dict(os.environ, PYTHONPATH=REPO),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return torch.load(str(out), weights_only=True)

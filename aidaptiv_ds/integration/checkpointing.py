@@ -43,6 +43,7 @@ import time
 
 import torch
 
+from ..checkpoint.deepspeed_compat import FROZEN_FILE, SavedTensorRef, placeholders, subgroup_file
 from ..checkpoint.format import IncompleteCheckpointError, adopt_root_files, locate_tag, manifest_ranks, \
     offer_complete, publish, read_manifest, recover, staging_dir, staging_root, tag_dir
 from ..checkpoint.parts import Part, apply_plan, choose_tag, claim, cleanup_plan, commit_record, decide, finish_part, \
@@ -109,7 +110,7 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
                 "step": None if step is None else float(step),
                 "step_type": None if step is None else (f"tensor:{str(step.dtype)[6:]}" if torch.is_tensor(step)
                                                          else type(step).__name__)}
-        fname = f"sg{i:05d}.safetensors"
+        fname = subgroup_file(i)
         slots = g.valid_slots
         if slots > 1:  # [Note: moment dtype] in optimizer_swapper.py: stored widened to fp32, exactly
             meta["slot_dtypes"] = [str(sl.dtype)[6:] for sl in g.layout.slots[:slots]]
@@ -136,13 +137,13 @@ def save_rank_state(opt, tag_path: str, exclude_frozen: bool = False) -> RankWri
               getattr(p, "ds_tensor", None) is not None and id(p) in names]
         if fz:
             datas = _read_partitions(rt, [p for _, p in fz])
-            writer.write_tensors("frozen.safetensors", [(n, d) for (n, _), d in zip(fz, datas)])
+            writer.write_tensors(FROZEN_FILE, [(n, d) for (n, _), d in zip(fz, datas)])
             frozen = [{"name": n, "numel": p.ds_numel, "shape": list(p.ds_shape), "dtype": str(p.dtype)[6:],
                        "partition_numel": p.ds_tensor.ds_numel} for n, p in fz]
     scaler = {k: v for k, v in vars(getattr(opt, "loss_scaler", object())).items()
               if isinstance(v, (bool, int, float))}
     groups = [param_group_values(pg) for pg in opt.optimizer.param_groups]
-    writer.finish({"subgroups": subgroups, "frozen": frozen, "frozen_file": "frozen.safetensors",
+    writer.finish({"subgroups": subgroups, "frozen": frozen, "frozen_file": FROZEN_FILE,
                    "loss_scaler": scaler, "param_groups": groups, "optimizer": type(opt.optimizer).__name__})
     return writer
 
@@ -391,7 +392,8 @@ def save_checkpoint(engine, orig, save_dir, tag=None, client_state={}, save_late
     check_space(engine.optimizer, save_dir, tag, exclude_frozen_parameters)
     path = staging_dir(save_dir, tag)
     _kill_point("before_deepspeed")
-    with _without_swap_folder_copy(engine):
+    with _without_swap_folder_copy(engine), _deepspeed_readable(engine, tag_dir(save_dir, tag), rank,
+                                                                exclude_frozen_parameters):
         ok = orig(engine, staging_root(save_dir), tag, client_state, False, exclude_frozen_parameters)
     _kill_point("after_deepspeed")
     writer = save_rank_state(engine.optimizer, path, exclude_frozen_parameters)
@@ -442,6 +444,43 @@ class _without_swap_folder_copy:
 
     def __exit__(self, *exc) -> None:
         del self.engine.zero_nvme_offload_optimizer
+
+
+class _deepspeed_readable:
+    """DeepSpeed's save with references to this checkpoint's own files where its ``.pt`` files would hold empty
+    tensors: each sub-group's fp32 master in ``fp32_flat_groups`` (``*_optim_states.pt``) and each frozen
+    partition in ``frozen_param_fragments`` (``*_model_states.pt``), so ``zero_to_fp32`` reads the checkpoint
+    ([Note: what zero_to_fp32 reads] in ``checkpoint/deepspeed_compat.py``). DeepSpeed asks the optimizer's
+    ``state_dict()`` (``stage3.py`` ``_rigid_state_dict``) and the engine's ``_get_param_fragment_func`` (per
+    frozen parameter, ``engine.py:5025``): both answered here for the save, as instance attributes."""
+
+    def __init__(self, engine, tag_path: str, rank: int, exclude_frozen: bool) -> None:
+        self.engine, self.tag_path, self.rank, self.exclude_frozen = engine, tag_path, rank, exclude_frozen
+
+    def __enter__(self) -> None:
+        engine, opt = self.engine, self.engine.optimizer
+        refs = [SavedTensorRef(self.rank, subgroup_file(i), "state", 0, self.tag_path)
+                for i in range(len(opt.fp32_partitioned_groups_flat))]
+        real_state_dict, real_fragment = opt.state_dict, engine._get_param_fragment_func
+
+        def state_dict():
+            sd = real_state_dict()
+            sd["fp32_flat_groups"] = refs
+            return sd
+
+        names = _names(opt._aidaptiv.module)
+
+        def fragment(param):
+            saved = not self.exclude_frozen and not param.requires_grad and id(param) in names and \
+                getattr(param, "ds_tensor", None) is not None
+            if not saved:
+                return real_fragment(param)
+            return SavedTensorRef(self.rank, FROZEN_FILE, names[id(param)], None, self.tag_path)
+
+        opt.state_dict, engine._get_param_fragment_func = state_dict, fragment
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.optimizer.state_dict, self.engine._get_param_fragment_func
 
 
 def _finish_dir(save_dir: str) -> None:
@@ -674,7 +713,8 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
     if ms_file is None:
         raise IncompleteCheckpointError(f"aidaptiv_ds: checkpoint {path} has no DeepSpeed model-states file. "
                                         f"{offer_complete(load_dir, tag)}")
-    ms = torch.load(ms_file, map_location="cpu", weights_only=False)
+    with placeholders():  # the references to our own files in it ([Note: what zero_to_fp32 reads]): not read here
+        ms = torch.load(ms_file, map_location="cpu", weights_only=False)
     opt = engine.optimizer
     opt.checkpoint_event_prologue()
     load_rank_state(opt, reader, load_optimizer_states and not load_module_only)
