@@ -109,3 +109,19 @@ def test_a_refused_config_prints_its_message_once_without_a_traceback(tmp_path, 
         assert "aidaptiv_ds stopped the program (set AIDAPTIV_DS_TRACEBACK=1 for the traceback):\n" \
                "aidaptiv_ds.errors.AidaptivConfigError: invalid \"aidaptiv\" section:" in p.stderr, p.stderr
         assert "aidaptiv.dram_budgt: unknown key; did you mean 'dram_budget'?" in p.stderr
+
+
+def test_the_ranks_on_this_node_are_the_larger_of_the_launchers_counts(monkeypatch):
+    """Under the ``deepspeed`` launcher HF Trainer's accelerate sets ``LOCAL_WORLD_SIZE=1`` beside the launcher's
+    ``LOCAL_SIZE=2``: the node's ``auto`` budget is split over 2, not taken whole by each rank."""
+    from aidaptiv_ds.integration.runtime import local_world_size
+
+    for k in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert local_world_size() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    assert local_world_size() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert local_world_size() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert local_world_size() == 4

@@ -76,13 +76,13 @@ def resolve_run_name(name: str) -> str:
 
 
 def local_world_size() -> int:
-    """Processes of this job on this node: ``LOCAL_WORLD_SIZE`` (torchrun), else ``LOCAL_SIZE`` (the
-    ``deepspeed`` launcher sets only that one), else 1."""
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        v = os.environ.get(var, "").strip()
-        if v:
-            return max(int(v), 1)
-    return 1
+    """Processes of this job on this node: the larger of ``LOCAL_WORLD_SIZE`` (torchrun) and ``LOCAL_SIZE`` (the
+    ``deepspeed`` launcher sets only that one), else 1. The larger, because a library may set one of them wrong:
+    under the ``deepspeed`` launcher with two CPU ranks, HF Trainer's accelerate (``PartialState``, MULTI_CPU) sets
+    ``LOCAL_WORLD_SIZE=1`` beside the launcher's ``LOCAL_SIZE=2``, and each rank took the node's whole ``auto``
+    budget (found by a new-user trial); counting too many ranks only makes each budget smaller."""
+    sizes = [int(v) for v in (os.environ.get(k, "").strip() for k in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")) if v]
+    return max(sizes + [1])
 
 
 def auto_dram_budget(working_set_bytes: int = 0) -> int:
