@@ -76,7 +76,8 @@ def nodes_in_job(env=None) -> int | None:
 
     if num("GROUP_WORLD_SIZE"):
         return num("GROUP_WORLD_SIZE")
-    world, local = num("WORLD_SIZE"), num("LOCAL_WORLD_SIZE") or num("LOCAL_SIZE")
+    # the larger of the two (accelerate under the deepspeed launcher sets LOCAL_WORLD_SIZE=1: integration/runtime.py)
+    world, local = num("WORLD_SIZE"), max(num("LOCAL_WORLD_SIZE") or 0, num("LOCAL_SIZE") or 0) or None
     if world and local:
         return max(1, world // local)
     return num("SLURM_JOB_NUM_NODES") or num("SLURM_NNODES")
