@@ -233,3 +233,18 @@ def test_a_full_disk_during_a_sub_group_file_names_it_and_puts_nothing_in_place(
     assert e.value.path == path and e.value.errno == errno.ENOSPC and e.value.written == 2_100_000
     assert f"{path} failed after 2100000 of {4096 + state.numel() * 4} bytes: No space left on device" in str(e.value)
     assert os.listdir(w.dir) == [] and w.files == {}
+
+
+def test_a_checkpoint_of_deepspeeds_own_offload_is_named_as_such(tmp_path):
+    """A tag DeepSpeed's own offload saved (its files, no ``aidaptiv/``) is not called incomplete or damaged (a
+    user who switched a CPU-offload project met that): the error says who saved it and how to start from it."""
+    tag = tmp_path / "global_step4"
+    tag.mkdir()
+    (tag / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    with pytest.raises(IncompleteCheckpointError, match="saved by DeepSpeed's own ZeRO offload") as e:
+        read_manifest(str(tag))
+    assert "zero_to_fp32.py" in str(e.value) and "incomplete" not in str(e.value)
+    (tag / "aidaptiv").mkdir()  # our directory without its manifest: an unfinished save of ours
+    with pytest.raises(IncompleteCheckpointError, match="is incomplete"):
+        read_manifest(str(tag))

@@ -45,6 +45,7 @@ naming every part with its manifest's CRC32. The protocol and how a load checks 
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -194,6 +195,15 @@ def read_manifest(tag_path: str, verify_crc: bool = False) -> dict:
     path = os.path.join(base, MANIFEST)
     if not os.path.isfile(path):
         have = sorted(os.listdir(base)) if os.path.isdir(base) else []
+        if not os.path.isdir(base) and glob.glob(os.path.join(glob.escape(tag_path), "*_model_states.pt")):
+            raise IncompleteCheckpointError(
+                f"aidaptiv_ds: checkpoint {tag_path} was saved by DeepSpeed's own ZeRO offload (its files, no "
+                f"{DIRNAME}/ directory), not by aidaptiv_ds; an engine on aidaptiv_ds loads only its own checkpoints "
+                f"(and DeepSpeed's NVMe offload saves no optimizer state to resume from). Fix: resume it with the "
+                f"configuration that saved it, or start from its weights: "
+                f"`python {os.path.join(os.path.dirname(os.path.abspath(tag_path)), 'zero_to_fp32.py')} "
+                f"{os.path.dirname(os.path.abspath(tag_path))} OUT_DIR` and load OUT_DIR/pytorch_model.bin into the "
+                f"model before deepspeed.initialize.")
         raise IncompleteCheckpointError(
             f"aidaptiv_ds: checkpoint {tag_path} is incomplete: {path} is missing (the save did not finish; found "
             f"{have or 'no aidaptiv files'}). It will not be loaded.")
