@@ -756,10 +756,24 @@ def install(engine_cls) -> None:
     save.__doc__, load.__doc__ = orig_save.__doc__, orig_load.__doc__
     save._aidaptiv, load._aidaptiv = orig_save, orig_load
     engine_cls.save_checkpoint, engine_cls.load_checkpoint = save, load
+    orig_16bit = engine_cls._zero3_consolidated_16bit_state_dict
+
+    def state_dict_16bit(self, *args, **kwargs):
+        """DeepSpeed's gathered 16-bit state dict; on our swapper its repartitions write nothing ([Note: the
+        16-bit save reads only] in ``param_swapper.py``)."""
+        psw = self.optimizer._aidaptiv.rt.param_swapper if is_ours(self) else None
+        if psw is None:
+            return orig_16bit(self, *args, **kwargs)
+        with psw.reads_only():
+            return orig_16bit(self, *args, **kwargs)
+
+    state_dict_16bit._aidaptiv = orig_16bit
+    engine_cls._zero3_consolidated_16bit_state_dict = state_dict_16bit
 
 
 def uninstall(engine_cls) -> None:
     if getattr(engine_cls.save_checkpoint, "_aidaptiv", False):
         engine_cls.save_checkpoint = engine_cls.save_checkpoint._aidaptiv
         engine_cls.load_checkpoint = engine_cls.load_checkpoint._aidaptiv
+        engine_cls._zero3_consolidated_16bit_state_dict = engine_cls._zero3_consolidated_16bit_state_dict._aidaptiv
 

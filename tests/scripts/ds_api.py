@@ -14,7 +14,8 @@ tests/unit/checkpoint/) where they have one:
   parameter and None for a frozen one, after backward and after the step;
 * ``gathered_edit``: ``weight *= 0.5`` under ``GatheredParameters(modifier_rank=0)`` after a step; the next gather
   shows it; train on;
-* ``save16``: ``save_16bit_model`` (``stage3_gather_16bit_weights_on_model_save``) after two steps;
+* ``save16``: ``save_16bit_model`` (``stage3_gather_16bit_weights_on_model_save``) after two steps, writing
+  nothing to the cache drive, then two more steps;
 * ``reload``: ``save_checkpoint``, ``engine.destroy()``, a new engine (another cache path) in the same process,
   ``load_checkpoint`` with ``--load module_only|no_optimizer|full``, train on;
 * ``eval_between``: an eval forward under ``torch.no_grad()`` between steps;
@@ -389,7 +390,20 @@ def scenario_save16(a, rank):
     for s in range(a.steps):
         _lm_step(run, s, rank)
     out = os.path.join(a.out, "save16")
+    rt = getattr(getattr(eng.optimizer, "_aidaptiv", None), "rt", None)  # ours: the cache drive's byte counts
+
+    def written():
+        if rt is None:
+            return 0
+        rt.flush()
+        return sum(rt.store.bytes_written)
+
+    before = written()
     eng.save_16bit_model(out)
+    # a save reads the weights: nothing rewritten to the drive ([Note: the 16-bit save reads only])
+    run.checks["save16_wrote_nothing"] = written() == before
+    for s in range(a.steps, a.steps + 2):  # and training goes on as on DeepSpeed's
+        _lm_step(run, s, rank)
     if rank == 0:
         from safetensors.torch import load_file
         files = sorted(f for f in os.listdir(out) if f.endswith((".bin", ".safetensors")))
