@@ -755,6 +755,7 @@ def check_dram_budget(given: Any, budget: int | str, local_ranks: int | None = N
         import warnings
         msg = (f"{SECTION}.dram_budget: {given!r} ({per}) is more than the memory available now, "
                f"{format_bytes(int(avail))} (MemAvailable in /proc/meminfo); if the state fills it, this node will "
-               f"swap or hit the OOM killer. Fix: a smaller budget, or \"auto\"")
+               f"swap or hit the OOM killer. Fix: a smaller budget, or leave dram_budget out (its default, "
+               f"\"auto\", sizes it from this host)")
         log.warning("aidaptiv_ds: %s", msg)
         warnings.warn(msg, BudgetWarning, stacklevel=3)

@@ -346,7 +346,12 @@ def make_stage3_class(base: type) -> type:
                 accum_elsize=accum.itemsize, state_elsize=sw.elsize, states=sw.expected_states, alignment=align,
                 alias=alias, moments=sw.moments.name if sw.narrow else None)
             grad_slices = state.grad_slice_bytes()
-            sizes = StateSizes(param_bytes=state.param_bytes, grad_bytes=sum(grad_slices),
+            # parameters not on our swapper (offload_param "cpu" or left out) are DeepSpeed's: none of our bytes
+            ours = psw is not None
+            written = sum(p.ds_tensor.ds_numel * p.element_size() for p in module_params
+                          if p.requires_grad and getattr(p, "ds_tensor", None) is not None) if ours else 0
+            sizes = StateSizes(param_bytes=state.param_bytes if ours else 0, param_write_bytes=written,
+                               grad_bytes=sum(grad_slices),
                                subgroup_bytes=[sw.layout(n, 1 + sw.expected_states).prefix_bytes() for n in numels],
                                alias_params=alias, subgroup_param_bytes=subgroup_param_bytes,
                                subgroup_grad_bytes=grad_slices,

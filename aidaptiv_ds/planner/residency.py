@@ -66,6 +66,8 @@ class StateSizes:
             they stay in DRAM only if all of them fit under it.
         grad_accum: micro-batches per optimizer step, accumulated micro-batch by micro-batch ([Note: partial
             gradients between micro-batches]).
+        param_write_bytes: the parameter bytes a step writes (the trainable parameters' partitions: a frozen one,
+            a LoRA run's base model, is written once and only read after); None: all of :attr:`param_bytes`.
     """
     param_bytes: int
     grad_bytes: int
@@ -77,6 +79,7 @@ class StateSizes:
     steps_in_backward: bool = False
     param_resident_cap: int | None = None
     grad_accum: int = 1
+    param_write_bytes: int | None = None
 
     @property
     def grads_stored(self) -> bool:
@@ -189,8 +192,8 @@ def plan_residency(sizes: StateSizes, budget: int) -> ResidencyPlan:
         p_w = 0
     elif sizes.alias_params:  # only parameters of sub-groups kept in DRAM have a copy of their own
         p_w = sum(sizes.subgroup_param_bytes[i] for i in resident)
-    else:
-        p_w = sizes.param_bytes
+    else:  # the trainable parameters: a frozen one is never written again
+        p_w = sizes.param_bytes if sizes.param_write_bytes is None else min(sizes.param_write_bytes, sizes.param_bytes)
     # each slice not kept: its partial sum at every micro-batch boundary, and its final gradient unless the step
     # inside backward consumes it (a sub-group kept in DRAM is stepped after backward: its final slice is kept)
     nonres = [i for i in range(len(slices)) if i not in grad_res]
