@@ -81,6 +81,13 @@ def test_the_start_line_says_active_paths_budget_and_the_plans_pace(tmp_path):
     assert "rated 1 DWPD allows one step every 518.4 s or longer (rating assumed" in line, line
     rt.cfg = AidaptivConfig(cache_paths=[str(tmp_path)], dram_budget=0, endurance={"rated_dwpd": 1.0})
     assert "rating assumed" not in startup.startup_line(_fake_engine(10 ** 9, 12 * 10 ** 9), rt)
+    assert "chosen here" not in line
+    # the DeepSpeed settings the config left out and this backend chose are named (they were logged at INFO only)
+    eng = _fake_engine(10 ** 9, 12 * 10 ** 9)
+    eng.optimizer._aidaptiv = types.SimpleNamespace(picked={"sub_group_size": 26_041_666, "reduce_bucket_size": 2e7})
+    line = startup.startup_line(eng, rt)
+    assert "left out of the config, chosen here: zero_optimization.sub_group_size 2.6e+07 (DeepSpeed's default " \
+           "1e+09), zero_optimization.reduce_bucket_size 2e+07 (DeepSpeed's default 5e+08)" in line, line
 
 
 BAD = """

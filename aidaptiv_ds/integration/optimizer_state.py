@@ -51,6 +51,8 @@ class AidaptivOptimizerState:
             encoded into the slots at the sub-group's swap-out ([Note: narrow moments in the state API]).
         fused_tile: the compiled tile of the narrow moments the host step uses (``tiers/fused_adam.py``), None: the
             eager tile (fp32 moments, ``"fused_step": "off"``, or no compiler).
+        picked: DeepSpeed settings the config left out that this backend chose (``{"sub_group_size": elements,
+            "reduce_bucket_size": elements}``, those that apply), named on the start line.
     """
     cfg: AidaptivConfig
     rt: Runtime
@@ -69,6 +71,7 @@ class AidaptivOptimizerState:
     listening: bool = False
     narrow_edits: dict = dataclasses.field(default_factory=dict)
     fused_tile: FusedTile | None = None
+    picked: dict = dataclasses.field(default_factory=dict)
 
 
 def state_of(optimizer: Any) -> AidaptivOptimizerState | None:

@@ -149,7 +149,7 @@ def make_stage3_class(base: type) -> type:
                     log.info("aidaptiv_ds: zero_optimization.sub_group_size not set: using %.3g elements instead of "
                              "DeepSpeed's 1e9 (so the optimizer's read, update and write-back of sub-groups overlap "
                              "and its working set stays small); set it in the config to choose", auto)
-                kwargs["sub_group_size"] = auto
+                kwargs["sub_group_size"] = self._aidaptiv.picked["sub_group_size"] = auto
             bucket = auto_reduce_bucket_size(ds_config)
             if bucket is not None and int(kwargs.get("reduce_bucket_size", bucket)) > bucket:
                 if self._aidaptiv.rt.rank == 0:
@@ -157,7 +157,7 @@ def make_stage3_class(base: type) -> type:
                              "elements instead of DeepSpeed's %.3g (its reduce path holds up to three buckets "
                              "of host memory outside the DRAM budget); set it in the config to choose", bucket,
                              float(kwargs["reduce_bucket_size"]))
-                kwargs["reduce_bucket_size"] = bucket
+                kwargs["reduce_bucket_size"] = self._aidaptiv.picked["reduce_bucket_size"] = bucket
             super().__init__(*args, **kwargs)
             self._aidaptiv_group_norms_as_deepspeed()
 

@@ -189,6 +189,11 @@ def startup_line(engine, rt) -> str:
     if plan is None:
         parts.append(f"{n:,} parameters, no optimizer (ZeRO-Inference): nothing written per token")
         return "; ".join(parts)
+    picked = getattr(getattr(opt, "_aidaptiv", None), "picked", None) or {}
+    if picked:  # what the config left out and this backend chose (README, "The aidaptiv section")
+        parts.append("left out of the config, chosen here: " + ", ".join(
+            f"zero_optimization.{k} {v:.3g} (DeepSpeed's default "
+            f"{ {'sub_group_size': 1e9, 'reduce_bucket_size': 5e8}.get(k, 0):.0e})" for k, v in picked.items()))
     node_w = plan.write_bytes_per_step * rt.local_world
     per_param = plan.write_bytes_per_step * rt.world / n if n else 0.0
     ratings = _ratings(rt)
