@@ -132,3 +132,34 @@ def test_the_ranks_on_this_node_are_the_larger_of_the_launchers_counts(monkeypat
     assert local_world_size() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert local_world_size() == 4
+
+
+ZINIT_WITHOUT_CONFIG = """
+import os
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
+import deepspeed, torch
+nvme = {"device": "nvme", "nvme_path": CACHE}
+cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+       "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme},
+       "aidaptiv": {"enabled": True, "cache_paths": [CACHE]}}
+deepspeed.init_distributed()
+with deepspeed.zero.Init():
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+"""
+
+
+@pytest.mark.subprocess
+def test_a_model_partitioned_by_zero_init_without_the_config_is_refused_with_the_fix(tmp_path):
+    """``with deepspeed.zero.Init():`` (no config), then ``deepspeed.initialize`` with parameters on nvme: DeepSpeed
+    stopped in its constructor on ``None.reserve_partitioned_swap_space`` (its own NVMe offload too); now the error
+    names the parameter and says to give zero.Init the config (found by a new-user trial)."""
+    from aidaptiv_ds.ports import free_port
+
+    code = (f"CACHE = {json.dumps(str(tmp_path))}\nPORT = {json.dumps(str(free_port()))}\nimport aidaptiv_ds\n"
+            + textwrap.dedent(ZINIT_WITHOUT_CONFIG))
+    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1
+    assert "parameter 0.weight was partitioned by a deepspeed.zero.Init() that was not given this config" in p.stderr
+    assert "deepspeed.zero.Init(config_dict_or_path=ds_config)" in p.stderr and "reserve_partitioned" not in p.stderr

@@ -89,6 +89,28 @@ def auto_sub_group_size(ds_config: dict, module, runtime) -> int | None:
     return auto_sub_group_numel(numel, runtime.world, avail)
 
 
+def refuse_partitioned_without_swapper(ds_config, module) -> None:
+    """Refuse a model whose parameters a ``deepspeed.zero.Init()`` without this config partitioned (no NVMe parameter
+    swapper on them) where the config offloads the parameters to nvme: DeepSpeed's Stage 3 would stop in its
+    constructor with ``AttributeError: 'NoneType' object has no attribute 'reserve_partitioned_swap_space'``
+    (``stage3.py:1018``; its own NVMe offload too), a new-user trial's first sight of the backend.
+
+    Raises:
+        AidaptivConfigError: naming the parameter and the fix (give ``zero.Init`` the config).
+    """
+    zo = (ds_config or {}).get("zero_optimization", {}) if isinstance(ds_config, dict) else {}
+    if module is None or str((zo.get("offload_param") or {}).get("device", "")).lower() != "nvme":
+        return
+    for name, p in module.named_parameters():
+        if hasattr(p, "ds_id") and getattr(p, "nvme_swapper", None) is None:
+            raise AidaptivConfigError(
+                f"aidaptiv_ds: parameter {name} was partitioned by a deepspeed.zero.Init() that was not given this "
+                f"config (its parameters have no NVMe swapper), while zero_optimization.offload_param.device is "
+                f"\"nvme\". Fix: build the model under `deepspeed.zero.Init(config_dict_or_path=ds_config)` (HF: "
+                f"create TrainingArguments(deepspeed=...) or HfDeepSpeedConfig(ds_config) before from_pretrained), "
+                f"or without zero.Init")
+
+
 def auto_reduce_bucket_size(ds_config: dict) -> int | None:
     """``zero_optimization.reduce_bucket_size`` to use on a CPU rank when the config leaves it out, else None.
 
@@ -137,6 +159,7 @@ def make_stage3_class(base: type) -> type:
         def __init__(self, *args, **kwargs):
             ds_config = kwargs.get("ds_config")
             cfg = validate(ds_config)
+            refuse_partitioned_without_swapper(ds_config, kwargs.get("module", args[0] if args else None))
             # one record of this engine's state (optimizer_state.py), before DeepSpeed's constructor calls back
             self._aidaptiv = AidaptivOptimizerState(cfg=cfg, rt=get_runtime(cfg), engine_id=next(_ENGINE_IDS),
                                                     phase=EnginePhase(),  # [Note: phases] in phase.py
