@@ -22,8 +22,9 @@ from aidaptiv_ds.checkpoint.writer import RankWriter, write_manifest
 DS_FILES = ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
 
-def stage(save_dir: str, tag: str, value: float, world: int = 1) -> str:
-    """Write a complete tag into the staging directory (as a save does before the switch)."""
+def stage(save_dir: str, tag: str, value: float, world: int = 1, param: str = "w") -> str:
+    """Write a complete tag into the staging directory (as a save does before the switch); its one parameter
+    ``param``."""
     path = staging_dir(save_dir, tag)
     for name in DS_FILES:  # DeepSpeed's own files (written in place by torch.save, no fsync)
         os.makedirs(path, exist_ok=True)
@@ -34,7 +35,7 @@ def stage(save_dir: str, tag: str, value: float, world: int = 1) -> str:
         w.write_tensors("sg00000.safetensors", [("state", state)], {"aidaptiv": {"names": ["fp32", "a", "b"]}})
         w.finish({"subgroups": [{"names": ["fp32", "a", "b"], "numel": 8, "step": value, "step_type": "float",
                                  "file": "sg00000.safetensors",
-                                 "params": [{"name": "w", "ds_id": 0, "partition_numel": 8, "offset": 0, "numel": 8 * world,
+                                 "params": [{"name": param, "ds_id": 0, "partition_numel": 8, "offset": 0, "numel": 8 * world,
                                              "shape": [8 * world], "dtype": "float32"}]}],
                   "frozen": [], "frozen_file": "frozen.safetensors", "loss_scaler": {}, "param_groups": [],
                   "optimizer": "AdamW"})
@@ -248,3 +249,17 @@ def test_a_checkpoint_of_deepspeeds_own_offload_is_named_as_such(tmp_path):
     (tag / "aidaptiv").mkdir()  # our directory without its manifest: an unfinished save of ours
     with pytest.raises(IncompleteCheckpointError, match="is incomplete"):
         read_manifest(str(tag))
+
+
+def test_export_of_a_peft_checkpoint_is_refused_before_writing(tmp_path):
+    """A LoRA run's checkpoint (PEFT's ``base_model.model.`` names, the base left out by HF's save) exported as an HF
+    model directory loaded as a randomly initialised model (a new-user trial): refused, naming the fix."""
+    from aidaptiv_ds.checkpoint.export import export_hf
+
+    ck = str(tmp_path / "ck")
+    os.makedirs(ck)
+    stage(ck, "global_step1", 1.0, param="base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight")
+    publish(ck, "global_step1")
+    with pytest.raises(ValueError, match="holds a PEFT model's parameters .* 1 LoRA tensors of 1.*save_pretrained"):
+        export_hf(os.path.join(ck, "global_step1"), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")

@@ -42,10 +42,20 @@ def export_hf(tag_path: str | list[str], out_dir: str, dtype: torch.dtype = torc
 
     Raises:
         IncompleteCheckpointError: the checkpoint's save did not finish.
+        ValueError: the checkpoint is a PEFT model's (``base_model.model.*`` names): named, nothing written.
         FileWriteError: a shard could not be written whole (disk full, ...): named, never put in place.
         FileNotFoundError: no model config in the checkpoint and no ``source_dir`` with one.
     """
     reader = CheckpointReader(tag_path)
+    peft = [n for n in reader.params if n.startswith("base_model.model.")]
+    if peft and len(peft) == len(reader.params):
+        adapters = sum(1 for n in peft if ".lora_" in n)
+        raise ValueError(
+            f"aidaptiv_ds: {tag_path} holds a PEFT model's parameters ({peft[0]}, ...; {adapters} LoRA tensors of "
+            f"{len(peft)}): an HF model directory of them would not load with from_pretrained (the names are the "
+            f"wrapper's, and a save with exclude_frozen_parameters leaves the base weights out). Fix: save the "
+            f"adapter with the PeftModel's save_pretrained (HF Trainer's save_model does), or take the weights with "
+            f"DeepSpeed's zero_to_fp32 (it reads this checkpoint) and load them into your PeftModel.")
     os.makedirs(out_dir, exist_ok=True)
     elsize = dtype.itemsize
     shards = split_into_shards(list(reader.params), lambda n: reader.params[n].numel * elsize, shard_bytes)
