@@ -543,3 +543,24 @@ def test_the_plan_plans_the_sub_group_the_runtime_picks_where_the_config_leaves_
     assert from_config["sub_group_size"] == 2 * 10 ** 8 and "sub_group_size" not in " ".join(from_config["assumed"])
     _, given = run_cli(*common, "--sub-group-size", "2e8")
     assert "sub_group_size" not in " ".join(json.loads(given)["inputs"]["assumed"])
+
+
+def test_cli_takes_the_cache_paths_of_the_deepspeed_config_without_cache(tmp_path):
+    """``plan --deepspeed CONFIG`` without ``--cache`` plans the drives the run would use: ``aidaptiv.cache_paths``,
+    else the config's ``nvme_path`` (the runtime's default), and says so (a new-user trial met ``--cache: no cache
+    drive given`` with the paths in the config)."""
+    a, b = tmp_path / "c0", tmp_path / "c1"
+    a.mkdir(), b.mkdir()
+    nvme = {"device": "nvme", "nvme_path": str(a)}
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme},
+           "aidaptiv": {"enabled": True, "dram_budget": 0}}
+    common = ["plan", "--params", "7e6", "--cpu-ranks", "--dram", "8GB", "--json"]
+    for paths in (None, [str(a), str(b)]):
+        if paths:
+            cfg["aidaptiv"]["cache_paths"] = paths
+        f = tmp_path / "ds.json"
+        f.write_text(json.dumps(cfg))
+        _, out = run_cli(*common, "--deepspeed", str(f))
+        p = json.loads(out)
+        assert [d["path"] for d in p["inputs"]["drives"]] == (paths or [str(a)])
+        assert any("cache drives: --deepspeed" in x for x in p["inputs"]["assumed"])

@@ -356,6 +356,10 @@ def _with_config_settings(args, assumed: list) -> argparse.Namespace:
                 out.defaulted.add(dest)
             setattr(out, dest, given.get(dest, default))
     out.train_batch_size = given.get("train_batch_size")
+    if not args.cache and args.deepspeed and cs.cache_paths:  # the drives the run would use
+        out.cache = list(cs.cache_paths)
+        assumed.append(f"cache drives: --deepspeed {args.deepspeed}'s cache paths {', '.join(cs.cache_paths)} (each "
+                       f"its filesystem's size; give --cache PATH:SIZE to plan another)")
     out.config_endurance = cs.endurance if args.deepspeed else {}
     out.config_moments = cs.moments if args.deepspeed else None
     return out

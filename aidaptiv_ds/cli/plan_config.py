@@ -61,12 +61,15 @@ class ConfigSettings:
         notes: what else the plan should say about the config (a ZeRO stage other than 3).
         endurance: ``aidaptiv.endurance``'s ``rated_dwpd`` and ``warranty_years`` where the section sets them.
         moments: ``aidaptiv.optimizer_state.moments`` where the section sets it, else None.
+        cache_paths: the cache paths the run would use (``aidaptiv.cache_paths``, else the config's ``nvme_path``,
+            as the runtime defaults them), for a plan given no ``--cache``.
     """
     values: dict
     unknown: tuple[str, ...]
     notes: tuple[str, ...] = ()
     endurance: dict = dataclasses.field(default_factory=dict)
     moments: str | None = None
+    cache_paths: tuple[str, ...] = ()
 
 
 def _get(cfg: dict, path: tuple[str, ...]):
@@ -131,7 +134,8 @@ def read_config_settings(path: str) -> ConfigSettings:
     if stage not in (None, 3, "3"):
         notes.append(f"zero_optimization.stage {stage!r} in --deepspeed {path}: aidaptiv_ds runs ZeRO-3 only "
                      f"(planned as stage 3)")
-    endurance, moments = {}, None
+    endurance, moments, cache_paths = {}, None, ()
+    nvme = [_get(cfg, ("zero_optimization", k, "nvme_path")) for k in ("offload_param", "offload_optimizer")]
     if section_enabled(cfg):
         raw = cfg["aidaptiv"]
         sec = parse_section(raw)  # the section's own checks and coercions, as the runtime reads it
@@ -140,4 +144,7 @@ def read_config_settings(path: str) -> ConfigSettings:
         endurance = {k: getattr(sec.endurance, k) for k in ("rated_dwpd", "warranty_years")
                      if k in (raw.get("endurance") or {})}
         moments = sec.optimizer_state.moments if "optimizer_state" in raw else None
-    return ConfigSettings(values, tuple(unknown), tuple(notes), endurance, moments)
+        given = raw.get("cache_paths")
+        cache_paths = tuple(str(p) for p in given) if isinstance(given, list) and given else \
+            tuple(str(p) for p in nvme if isinstance(p, str) and p)[:1]
+    return ConfigSettings(values, tuple(unknown), tuple(notes), endurance, moments, cache_paths)
