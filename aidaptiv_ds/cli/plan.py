@@ -525,8 +525,10 @@ def format_plan(p: CapacityPlan, strict: bool = False) -> str:
             f"resident   gradients {'yes' if r['grads_resident'] else 'no'}, parameters "
             f"{'yes' if r['params_resident'] else 'no'}, {len(r['resident_subgroups'])} optimizer sub-group(s); "
             f"prefetch depth {p.prefetch['depth']}",
-            f"per step   written {_dec(p.per_step['write_bytes'])}, read {_dec(p.per_step['read_bytes'])} "
-            f"per node ({p.per_step['write_bytes_per_param']:.2f} B/param written"
+            f"per step   written {_dec(p.per_step['write_bytes'])}, read {_dec(p.per_step['read_bytes_best'])} "
+            f"per node" + (f" ({_dec(p.per_step['read_bytes'])} where no read finds its bytes still in DRAM)"
+                           if p.per_step['read_bytes'] != p.per_step['read_bytes_best'] else "")
+            + f" ({p.per_step['write_bytes_per_param']:.2f} B/param written"
             + (f"; {_dec(p.per_step['write_bytes_if_clipped'])} on a step the clipping norm redoes"
                if p.per_step['write_bytes_if_clipped'] != p.per_step['write_bytes'] else "")
             + f"); {p.per_step['tokens']:,} tokens",
