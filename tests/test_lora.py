@@ -2,7 +2,8 @@
 optimizer sub-group), LoRA adapters trained, activation checkpointing, gradient accumulation 2 and every knob
 the config leaves out at DeepSpeed's default (clipping 1.0, ``sub_group_size``, the persistence threshold).
 aidaptiv_ds trains exactly like DeepSpeed's CPU offload, a checkpoint saved, loaded into a new engine
-and trained on goes on as if never stopped, and DeepSpeed's ``zero_to_fp32`` (its function in a process that
+and trained on goes on as if never stopped (on aidaptiv_ds, and on DeepSpeed's CPU offload), and DeepSpeed's
+``zero_to_fp32`` (its function in a process that
 imports only DeepSpeed, and the script DeepSpeed copies beside the save) reads our checkpoint as it reads
 DeepSpeed's own: the same frozen, trainable and tied weights, bit for bit."""
 from __future__ import annotations
@@ -48,15 +49,19 @@ def test_lora_trains_and_resumes_like_deepspeeds_cpu_offload(tmp_path):
             "aidaptiv": {"enabled": True, "cache_paths": [str(cache)], "dram_budget": 0}}
     ref = {**common, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                            "offload_optimizer": {"device": "cpu"}}}
-    got, want = lora_run(ours, tmp_path, "ours", "straight"), lora_run(ref, tmp_path, "cpu", "straight")
+    # ours trains 3 steps, saves, loads into a new engine and trains 3 more: every micro-batch's loss, the eval and
+    # the weights equal DeepSpeed's CPU offload trained 6 steps straight
+    got, want = lora_run(ours, tmp_path, "ours_resumed", "resume"), lora_run(ref, tmp_path, "cpu", "straight")
     assert got["optimizer_swapper"] == "AidaptivOptimizerSwapper"
     assert len(got["losses"]) == 12 and got["losses"] == want["losses"]
     assert got["eval"] == want["eval"] and got["sums"] == want["sums"]
     assert len(got["sums"]) == 1 + 5 * 2 * 2  # the frozen base tensor; A and B of q and v in 5 layers
     assert got["losses"][-1] < got["losses"][0]  # the adapters learn
-    resumed = lora_run(ours, tmp_path, "ours_resumed", "resume")
-    assert resumed["losses"] == got["losses"] and resumed["eval"] == got["eval"] and resumed["sums"] == got["sums"]
     lora_run(ref, tmp_path, "cpu_resumed", "resume")  # DeepSpeed's own checkpoint of the same step
+    # DeepSpeed's CPU offload resumes from our checkpoint (its .pt files refer to our masters and moments) and
+    # trains on exactly as we do (before, it loaded the masters and zero moments without a word)
+    back = lora_run(ref, tmp_path, "cpu_from_ours", "from:" + str(tmp_path / "ours_resumed" / "ckpt"))
+    assert back["losses"] == got["losses"][6:] and back["eval"] == got["eval"] and back["sums"] == got["sums"]
     ours_sd = _zero_to_fp32(tmp_path / "ours_resumed" / "ckpt", tmp_path / "ours_fp32.pt")
     ref_sd = _zero_to_fp32(tmp_path / "cpu_resumed" / "ckpt", tmp_path / "cpu_fp32.pt")
     assert sorted(ours_sd) == sorted(ref_sd) and len(ours_sd) == 68  # 47 frozen, 20 adapters, the tied LM head

@@ -448,8 +448,9 @@ class _without_swap_folder_copy:
 
 class _deepspeed_readable:
     """DeepSpeed's save with references to this checkpoint's own files where its ``.pt`` files would hold empty
-    tensors: each sub-group's fp32 master in ``fp32_flat_groups`` (``*_optim_states.pt``) and each frozen
-    partition in ``frozen_param_fragments`` (``*_model_states.pt``), so ``zero_to_fp32`` reads the checkpoint
+    tensors: each sub-group's fp32 master in ``fp32_flat_groups`` and its moments in the optimizer's state
+    (``*_optim_states.pt``), each frozen partition in ``frozen_param_fragments`` (``*_model_states.pt``), so
+    ``zero_to_fp32`` and a DeepSpeed engine's load read the checkpoint
     ([Note: what zero_to_fp32 reads] in ``checkpoint/deepspeed_compat.py``). DeepSpeed asks the optimizer's
     ``state_dict()`` (``stage3.py`` ``_rigid_state_dict``) and the engine's ``_get_param_fragment_func`` (per
     frozen parameter, ``engine.py:5025``): both answered here for the save, as instance attributes."""
@@ -463,9 +464,19 @@ class _deepspeed_readable:
                 for i in range(len(opt.fp32_partitioned_groups_flat))]
         real_state_dict, real_fragment = opt.state_dict, engine._get_param_fragment_func
 
+        sw = opt.optimizer_swapper
+
         def state_dict():
             sd = real_state_dict()
             sd["fp32_flat_groups"] = refs
+            # the moments too (the torch optimizer's state, indexed by sub-group: DeepSpeed sets its param groups to
+            # the flat groups first), which the swapped-out sub-groups hold as empty tensors: a DeepSpeed engine
+            # loading this checkpoint got the masters and zero moments, silently
+            for k, st in ((sd.get("optimizer_state_dict") or {}).get("state") or {}).items():
+                g = sw.groups[str(opt.fp32_partitioned_groups_flat[k].ds_id)]
+                for j, name in enumerate(g.state_names[:max(g.valid_slots - 1, 0)]):
+                    if name in st:
+                        st[name] = SavedTensorRef(self.rank, subgroup_file(k), "state", 1 + j, self.tag_path)
             return sd
 
         names = _names(opt._aidaptiv.module)

@@ -2,10 +2,11 @@
 frozen, LoRA adapters on the attention projections, activation checkpointing, DeepSpeed's own defaults for every
 knob the config leaves out (``gradient_clipping``, ``sub_group_size``, the persistence threshold).
 
-usage: lora_train.py MODEL_DIR CONFIG.json OUT_DIR straight|resume
+usage: lora_train.py MODEL_DIR CONFIG.json OUT_DIR straight|resume|from:CKPT_DIR
 
 ``straight`` trains 6 optimizer steps; ``resume`` trains 3, saves a checkpoint, destroys the engine, builds a new
-model and engine, loads the checkpoint and trains 3 more. Prints ``RESULT {json}``: the loss of every micro-batch,
+model and engine, loads the checkpoint and trains 3 more; ``from:CKPT_DIR`` loads CKPT_DIR (saved at step 3,
+by either backend) and trains the last 3. Prints ``RESULT {json}``: the loss of every micro-batch,
 an eval loss, the sum of every trainable tensor (gathered) and of one frozen base tensor.
 """
 import json
@@ -58,6 +59,9 @@ losses: list = []
 engine = build()
 if MODE == "straight":
     train(engine, 0, STEPS, losses)
+elif MODE.startswith("from:"):
+    engine.load_checkpoint(MODE[5:])
+    train(engine, STEPS // 2, STEPS, losses)
 else:
     train(engine, 0, STEPS // 2, losses)
     engine.save_checkpoint(os.path.join(OUT, "ckpt"))
