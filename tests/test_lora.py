@@ -57,6 +57,7 @@ def test_lora_trains_and_resumes_like_deepspeeds_cpu_offload(tmp_path):
     assert got["eval"] == want["eval"] and got["sums"] == want["sums"]
     assert len(got["sums"]) == 1 + 5 * 2 * 2  # the frozen base tensor; A and B of q and v in 5 layers
     assert got["losses"][-1] < got["losses"][0]  # the adapters learn
+    assert got["continued"] == got["losses"][6:]  # the engine that saved trains on unchanged by its save
     lora_run(ref, tmp_path, "cpu_resumed", "resume")  # DeepSpeed's own checkpoint of the same step
     # DeepSpeed's CPU offload resumes from our checkpoint (its .pt files refer to our masters and moments) and
     # trains on exactly as we do (before, it loaded the masters and zero moments without a word)

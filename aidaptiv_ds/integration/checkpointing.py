@@ -472,7 +472,12 @@ class _deepspeed_readable:
             # the moments too (the torch optimizer's state, indexed by sub-group: DeepSpeed sets its param groups to
             # the flat groups first), which the swapped-out sub-groups hold as empty tensors: a DeepSpeed engine
             # loading this checkpoint got the masters and zero moments, silently
-            for k, st in ((sd.get("optimizer_state_dict") or {}).get("state") or {}).items():
+            # torch's state_dict() hands out the optimizer's own per-parameter dicts: edit copies, never the live state
+            osd = sd.get("optimizer_state_dict")
+            if not osd or not osd.get("state"):
+                return sd
+            sd["optimizer_state_dict"] = osd = dict(osd, state={k: dict(v) for k, v in osd["state"].items()})
+            for k, st in osd["state"].items():
                 g = sw.groups[str(opt.fp32_partitioned_groups_flat[k].ds_id)]
                 for j, name in enumerate(g.state_names[:max(g.valid_slots - 1, 0)]):
                     if name in st:

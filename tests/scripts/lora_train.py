@@ -4,8 +4,8 @@ knob the config leaves out (``gradient_clipping``, ``sub_group_size``, the persi
 
 usage: lora_train.py MODEL_DIR CONFIG.json OUT_DIR straight|resume|from:CKPT_DIR
 
-``straight`` trains 6 optimizer steps; ``resume`` trains 3, saves a checkpoint, destroys the engine, builds a new
-model and engine, loads the checkpoint and trains 3 more; ``from:CKPT_DIR`` loads CKPT_DIR (saved at step 3,
+``straight`` trains 6 optimizer steps; ``resume`` trains 3, saves a checkpoint, trains 3 more (``continued``),
+destroys the engine, builds a new model and engine, loads the checkpoint and trains the last 3 again; ``from:CKPT_DIR`` loads CKPT_DIR (saved at step 3,
 by either backend) and trains the last 3. Prints ``RESULT {json}``: the loss of every micro-batch,
 an eval loss, the sum of every trainable tensor (gathered) and of one frozen base tensor.
 """
@@ -56,6 +56,7 @@ def train(engine, first: int, last: int, losses: list) -> None:
 
 
 losses: list = []
+continued: list = []  # resume: the losses of the engine that saved, trained on after the save
 engine = build()
 if MODE == "straight":
     train(engine, 0, STEPS, losses)
@@ -65,6 +66,7 @@ elif MODE.startswith("from:"):
 else:
     train(engine, 0, STEPS // 2, losses)
     engine.save_checkpoint(os.path.join(OUT, "ckpt"))
+    train(engine, STEPS // 2, STEPS, continued)  # the same engine trains on after its save
     engine.destroy()
     engine = build()
     engine.load_checkpoint(os.path.join(OUT, "ckpt"))
@@ -78,6 +80,6 @@ for name, p in engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
             sums[name] = p.detach().double().sum().item()
 swapper = getattr(engine.optimizer, "optimizer_swapper", None)
-print("RESULT " + json.dumps({"losses": losses, "eval": eval_loss, "sums": sums,
+print("RESULT " + json.dumps({"losses": losses, "continued": continued, "eval": eval_loss, "sums": sums,
                               "optimizer_swapper": type(swapper).__name__}))
 engine.destroy()
