@@ -263,3 +263,23 @@ def test_export_of_a_peft_checkpoint_is_refused_before_writing(tmp_path):
     with pytest.raises(ValueError, match="holds a PEFT model's parameters .* 1 LoRA tensors of 1.*save_pretrained"):
         export_hf(os.path.join(ck, "global_step1"), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_deepspeed_file_reference_reads_only_its_own_save(tmp_path):
+    """The references DeepSpeed's ``.pt`` files hold ([Note: what zero_to_fp32 reads]) map the tensor from the tag's
+    own files, and only where the manifest is of the save that pickled them: a tag saved over since, or a ``.pt``
+    copied away from its ``aidaptiv/`` directory onto a path another run saved to, is refused, not read."""
+    from aidaptiv_ds.checkpoint.deepspeed_compat import saved_tensor
+
+    ck = str(tmp_path / "ck")
+    path = stage(ck, "t", 3.0)
+    with open(os.path.join(path, "aidaptiv", "MANIFEST.json")) as f:
+        man = json.load(f)
+    write_manifest(path, 1, {"tag": "t", "save_id": "save-A"})
+    publish(ck, "t")
+    tag = os.path.join(ck, "t")
+    row = saved_tensor(0, "sg00000.safetensors", "state", 1, tag, "save-A")
+    assert row.dtype == torch.float32 and row.shape == (8,) and bool((row == 3.0).all())
+    with pytest.raises(FileNotFoundError, match="of save save-B, not found under"):
+        saved_tensor(0, "sg00000.safetensors", "state", 0, tag, "save-B")
+    assert man["world_size"] == 1

@@ -16,6 +16,7 @@ so DeepSpeed's tools read the checkpoint without a byte written twice. Our own l
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import struct
@@ -24,7 +25,7 @@ import threading
 
 import torch
 
-from .format import DIRNAME, rank_dirname
+from .format import DIRNAME, MANIFEST, rank_dirname
 
 #: safetensors dtype names -> torch dtypes (the ones a checkpoint holds)
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -48,11 +49,12 @@ class SavedTensorRef:
     Args:
         rank: the rank whose directory holds the file; file: its name there; name: the tensor in it;
         row: the row of a 2-D tensor (a sub-group's ``state``: 0 the fp32 master), or None for all of it;
-        tag_path: where the tag was saved (used when the ``.pt`` being loaded is not known).
+        tag_path: where the tag was saved (used when the ``.pt`` being loaded is not known);
+        save_id: the save's id (its manifest's ``save_id``): the files found must be that save's.
     """
 
-    def __init__(self, rank: int, file: str, name: str, row: int | None, tag_path: str) -> None:
-        self.args = (int(rank), str(file), str(name), row, str(tag_path))
+    def __init__(self, rank: int, file: str, name: str, row: int | None, tag_path: str, save_id: str | None) -> None:
+        self.args = (int(rank), str(file), str(name), row, str(tag_path), save_id)
 
     def __reduce__(self):
         return saved_tensor, self.args
@@ -82,14 +84,16 @@ def _file_being_loaded() -> str | None:
     return None
 
 
-def saved_tensor(rank: int, file: str, name: str, row: int | None, tag_path: str) -> torch.Tensor:
+def saved_tensor(rank: int, file: str, name: str, row: int | None, tag_path: str,
+                 save_id: str | None = None) -> torch.Tensor:
     """Tensor ``name`` of ``<tag>/aidaptiv/rankNNNNN/<file>`` (its row ``row`` when given), mapped copy-on-write
     from the file (pages read as they are touched). ``<tag>`` is the directory of the ``.pt`` being unpickled,
-    else ``tag_path``.
+    else ``tag_path``; either only where its manifest is of save ``save_id`` (a tag saved again since, or another
+    run's directory at the same path, is not read).
 
     Raises:
-        FileNotFoundError: the checkpoint's own files are not beside the ``.pt`` (copied without its
-            ``aidaptiv/`` directory): names the path and the fix.
+        FileNotFoundError: the checkpoint's own files of that save are not beside the ``.pt`` (copied without its
+            ``aidaptiv/`` directory, or saved over since): names the path and the fix.
     """
     if getattr(_state, "placeholders", False):
         return torch.empty(0)
@@ -97,12 +101,21 @@ def saved_tensor(rank: int, file: str, name: str, row: int | None, tag_path: str
     tags = ([os.path.dirname(os.path.abspath(loading))] if loading else []) + [tag_path]
     for tag in tags:
         path = os.path.join(tag, DIRNAME, rank_dirname(rank), file)
-        if os.path.isfile(path):
+        if os.path.isfile(path) and (save_id is None or _save_id(tag) == save_id):
             return _map(path, name, row)
     raise FileNotFoundError(f"aidaptiv_ds: this DeepSpeed checkpoint file refers to {name!r} in "
-                            f"{os.path.join('<tag>', DIRNAME, rank_dirname(rank), file)}, not found under "
-                            f"{' or '.join(tags)}. Fix: copy the tag directory whole (with its {DIRNAME}/ "
+                            f"{os.path.join('<tag>', DIRNAME, rank_dirname(rank), file)} of save {save_id}, not "
+                            f"found under {' or '.join(tags)}. Fix: copy the tag directory whole (with its {DIRNAME}/ "
                             f"directory), or convert it with `aidaptiv-ds export <tag dir> --output DIR`")
+
+
+def _save_id(tag: str) -> str | None:
+    """The ``save_id`` of the manifest under ``tag`` (None when it has none)."""
+    try:
+        with open(os.path.join(tag, DIRNAME, MANIFEST), encoding="utf-8") as f:
+            return json.load(f).get("save_id")
+    except (OSError, ValueError):
+        return None
 
 
 def _map(path: str, name: str, row: int | None) -> torch.Tensor:
@@ -118,6 +131,11 @@ def _map(path: str, name: str, row: int | None) -> torch.Tensor:
             f.seek(start)
             t = torch.frombuffer(bytearray(f.read(end - begin)), dtype=dtype).reshape(e["shape"])
     else:
-        whole = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
-        t = whole[start:start + end - begin].view(dtype).reshape(e["shape"])
+        t = _mapped(path, os.path.getsize(path))[start:start + end - begin].view(dtype).reshape(e["shape"])
     return t[row] if row is not None else t
+
+
+@functools.lru_cache(maxsize=64)
+def _mapped(path: str, size: int) -> torch.Tensor:
+    """``path`` mapped copy-on-write as uint8, once per file (a rank's references share its mapping)."""
+    return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)

@@ -371,8 +371,10 @@ def make_stage3_class(base: type) -> type:
             grad_slices = state.grad_slice_bytes()
             # parameters not on our swapper (offload_param "cpu" or left out) are DeepSpeed's: none of our bytes
             ours = psw is not None
-            written = sum(p.ds_tensor.ds_numel * p.element_size() for p in module_params
-                          if p.requires_grad and getattr(p, "ds_tensor", None) is not None) if ours else 0
+            # and of ours a step writes only the partitions the optimizer owns that went through the store (not a
+            # frozen one, not one below min_swap_bytes that DeepSpeed keeps in host memory)
+            written = sum(p.ds_tensor.ds_numel * p.element_size() for group in self.fp16_groups for p in group
+                          if psw.holds(p.ds_id)) if ours else 0
             sizes = StateSizes(param_bytes=state.param_bytes if ours else 0, param_write_bytes=written,
                                grad_bytes=sum(grad_slices),
                                subgroup_bytes=[sw.layout(n, 1 + sw.expected_states).prefix_bytes() for n in numels],
