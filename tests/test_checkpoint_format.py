@@ -267,19 +267,25 @@ def test_export_of_a_peft_checkpoint_is_refused_before_writing(tmp_path):
 
 def test_a_deepspeed_file_reference_reads_only_its_own_save(tmp_path):
     """The references DeepSpeed's ``.pt`` files hold ([Note: what zero_to_fp32 reads]) map the tensor from the tag's
-    own files, and only where the manifest is of the save that pickled them: a tag saved over since, or a ``.pt``
-    copied away from its ``aidaptiv/`` directory onto a path another run saved to, is refused, not read."""
-    from aidaptiv_ds.checkpoint.deepspeed_compat import saved_tensor
+    own files, and only where that tag's manifest lists the ``.pt`` (size and CRC32): a ``.pt`` copied away from its
+    ``aidaptiv/`` directory, its tag saved over since, is refused, not read from the newer save."""
+    import shutil
+
+    from aidaptiv_ds.checkpoint.deepspeed_compat import SavedTensorRef
 
     ck = str(tmp_path / "ck")
-    path = stage(ck, "t", 3.0)
-    with open(os.path.join(path, "aidaptiv", "MANIFEST.json")) as f:
-        man = json.load(f)
-    write_manifest(path, 1, {"tag": "t", "save_id": "save-A"})
-    publish(ck, "t")
     tag = os.path.join(ck, "t")
-    row = saved_tensor(0, "sg00000.safetensors", "state", 1, tag, "save-A")
-    assert row.dtype == torch.float32 and row.shape == (8,) and bool((row == 3.0).all())
-    with pytest.raises(FileNotFoundError, match="of save save-B, not found under"):
-        saved_tensor(0, "sg00000.safetensors", "state", 0, tag, "save-B")
-    assert man["world_size"] == 1
+    for value in (3.0, 5.0):
+        path = stage(ck, "t", value)
+        torch.save({"w": SavedTensorRef(0, "sg00000.safetensors", "state", 1), "saved": value},
+                   os.path.join(path, "refs_optim_states.pt"))
+        write_manifest(path, 1, {"tag": "t"})  # lists the .pt with its CRC
+        publish(ck, "t")
+        if value == 3.0:
+            os.makedirs(tmp_path / "copy")
+            shutil.copy(os.path.join(tag, "refs_optim_states.pt"), tmp_path / "copy")
+            row = torch.load(os.path.join(tag, "refs_optim_states.pt"), weights_only=False)["w"]
+            assert row.dtype == torch.float32 and row.shape == (8,) and bool((row == 3.0).all())
+    assert bool((torch.load(os.path.join(tag, "refs_optim_states.pt"), weights_only=False)["w"] == 5.0).all())
+    with pytest.raises(FileNotFoundError, match="of the save that wrote it, not found beside it"):
+        torch.load(str(tmp_path / "copy" / "refs_optim_states.pt"), weights_only=False)

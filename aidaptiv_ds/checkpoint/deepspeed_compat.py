@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from .format import DIRNAME, MANIFEST, rank_dirname
+from .format import DIRNAME, MANIFEST, crc32_file, rank_dirname
 
 #: safetensors dtype names -> torch dtypes (the ones a checkpoint holds)
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -48,13 +48,13 @@ class SavedTensorRef:
 
     Args:
         rank: the rank whose directory holds the file; file: its name there; name: the tensor in it;
-        row: the row of a 2-D tensor (a sub-group's ``state``: 0 the fp32 master), or None for all of it;
-        tag_path: where the tag was saved (used when the ``.pt`` being loaded is not known);
-        save_id: the save's id (its manifest's ``save_id``): the files found must be that save's.
+        row: the row of a 2-D tensor (a sub-group's ``state``: 0 the fp32 master), or None for all of it.
+    No path is kept: the files are found beside the ``.pt`` being loaded, so DeepSpeed's files are the same bytes
+    wherever the tag was saved, and a tag moved or copied whole still reads.
     """
 
-    def __init__(self, rank: int, file: str, name: str, row: int | None, tag_path: str, save_id: str | None) -> None:
-        self.args = (int(rank), str(file), str(name), row, str(tag_path), save_id)
+    def __init__(self, rank: int, file: str, name: str, row: int | None) -> None:
+        self.args = (int(rank), str(file), str(name), row)
 
     def __reduce__(self):
         return saved_tensor, self.args
@@ -84,38 +84,47 @@ def _file_being_loaded() -> str | None:
     return None
 
 
-def saved_tensor(rank: int, file: str, name: str, row: int | None, tag_path: str,
-                 save_id: str | None = None) -> torch.Tensor:
+def saved_tensor(rank: int, file: str, name: str, row: int | None) -> torch.Tensor:
     """Tensor ``name`` of ``<tag>/aidaptiv/rankNNNNN/<file>`` (its row ``row`` when given), mapped copy-on-write
-    from the file (pages read as they are touched). ``<tag>`` is the directory of the ``.pt`` being unpickled,
-    else ``tag_path``; either only where its manifest is of save ``save_id`` (a tag saved again since, or another
-    run's directory at the same path, is not read).
+    from the file (pages read as they are touched). ``<tag>`` is the directory of the ``.pt`` being unpickled, and
+    only where that tag's manifest lists the ``.pt`` with its size and CRC32, so the files read are of the save
+    that wrote it (not a tag saved over since).
 
     Raises:
-        FileNotFoundError: the checkpoint's own files of that save are not beside the ``.pt`` (copied without its
-            ``aidaptiv/`` directory, or saved over since): names the path and the fix.
+        FileNotFoundError: the ``.pt`` was not loaded from a path, or its tag's own files of that save are not
+            beside it (copied without its ``aidaptiv/`` directory, or saved over since): names it and the fix.
     """
     if getattr(_state, "placeholders", False):
         return torch.empty(0)
     loading = _file_being_loaded()
-    tags = ([os.path.dirname(os.path.abspath(loading))] if loading else []) + [tag_path]
-    for tag in tags:
-        path = os.path.join(tag, DIRNAME, rank_dirname(rank), file)
-        if os.path.isfile(path) and (save_id is None or _save_id(tag) == save_id):
-            return _map(path, name, row)
-    raise FileNotFoundError(f"aidaptiv_ds: this DeepSpeed checkpoint file refers to {name!r} in "
-                            f"{os.path.join('<tag>', DIRNAME, rank_dirname(rank), file)} of save {save_id}, not "
-                            f"found under {' or '.join(tags)}. Fix: copy the tag directory whole (with its {DIRNAME}/ "
-                            f"directory), or convert it with `aidaptiv-ds export <tag dir> --output DIR`")
+    tag = os.path.dirname(os.path.abspath(loading)) if loading else None
+    path = os.path.join(tag, DIRNAME, rank_dirname(rank), file) if tag else None
+    if path and os.path.isfile(path) and _lists(tag, os.path.abspath(loading)):
+        return _map(path, name, row)
+    raise FileNotFoundError(f"aidaptiv_ds: this DeepSpeed checkpoint file ({loading or 'not loaded from a path'}) "
+                            f"refers to {name!r} in {os.path.join('<tag>', DIRNAME, rank_dirname(rank), file)} of "
+                            f"the save that wrote it, not found beside it. Fix: load it from its tag directory, "
+                            f"copied whole (with its {DIRNAME}/ directory), or convert the tag with `aidaptiv-ds "
+                            f"export <tag dir> --output DIR`")
 
 
-def _save_id(tag: str) -> str | None:
-    """The ``save_id`` of the manifest under ``tag`` (None when it has none)."""
+def _lists(tag: str, pt: str) -> bool:
+    """The manifest under ``tag`` lists DeepSpeed's file ``pt`` (by name) with its size and CRC32: ``pt`` and the
+    tag's files are of one save."""
     try:
         with open(os.path.join(tag, DIRNAME, MANIFEST), encoding="utf-8") as f:
-            return json.load(f).get("save_id")
-    except (OSError, ValueError):
-        return None
+            info = (json.load(f).get("deepspeed_files") or {}).get(os.path.basename(pt))
+        st = os.stat(pt)
+        return bool(info) and st.st_size == info["bytes"] and \
+            info.get("crc32") in (None, _crc32(pt, st.st_ino, st.st_mtime_ns))
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+@functools.lru_cache(maxsize=256)
+def _crc32(path: str, inode: int, mtime_ns: int) -> int:
+    """CRC32 of the file ``path`` (DeepSpeed's ``.pt`` files of a tag are small: references, not tensors)."""
+    return crc32_file(path)
 
 
 def _map(path: str, name: str, row: int | None) -> torch.Tensor:
@@ -131,11 +140,13 @@ def _map(path: str, name: str, row: int | None) -> torch.Tensor:
             f.seek(start)
             t = torch.frombuffer(bytearray(f.read(end - begin)), dtype=dtype).reshape(e["shape"])
     else:
-        t = _mapped(path, os.path.getsize(path))[start:start + end - begin].view(dtype).reshape(e["shape"])
+        st = os.stat(path)  # the file as it is now (a tag saved over replaces it)
+        t = _mapped(path, st.st_size, st.st_ino, st.st_mtime_ns)[start:start + end - begin].view(dtype) \
+            .reshape(e["shape"])
     return t[row] if row is not None else t
 
 
 @functools.lru_cache(maxsize=64)
-def _mapped(path: str, size: int) -> torch.Tensor:
-    """``path`` mapped copy-on-write as uint8, once per file (a rank's references share its mapping)."""
+def _mapped(path: str, size: int, inode: int, mtime_ns: int) -> torch.Tensor:
+    """``path`` mapped copy-on-write as uint8, once per file version (a rank's references share its mapping)."""
     return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)

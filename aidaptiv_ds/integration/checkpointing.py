@@ -392,8 +392,7 @@ def save_checkpoint(engine, orig, save_dir, tag=None, client_state={}, save_late
     check_space(engine.optimizer, save_dir, tag, exclude_frozen_parameters)
     path = staging_dir(save_dir, tag)
     _kill_point("before_deepspeed")
-    with _without_swap_folder_copy(engine), _deepspeed_readable(engine, tag_dir(save_dir, tag), rank,
-                                                                exclude_frozen_parameters, layout.token):
+    with _without_swap_folder_copy(engine), _deepspeed_readable(engine, rank, exclude_frozen_parameters):
         ok = orig(engine, staging_root(save_dir), tag, client_state, False, exclude_frozen_parameters)
     _kill_point("after_deepspeed")
     writer = save_rank_state(engine.optimizer, path, exclude_frozen_parameters)
@@ -455,13 +454,12 @@ class _deepspeed_readable:
     ``state_dict()`` (``stage3.py`` ``_rigid_state_dict``) and the engine's ``_get_param_fragment_func`` (per
     frozen parameter, ``engine.py:5025``): both answered here for the save, as instance attributes."""
 
-    def __init__(self, engine, tag_path: str, rank: int, exclude_frozen: bool, save_id: str) -> None:
-        self.engine, self.tag_path, self.rank, self.exclude_frozen = engine, tag_path, rank, exclude_frozen
-        self.save_id = save_id
+    def __init__(self, engine, rank: int, exclude_frozen: bool) -> None:
+        self.engine, self.rank, self.exclude_frozen = engine, rank, exclude_frozen
 
     def __enter__(self) -> None:
         engine, opt = self.engine, self.engine.optimizer
-        refs = [SavedTensorRef(self.rank, subgroup_file(i), "state", 0, self.tag_path, self.save_id)
+        refs = [SavedTensorRef(self.rank, subgroup_file(i), "state", 0)
                 for i in range(len(opt.fp32_partitioned_groups_flat))]
         real_state_dict, real_fragment = opt.state_dict, engine._get_param_fragment_func
 
@@ -482,8 +480,7 @@ class _deepspeed_readable:
                 g = sw.groups[str(opt.fp32_partitioned_groups_flat[k].ds_id)]
                 for j, name in enumerate(g.state_names[:max(g.valid_slots - 1, 0)]):
                     if name in st:
-                        st[name] = SavedTensorRef(self.rank, subgroup_file(k), "state", 1 + j, self.tag_path,
-                                                  self.save_id)
+                        st[name] = SavedTensorRef(self.rank, subgroup_file(k), "state", 1 + j)
             return sd
 
         names = _names(opt._aidaptiv.module)
@@ -493,7 +490,7 @@ class _deepspeed_readable:
                 getattr(param, "ds_tensor", None) is not None
             if not saved:
                 return real_fragment(param)
-            return SavedTensorRef(self.rank, FROZEN_FILE, names[id(param)], None, self.tag_path, self.save_id)
+            return SavedTensorRef(self.rank, FROZEN_FILE, names[id(param)], None)
 
         opt.state_dict, engine._get_param_fragment_func = state_dict, fragment
 
