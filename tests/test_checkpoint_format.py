@@ -289,3 +289,22 @@ def test_a_deepspeed_file_reference_reads_only_its_own_save(tmp_path):
     assert bool((torch.load(os.path.join(tag, "refs_optim_states.pt"), weights_only=False)["w"] == 5.0).all())
     with pytest.raises(FileNotFoundError, match="of the save that wrote it, not found beside it"):
         torch.load(str(tmp_path / "copy" / "refs_optim_states.pt"), weights_only=False)
+
+
+def test_a_file_of_many_references_parses_the_manifest_and_header_once(tmp_path):
+    """A rank's ``.pt`` holds a reference per sub-group, moment and frozen tensor (thousands on a large model):
+    unpickling it parses the tag's manifest and each safetensors header once, not once per reference."""
+    from aidaptiv_ds.checkpoint import deepspeed_compat as dc
+
+    ck = str(tmp_path / "ck")
+    path = stage(ck, "t", 7.0)
+    refs = [dc.SavedTensorRef(0, "sg00000.safetensors", "state", i % 3) for i in range(60)]
+    torch.save({"refs": refs}, os.path.join(path, "refs_optim_states.pt"))
+    write_manifest(path, 1, {"tag": "t"})
+    publish(ck, "t")
+    tag = os.path.join(ck, "t")
+    manifests, headers = dc._deepspeed_files.cache_info().misses, dc._header.cache_info().misses
+    rows = torch.load(os.path.join(tag, "refs_optim_states.pt"), weights_only=False)["refs"]
+    assert len(rows) == 60 and all(bool((r == 7.0).all()) for r in rows)
+    assert dc._deepspeed_files.cache_info().misses - manifests == 1
+    assert dc._header.cache_info().misses - headers == 1

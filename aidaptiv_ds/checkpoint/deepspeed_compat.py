@@ -110,15 +110,25 @@ def saved_tensor(rank: int, file: str, name: str, row: int | None) -> torch.Tens
 
 def _lists(tag: str, pt: str) -> bool:
     """The manifest under ``tag`` lists DeepSpeed's file ``pt`` (by name) with its size and CRC32: ``pt`` and the
-    tag's files are of one save."""
+    tag's files are of one save. The manifest is parsed once per version (a rank's ``.pt`` holds a reference per
+    sub-group, moment and frozen tensor: thousands on a large model)."""
     try:
-        with open(os.path.join(tag, DIRNAME, MANIFEST), encoding="utf-8") as f:
-            info = (json.load(f).get("deepspeed_files") or {}).get(os.path.basename(pt))
+        manifest = os.path.join(tag, DIRNAME, MANIFEST)
+        mst = os.stat(manifest)
+        info = _deepspeed_files(manifest, mst.st_ino, mst.st_mtime_ns).get(os.path.basename(pt))
         st = os.stat(pt)
         return bool(info) and st.st_size == info["bytes"] and \
             info.get("crc32") in (None, _crc32(pt, st.st_ino, st.st_mtime_ns))
     except (OSError, ValueError, KeyError):
         return False
+
+
+@functools.lru_cache(maxsize=16)
+def _deepspeed_files(manifest: str, inode: int, mtime_ns: int) -> dict:
+    """The ``deepspeed_files`` record of the manifest ``manifest`` (keyed by its inode and mtime: a tag saved over
+    writes a new one)."""
+    with open(manifest, encoding="utf-8") as f:
+        return json.load(f).get("deepspeed_files") or {}
 
 
 @functools.lru_cache(maxsize=256)
@@ -128,9 +138,8 @@ def _crc32(path: str, inode: int, mtime_ns: int) -> int:
 
 
 def _map(path: str, name: str, row: int | None) -> torch.Tensor:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+    st = os.stat(path)  # the file as it is now (a tag saved over replaces it)
+    n, header = _header(path, st.st_ino, st.st_mtime_ns)
     e = header[name]
     dtype = _DTYPES[e["dtype"]]
     begin, end = e["data_offsets"]
@@ -140,10 +149,17 @@ def _map(path: str, name: str, row: int | None) -> torch.Tensor:
             f.seek(start)
             t = torch.frombuffer(bytearray(f.read(end - begin)), dtype=dtype).reshape(e["shape"])
     else:
-        st = os.stat(path)  # the file as it is now (a tag saved over replaces it)
         t = _mapped(path, st.st_size, st.st_ino, st.st_mtime_ns)[start:start + end - begin].view(dtype) \
             .reshape(e["shape"])
     return t[row] if row is not None else t
+
+
+@functools.lru_cache(maxsize=64)
+def _header(path: str, inode: int, mtime_ns: int) -> tuple[int, dict]:
+    """The safetensors header of ``path``: its length in bytes and the parsed JSON, once per file version."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return n, json.loads(f.read(n))
 
 
 @functools.lru_cache(maxsize=64)
