@@ -132,6 +132,9 @@ def test_the_ranks_on_this_node_are_the_larger_of_the_launchers_counts(monkeypat
     assert local_world_size() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert local_world_size() == 4
+    from aidaptiv_ds.telemetry.netinfo import nodes_in_job  # the doctor's node count follows the same rule
+    assert nodes_in_job({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1", "LOCAL_SIZE": "2"}) == 2
+    assert nodes_in_job({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": " ", "LOCAL_SIZE": "x"}) is None
 
 
 ZINIT_WITHOUT_CONFIG = """

@@ -40,6 +40,7 @@ from ..store.ledger import EnduranceRating
 from ..store.store import PathSpec, SlabStore
 from ..telemetry import counters
 from ..telemetry.counters import dram_gauges
+from ..telemetry.netinfo import processes_on_node
 from ..tiers.eviction import TRAINING_KIND_RANK, AccessOrder, EvictionPolicy
 from ..tiers.host_tier import HostTier
 from ..torch_env import huge_pages_advice, kernel_huge_page_mode
@@ -76,13 +77,9 @@ def resolve_run_name(name: str) -> str:
 
 
 def local_world_size() -> int:
-    """Processes of this job on this node: the larger of ``LOCAL_WORLD_SIZE`` (torchrun) and ``LOCAL_SIZE`` (the
-    ``deepspeed`` launcher sets only that one), else 1. The larger, because a library may set one of them wrong:
-    under the ``deepspeed`` launcher with two CPU ranks, HF Trainer's accelerate (``PartialState``, MULTI_CPU) sets
-    ``LOCAL_WORLD_SIZE=1`` beside the launcher's ``LOCAL_SIZE=2``, and each rank took the node's whole ``auto``
-    budget (found by a new-user trial); counting too many ranks only makes each budget smaller."""
-    sizes = [int(v) for v in (os.environ.get(k, "").strip() for k in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")) if v]
-    return max(sizes + [1])
+    """Processes of this job on this node (:func:`aidaptiv_ds.telemetry.netinfo.processes_on_node`: the larger of
+    ``LOCAL_WORLD_SIZE`` and ``LOCAL_SIZE``), else 1: each rank's share of the node's ``auto`` budget."""
+    return processes_on_node() or 1
 
 
 def auto_dram_budget(working_set_bytes: int = 0) -> int:

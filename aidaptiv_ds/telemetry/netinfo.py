@@ -62,22 +62,31 @@ def interfaces() -> list[dict]:
     return out
 
 
+def _env_int(env, key: str) -> int | None:
+    try:
+        return int(env[key]) if (env.get(key) or "").strip() else None
+    except ValueError:
+        return None
+
+
+def processes_on_node(env=None) -> int | None:
+    """Processes of this job on this node, from the launchers' variables: the larger of ``LOCAL_WORLD_SIZE``
+    (torchrun) and ``LOCAL_SIZE`` (the ``deepspeed`` launcher sets only that one); None where neither is set.
+    The larger, because a library may set one of them wrong: under the ``deepspeed`` launcher with two CPU ranks,
+    HF Trainer's accelerate (``PartialState``, MULTI_CPU) sets ``LOCAL_WORLD_SIZE=1`` beside the launcher's
+    ``LOCAL_SIZE=2`` (found by a new-user trial); counting too many ranks only makes each rank's share smaller."""
+    env = os.environ if env is None else env
+    return max(_env_int(env, "LOCAL_WORLD_SIZE") or 0, _env_int(env, "LOCAL_SIZE") or 0) or None
+
+
 def nodes_in_job(env=None) -> int | None:
     """How many nodes the job this process belongs to has, from the launchers' variables: torchrun's
     ``GROUP_WORLD_SIZE`` (its agents), else ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` (or DeepSpeed's
     ``LOCAL_SIZE``), else SLURM's ``SLURM_JOB_NUM_NODES`` / ``SLURM_NNODES``; None outside a job."""
     env = os.environ if env is None else env
-
-    def num(key):
-        try:
-            return int(env[key]) if env.get(key) else None
-        except ValueError:
-            return None
-
-    if num("GROUP_WORLD_SIZE"):
-        return num("GROUP_WORLD_SIZE")
-    # the larger of the two (accelerate under the deepspeed launcher sets LOCAL_WORLD_SIZE=1: integration/runtime.py)
-    world, local = num("WORLD_SIZE"), max(num("LOCAL_WORLD_SIZE") or 0, num("LOCAL_SIZE") or 0) or None
+    if _env_int(env, "GROUP_WORLD_SIZE"):
+        return _env_int(env, "GROUP_WORLD_SIZE")
+    world, local = _env_int(env, "WORLD_SIZE"), processes_on_node(env)
     if world and local:
         return max(1, world // local)
-    return num("SLURM_JOB_NUM_NODES") or num("SLURM_NNODES")
+    return _env_int(env, "SLURM_JOB_NUM_NODES") or _env_int(env, "SLURM_NNODES")
