@@ -354,16 +354,17 @@ def make_stage3_class(base: type) -> type:
                      and all(p.dtype == torch.float32 for group in self.fp16_groups for p in group))
             accum = self.gradient_accumulation_dtype
             grad_numels, expected, self._aidaptiv.grad_where = self._aidaptiv_grad_layout()
-            subgroup_param_bytes = [sum(p.ds_tensor.ds_numel * p.element_size() for p in group)
-                                    for group in self.fp16_groups]
+            def partition_bytes(p) -> int:  # this rank's partition of the parameter ``p``
+                return p.ds_tensor.ds_numel * p.element_size()
+
+            subgroup_param_bytes = [sum(map(partition_bytes, group)) for group in self.fp16_groups]
             # the planner calls the same function with the same records; only the facts come from DeepSpeed's
             # optimizer here ([Note: what each side knows] in planner/working_set.py)
             state = RankState(
                 subgroup_numels=tuple(numels), grad_numels=tuple(grad_numels),
                 largest_partition_numel=max((p.partition_numel() for group in self.fp16_groups for p in group),
                                             default=0),
-                param_bytes=sum(p.ds_tensor.ds_numel * p.element_size() for p in module_params
-                                if getattr(p, "ds_tensor", None) is not None),
+                param_bytes=sum(partition_bytes(p) for p in module_params if getattr(p, "ds_tensor", None) is not None),
                 largest_subgroup_param_bytes=max(subgroup_param_bytes, default=0),
                 staging_partition_bytes=psw.largest_partition_bytes() if psw is not None else 0,
                 accum_elsize=accum.itemsize, state_elsize=sw.elsize, states=sw.expected_states, alignment=align,
@@ -373,8 +374,8 @@ def make_stage3_class(base: type) -> type:
             ours = psw is not None
             # and of ours a step writes only the partitions the optimizer owns that went through the store (not a
             # frozen one, not one below min_swap_bytes that DeepSpeed keeps in host memory)
-            written = sum(p.ds_tensor.ds_numel * p.element_size() for group in self.fp16_groups for p in group
-                          if psw.holds(p.ds_id)) if ours else 0
+            written = sum(partition_bytes(p) for group in self.fp16_groups for p in group if psw.holds(p.ds_id)) \
+                if ours else 0
             sizes = StateSizes(param_bytes=state.param_bytes if ours else 0, param_write_bytes=written,
                                grad_bytes=sum(grad_slices),
                                subgroup_bytes=[sw.layout(n, 1 + sw.expected_states).prefix_bytes() for n in numels],
