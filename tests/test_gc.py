@@ -32,6 +32,7 @@ def test_gc_removes_dead_stores_only(tmp_path, capsys):
         assert cli(["gc", "--cache", cache, "--delete", "--json"]) == 0
         rows = {r["run"]: r for r in json.loads(capsys.readouterr().out)}
         assert rows["dead"]["deleted"] and not os.path.exists(rows["dead"]["dir"])
+        assert not os.path.exists(os.path.dirname(rows["dead"]["dir"]))  # nor its empty run directory
         assert not rows["live"]["deleted"] and os.path.exists(rows["live"]["dir"])
     finally:
         live.close()

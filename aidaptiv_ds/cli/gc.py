@@ -75,6 +75,10 @@ def run(args) -> int:
             if args.delete and not ns["live"] and mine and not kv:  # a KV cache is kept on purpose
                 shutil.rmtree(ns["dir"])
                 ns["deleted"] = True
+                try:  # the run's directory once its last rank's store is gone (as a clean shutdown leaves it)
+                    os.rmdir(os.path.dirname(ns["dir"]))
+                except OSError:
+                    pass  # another rank's store, live or kept, is still there
             rows.append(ns)
         if len(rows) == before:
             empty.append(path)
