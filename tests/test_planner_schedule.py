@@ -307,3 +307,16 @@ def test_cpu_rank_host_memory_of_each_schedule():
     assert got[0] == got[1]
     rc, out = run_cli("plan", "--params", "7e9", "--cache", "2TB", "--cpu-ranks", "--dram", "256GB", "--ga", "4")
     assert rc == 0 and "host memory per rank" in out
+
+
+def test_the_drive_lines_read_what_the_step_line_reads():
+    """Each drive's reads a step are its share of the plan's ``read_bytes_best`` (the figure its read time is
+    computed from), not the figure where no read finds its bytes in DRAM: two figures for one quantity read as a
+    contradiction on ``aidaptiv-ds plan``'s drive and per-step lines."""
+    p = make_plan(PlanInput(shape=preset_shape("llama-3.1-405b"), gpus=2, vram=96 * GB, dram=512 * GB,
+                            drives=[CacheDrive(8 * TB, read_gbps=7, write_gbps=6)] * 2, grad_accum=16))
+    d = p.as_dict()
+    assert d["per_step"]["read_bytes"] > d["per_step"]["read_bytes_best"]  # the read-ahead's hits count here
+    assert sum(dr.read_bytes_per_step for dr in p.drives) == pytest.approx(d["per_step"]["read_bytes_best"], abs=2)
+    for dr in p.drives:
+        assert dr.read_time_s == pytest.approx(dr.read_bytes_per_step / (dr.read_gbps * 1e9), rel=1e-6)

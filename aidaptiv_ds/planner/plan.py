@@ -445,6 +445,9 @@ class DrivePlan:
     """One cache drive of a node: its share of the state and of each step's I/O, and its endurance.
 
     Bytes, seconds, and the :func:`~aidaptiv_ds.store.ledger.projection` dict under ``endurance``.
+    ``read_bytes_per_step`` counts the reads that find their bytes still in DRAM (the read-ahead's and the budget's
+    hits) as not read, as ``read_time_s`` and the plan's per-step ``read_bytes_best`` do; the plan's per-step
+    ``read_bytes`` is the figure where none hits.
     """
     path: str | None
     capacity: int
@@ -1082,7 +1085,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
         per_run = w_b * run_steps if run_steps else None
         drives.append(DrivePlan(
             path=d.path, capacity=d.capacity, usable=d.usable, share=s, state_bytes=int(c["cache_need"] * s),
-            read_bytes_per_step=int(read_step * s), write_bytes_per_step=w_b, read_time_s=r_s, write_time_s=w_s,
+            read_bytes_per_step=int(read_best * s), write_bytes_per_step=w_b, read_time_s=r_s, write_time_s=w_s,
             read_gbps=d.read_gbps, write_gbps=d.write_gbps, writes_per_epoch=per_epoch, writes_per_run=per_run,
             run_tbw_fraction=per_run / proj["rated_tbw_bytes"] if per_run is not None else None, endurance=proj))
 
