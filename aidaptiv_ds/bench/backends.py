@@ -22,6 +22,9 @@ Backends:
 * ``aidaptiv0_lm`` and ``aidaptiv_auto_lm`` (optional): ``aidaptiv0`` and ``aidaptiv_auto`` trained layer-major:
   each optimizer step is one ``engine.train_batch`` over its ``gradient_accumulation`` micro-batches, block by
   block (``integration/layer_major.py``); the same losses bit for bit;
+* ``aidaptiv0_ride`` and ``aidaptiv_auto_ride`` (optional): ``aidaptiv0`` and ``aidaptiv_auto`` with
+  ``"step_rides_forward": true``: the optimizer steps the norm left after backward ride the next forward (on CPU
+  ranks ``"auto"`` keeps them in ``step()``), so one comparison measures both paths side by side;
 * ``gpu`` (optional): ZeRO-3 without any offload: parameters, gradients and optimizer state on the
   accelerator (DeepSpeed's ``offload_*.device: none``). On a GPU it is the ceiling the offloads are
   measured against (no host memory or drive in the step); on CPU ranks it trains in host memory.
@@ -36,7 +39,7 @@ import dataclasses
 
 BACKENDS = ("native", "cpu", "aidaptiv0", "aidaptiv_auto")
 OPTIONAL_BACKENDS = ("aidaptiv_grads", "aidaptiv0_bf16m", "aidaptiv0_bf16m_eager", "aidaptiv0_int8m",
-                     "aidaptiv0_int8m_eager", "aidaptiv0_lm", "aidaptiv_auto_lm", "gpu")
+                     "aidaptiv0_int8m_eager", "aidaptiv0_lm", "aidaptiv_auto_lm", "aidaptiv0_ride", "aidaptiv_auto_ride", "gpu")
 LABELS = {
     "native": "DeepSpeed native NVMe",
     "cpu": "DeepSpeed CPU offload",
@@ -49,6 +52,8 @@ LABELS = {
     "aidaptiv0_int8m_eager": "aidaptiv_ds, DRAM budget 0, int8 moments, eager tile",
     "aidaptiv0_lm": "aidaptiv_ds, DRAM budget 0, layer-major",
     "aidaptiv_auto_lm": "aidaptiv_ds, DRAM budget auto, layer-major",
+    "aidaptiv0_ride": "aidaptiv_ds, DRAM budget 0, step rides the forward",
+    "aidaptiv_auto_ride": "aidaptiv_ds, DRAM budget auto, step rides the forward",
     "gpu": "no offload (all on the accelerator)",
 }
 #: backends that store Adam's moments narrower than fp32, and how (``aidaptiv.optimizer_state``)
@@ -56,6 +61,8 @@ MOMENT_BACKENDS = {"aidaptiv0_bf16m": {"moments": "bf16"},
                    "aidaptiv0_bf16m_eager": {"moments": "bf16", "fused_step": "off"},
                    "aidaptiv0_int8m": {"moments": "int8"},
                    "aidaptiv0_int8m_eager": {"moments": "int8", "fused_step": "off"}}
+#: backends whose optimizer steps ride the next forward where the norm leaves them after backward
+RIDING_BACKENDS = ("aidaptiv0_ride", "aidaptiv_auto_ride")
 #: backends that train each optimizer step layer-major (``engine.train_batch``)
 LAYER_MAJOR_BACKENDS = ("aidaptiv0_lm", "aidaptiv_auto_lm")
 #: The backend every ratio is taken against.
@@ -71,7 +78,7 @@ def dram_budget(backend: str, n_params: int) -> int | str:
     """
     return {"aidaptiv0": 0, "aidaptiv0_bf16m": 0, "aidaptiv0_bf16m_eager": 0, "aidaptiv0_int8m": 0,
             "aidaptiv0_int8m_eager": 0, "aidaptiv_auto": "auto",
-            "aidaptiv0_lm": 0, "aidaptiv_auto_lm": "auto",
+            "aidaptiv0_lm": 0, "aidaptiv_auto_lm": "auto", "aidaptiv0_ride": 0, "aidaptiv_auto_ride": "auto",
             "aidaptiv_grads": int(n_params * 4 * 1.05)}[backend]
 
 
@@ -226,6 +233,8 @@ def ds_config(backend: str, settings: TrainSettings, cache_dir: str, largest_ten
         section = {"enabled": True, "cache_paths": [cache_dir], "dram_budget": budget}
         if backend in MOMENT_BACKENDS:
             section["optimizer_state"] = dict(MOMENT_BACKENDS[backend])
+        if backend in RIDING_BACKENDS:
+            section["step_rides_forward"] = True
         cfg["aidaptiv"] = _merged(section, s.aidaptiv_extra or {})
     return copy.deepcopy(cfg)
 

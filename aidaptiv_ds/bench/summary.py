@@ -216,6 +216,17 @@ def check_targets(figs: dict, dtype: str, clip: float = 1.0, gradient_accumulati
     if ok("aidaptiv0") and ok("native"):
         add("peak RSS aidaptiv_ds (budget 0) / DeepSpeed native NVMe", figs["aidaptiv0"]["ratios"]["peak_rss_bytes"],
             1.0)
+    if ok("aidaptiv0_ride") and dtype == "fp32":  # issue 35: the optimizer step riding the next forward
+        ride = figs["aidaptiv0_ride"]
+        if ride.get("overlap_efficiency") is not None:
+            add("overlap efficiency aidaptiv_ds (budget 0, step rides the forward): step / max(compute, I/O)",
+                ride["overlap_efficiency"], 1.15)
+        if ok("native"):
+            add("step time aidaptiv_ds (budget 0, step rides the forward) / DeepSpeed native NVMe",
+                ride["ratios"]["step_s"], 0.55)
+        if ok("cpu"):
+            add("step time aidaptiv_ds (budget 0, step rides the forward) / DeepSpeed CPU offload",
+                ride["step_s"] / figs["cpu"]["step_s"], 1.15)
     if ok("aidaptiv0_lm") and ok("aidaptiv0") and ga > 1:  # issue 38: layer-major against micro-batch-major
         add(f"bytes read per parameter {per_step}, budget 0: layer-major / micro-batch-major",
             figs["aidaptiv0_lm"]["read_per_param"] / figs["aidaptiv0"]["read_per_param"], 0.25)
