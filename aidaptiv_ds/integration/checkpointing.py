@@ -751,6 +751,9 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
         "module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd"}
     consumed |= {k for k, flag in (("lr_scheduler", load_lr_scheduler_states), ("optimizer", load_optimizer_states))
                  if flag}  # appended in both branches
+    given = os.path.join(load_dir, str(tag), os.path.basename(ms_file))  # as DeepSpeed's _get_ckpt_name builds it
+    if os.path.abspath(given) == os.path.abspath(ms_file):
+        ms_file = given  # the path as the caller gave it (relative stays relative); a node-local part keeps its own
     return ms_file, {k: v for k, v in ms.items() if k not in consumed}
 
 

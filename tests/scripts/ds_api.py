@@ -434,9 +434,12 @@ def scenario_reload(a, rank):
     run.eng = eng2
     kw = {"module_only": dict(load_module_only=True), "no_optimizer": dict(load_optimizer_states=False),
           "full": {}}[a.load]
-    path, client = eng2.load_checkpoint(ckpt, tag="t2", **kw)
+    given = os.path.relpath(ckpt)  # a relative load_dir, as scripts pass one
+    path, client = eng2.load_checkpoint(given, tag="t2", **kw)
     run.checks["loaded"] = path is not None
-    # what load_checkpoint returns, as DeepSpeed returns it: the model-states file read, the keys left to the client
+    # what load_checkpoint returns, as DeepSpeed returns it: the model-states file read (under the load_dir as
+    # given: DeepSpeed's _get_ckpt_name joins it), the keys left to the client
+    run.checks["load_path_under_the_dir_given"] = path == os.path.join(given, "t2", os.path.basename(path))
     run.reads["load_path"] = os.path.relpath(path, ckpt)
     if a.load == "full":  # (module_only is compared with DeepSpeed's load_optimizer_states=False: other keys left)
         run.reads["client_keys"] = sorted(client)
