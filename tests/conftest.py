@@ -240,6 +240,11 @@ def pytest_configure(config):
 
 #: node id -> the default-run test that covers the same behaviour (see the module docstring)
 SLOW_VARIANTS = {
+    "tests/test_multirank.py::test_narrow_moments_on_two_ranks[int8-0.025]":
+        "test_narrow_moments_on_two_ranks[bf16-0.01] (the same two-rank narrow-slot path) and "
+        "test_int8_moments.py (the int8 codes on one rank)",
+    "tests/test_moment_dtype.py::test_bf16_moments_resume_exactly":
+        "test_int8_moments.py::test_int8_moments_resume_exactly (a narrow-moment checkpoint resumed bit-exactly)",
     "tests/test_moment_dtype.py::test_engine_with_bf16_moments_matches_rounded_oracle[clip0-dram]":
         "test_engine_with_bf16_moments_matches_rounded_oracle[bf16-model-riding] (the same layout and step; here in "
         "DRAM)",

@@ -119,6 +119,18 @@ def test_a_resume_keeps_a_changing_learning_rate(tmp_path, load):
     assert_same_as_deepspeed(tmp_path, "reload", 1, "--load", load, "--scheduler")
 
 
+@pytest.mark.parametrize("load, dtype", [("no_optimizer", "bf16"), ("custom", "fp32"), ("strict_frozen", "fp32")])
+def test_an_engine_that_trained_loads_weights_as_deepspeed_does(tmp_path, load, dtype):
+    """An engine with two steps of its own loads another run's weights ([Note: what a weights-only load keeps] in
+    ``integration/load_weights.py``): with ``load_optimizer_states=False`` it keeps its Adam moments and step and,
+    in bf16, takes its masters from the loaded bf16 weights; a ``custom_load_fn`` decides what is loaded (here the
+    embedding only); a strict load of a checkpoint saved with ``exclude_frozen_parameters=True`` raises PyTorch's
+    missing-keys error and changes nothing, a non-strict one loads. Each then trains on as DeepSpeed's CPU offload
+    does. Before, aidaptiv_ds dropped the moments, kept exact fp32 masters, never called ``custom_load_fn`` and
+    ignored ``load_module_strict`` (found by a new-user trial)."""
+    assert_same_as_deepspeed(tmp_path, "warm_load", 1, "--load", load, "--dtype", dtype)
+
+
 def test_eval_forward_between_steps(tmp_path):
     assert_same_as_deepspeed(tmp_path, "eval_between", 2)
 

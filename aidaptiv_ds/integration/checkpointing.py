@@ -55,6 +55,7 @@ from ..checkpoint.writer import RankWriter, write_latest, write_manifest
 from ..io.buffers import alloc_aligned
 from ..io.errors import FileWriteError
 from ..io.killpoint import kill_point
+from .load_weights import check_module_keys, custom_loaded_partitions, load_weights_only
 from .optimizer_state import state_of
 from .phase import Phase
 
@@ -633,17 +634,27 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
                     setattr(opt.loss_scaler, k, v)
             restore_param_groups(opt.optimizer.param_groups, idx.get("param_groups") or [], reader.tag_path)
     # the low-precision partitions are the masters cast down, as DeepSpeed's reset_swap_buffers does
-    psw = opt._aidaptiv_param_swapper()
     with opt._aidaptiv.phase.during(Phase.LOADING):
         for i in range(len(opt.fp16_groups)):
             opt._optimizer_states_and_gradient_swap_in(i)
             opt._reassign_or_swap_out_partitioned_parameters(i)
             opt._optimizer_states_and_gradient_swap_out(i)
+    load_frozen(opt, reader, names, rank)
+
+
+def load_frozen(opt, reader: CheckpointReader, names: dict, rank: int, custom: dict | None = None) -> None:
+    """Write this rank's partitions of the frozen parameters from the checkpoint (or from ``custom``, ``id(p)`` ->
+    partition, what a ``custom_load_fn`` left); a frozen parameter the checkpoint lacks keeps its value."""
+    rt = opt._aidaptiv.rt
+    psw = opt._aidaptiv_param_swapper()
     frozen = [(names[id(p)], p) for p in opt._aidaptiv.module.parameters()
               if not p.requires_grad and getattr(p, "ds_tensor", None) is not None and id(p) in names]
     items = []
     for name, p in frozen:
-        if name in reader.params:
+        if custom is not None:
+            if id(p) in custom:
+                items.append((p, custom[id(p)]))
+        elif name in reader.params:
             n = p.ds_tensor.ds_numel
             items.append((p, reader.read_range(name, rank * n, n)[0].to(p.dtype)))
     if items:
@@ -730,18 +741,30 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
                                         f"{offer_complete(load_dir, tag)}")
     with placeholders():  # the references to our own files in it ([Note: what zero_to_fp32 reads]): not read here
         ms = torch.load(ms_file, map_location="cpu", weights_only=False)
+    # DeepSpeed's module.load_state_dict(strict=load_module_strict) raises before anything changes
+    check_module_keys(engine.module, list(ms.get("module") or {}), load_module_strict)
     opt = engine.optimizer
+    buffers = {n for n, _ in engine.module.named_buffers()}
+    buf_state = {k: v for k, v in (ms.get("module") or {}).items() if k in buffers}
     opt.checkpoint_event_prologue()
-    load_rank_state(opt, reader, load_optimizer_states and not load_module_only)
+    if load_optimizer_states and not load_module_only:
+        if custom_load_fn is not None:  # DeepSpeed calls it on the model-states module (its parameters 0-element
+            custom_load_fn(src=ms.get("module") or {}, dst=engine.module)  # there), then loads the ZeRO state
+        load_rank_state(opt, reader, True)
+    else:  # the weights only, the optimizer state kept ([Note: what a weights-only load keeps])
+        names = _names(engine.module)
+        custom = custom_loaded_partitions(engine.module, names, reader, buf_state, custom_load_fn, rank) \
+            if custom_load_fn is not None else None
+        load_weights_only(opt, reader, names, rank, custom)
+        load_frozen(opt, reader, names, rank, custom)
+        opt._aidaptiv.rt.flush()
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and ms.get("lr_scheduler") is not None:
             engine.lr_scheduler.load_state_dict(ms["lr_scheduler"])
         engine.global_steps = ms.get("global_steps", 0)
         engine.global_samples = ms.get("global_samples", 0)
         engine.skipped_steps = ms.get("skipped_steps", 0)
-    buffers = {n for n, _ in engine.module.named_buffers()}
-    buf_state = {k: v for k, v in (ms.get("module") or {}).items() if k in buffers}
-    if buf_state:
+    if buf_state and custom_load_fn is None:
         engine.module.load_state_dict(buf_state, strict=False)
     opt.checkpoint_event_epilogue()
     reader.close()
@@ -751,10 +774,15 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
         "module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd"}
     consumed |= {k for k, flag in (("lr_scheduler", load_lr_scheduler_states), ("optimizer", load_optimizer_states))
                  if flag}  # appended in both branches
+    client = {k: v for k, v in ms.items() if k not in consumed}
+    if client.get("frozen_param_fragments"):  # references to our files, read as placeholders above: the caller
+        with torch.no_grad():                  # gets the tensors, as from DeepSpeed's own checkpoint
+            client["frozen_param_fragments"] = torch.load(ms_file, map_location="cpu",
+                                                          weights_only=False)["frozen_param_fragments"]
     given = os.path.join(load_dir, str(tag), os.path.basename(ms_file))  # as DeepSpeed's _get_ckpt_name builds it
     if os.path.abspath(given) == os.path.abspath(ms_file):
         ms_file = given  # the path as the caller gave it (relative stays relative); a node-local part keeps its own
-    return ms_file, {k: v for k, v in ms.items() if k not in consumed}
+    return ms_file, client
 
 
 def install(engine_cls) -> None:

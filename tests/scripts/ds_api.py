@@ -18,6 +18,11 @@ tests/unit/checkpoint/) where they have one:
   nothing to the cache drive, then two more steps;
 * ``reload``: ``save_checkpoint``, ``engine.destroy()``, a new engine (another cache path) in the same process,
   ``load_checkpoint`` with ``--load module_only|no_optimizer|full``, train on;
+* ``warm_load``: an engine that trained two steps of its own loads another run's weights (``--load
+  no_optimizer``: ``load_optimizer_states=False``, its Adam state kept; ``custom``: the same through a
+  ``custom_load_fn`` that takes only the embedding; ``strict_frozen``: the first layer frozen and saved with
+  ``exclude_frozen_parameters=True``: a strict load raises PyTorch's missing-keys error, a non-strict one loads),
+  then trains on;
 * ``eval_between``: an eval forward under ``torch.no_grad()`` between steps;
 * ``resize``: an HF Llama built under ``zero.Init`` (``HfDeepSpeedConfig``) and ``resize_token_embeddings``.
 
@@ -90,7 +95,8 @@ def parse():
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--budget", default="0")
     ap.add_argument("--api", choices=["full", "local"], default="full")
-    ap.add_argument("--load", choices=["module_only", "no_optimizer", "full"], default="module_only")
+    ap.add_argument("--load", choices=["module_only", "no_optimizer", "full", "custom", "strict_frozen"],
+                    default="module_only")
     ap.add_argument("--clip", type=float, default=None, help="gradient_clipping (default: left out, DeepSpeed's 1.0)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--scheduler", action="store_true", help="DeepSpeed's WarmupDecayLR: the lr changes every step")
@@ -450,6 +456,67 @@ def scenario_reload(a, rank):
             k for k in ms if k not in ("module", "lr_scheduler", "optimizer"))
     for n in saved:  # the weights the first engine saved are the second one's now
         run.checks[f"loaded:{n}"] = torch.equal(saved[n], _gather(eng2, n))
+    for s in range(2, 2 + a.steps):
+        _lm_step(run, s, rank)
+    return run
+
+
+def scenario_warm_load(a, rank):
+    from deepspeed.utils import safe_get_full_optimizer_state
+    frozen = a.load == "strict_frozen"
+
+    def engine(cache):
+        model, cfg, keep, deepspeed = _llama(a, cache)
+        if frozen:
+            for p in model.model.layers[0].parameters():
+                p.requires_grad_(False)
+        eng, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                      if p.requires_grad], config=cfg)
+        return eng, keep
+
+    eng, keep = engine(a.cache)
+    run = Run(eng)
+    for s in range(2):
+        _lm_step(run, s, rank)
+    ckpt = os.path.join(a.out, "ckpt")
+    saved = {n: _gather(eng, n) for n, _ in eng.module.named_parameters()}
+    eng.save_checkpoint(ckpt, tag="t2", exclude_frozen_parameters=frozen)
+    if frozen:
+        eng.save_checkpoint(ckpt, tag="t2all")  # the frozen parameters included
+    eng.destroy()
+    del eng
+    eng2, keep2 = engine(a.cache + "-second")
+    run.eng = eng2
+    for s in range(10, 12):  # its own two steps: its own weights and Adam moments
+        _lm_step(run, s, rank)
+    own = {n: _gather(eng2, n) for n, _ in eng2.module.named_parameters()}
+    if a.load == "strict_frozen":
+        try:
+            eng2.load_checkpoint(ckpt, tag="t2")
+            run.checks["strict_load_raised"] = False
+        except RuntimeError as e:
+            run.checks["strict_load_raised"] = "Missing key(s) in state_dict" in str(e) and \
+                "model.layers.0.self_attn.q_proj.weight" in str(e)
+        eng2.load_checkpoint(ckpt, tag="t2", load_module_strict=False)
+        _, client = eng2.load_checkpoint(ckpt, tag="t2all")  # strict: every key saved
+        for n, t in sorted(client["frozen_param_fragments"].items()):  # handed to the caller as DeepSpeed does
+            run.reads[f"frozen_param_fragments:{n}"] = t.detach().clone()
+        run.checks["frozen_param_fragments"] = len(client["frozen_param_fragments"]) == 9
+        loaded = [n for n, p in eng2.module.named_parameters() if p.requires_grad]
+    elif a.load == "custom":
+        def embedding_only(src, dst):
+            dst.model.embed_tokens.weight.data.copy_(src["model.embed_tokens.weight"])
+
+        eng2.load_checkpoint(ckpt, tag="t2", load_optimizer_states=False, custom_load_fn=embedding_only)
+        loaded = ["model.embed_tokens.weight"]
+    else:
+        eng2.load_checkpoint(ckpt, tag="t2", load_optimizer_states=False)
+        loaded = list(saved)
+    for n, p in eng2.module.named_parameters():
+        run.checks[f"{'loaded' if n in loaded else 'kept'}:{n}"] = torch.equal(saved[n] if n in loaded else own[n],
+                                                                                  _gather(eng2, n))
+        if p.requires_grad and a.load != "strict_frozen":  # the engine's own Adam state is kept
+            run.checks[f"moments_kept:{n}"] = safe_get_full_optimizer_state(p, "exp_avg") is not None
     for s in range(2, 2 + a.steps):
         _lm_step(run, s, rank)
     return run
