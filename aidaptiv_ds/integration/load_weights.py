@@ -63,13 +63,17 @@ def _partition_of(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
 
 def custom_loaded_partitions(module, names: dict, reader, buffers: dict, custom_load_fn, rank: int) -> dict:
     """Run ``custom_load_fn(src=state_dict, dst=module)`` as DeepSpeed does with ``load_optimizer_states=False``:
-    ``src`` the checkpoint's fp32 weights (each parameter whole, in its shape) and saved buffers, ``dst`` the module
+    ``src`` the checkpoint's fp32 weights (each parameter whole, in its shape; a tied one under each of its names,
+    as ``zero_to_fp32`` gives it) and saved buffers, ``dst`` the module
     with every parameter gathered. Returns this rank's partition of each parameter afterwards (``id(p)`` ->
     tensor of the parameter's dtype), to set the masters from (:func:`load_weights_only`)."""
     import deepspeed
 
     src = {name: reader.full(name) for name in reader.params}
     src.update(buffers)
+    for name, p in module.named_parameters(remove_duplicate=False):  # a tied parameter under each of its names,
+        if name not in src and names.get(id(p)) in src:               # as zero_to_fp32's shared_params give it
+            src[name] = src[names[id(p)]]
     params = list(module.parameters())
     out = {}
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0):  # DeepSpeed's: rank 0's edits are broadcast
