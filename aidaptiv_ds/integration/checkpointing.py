@@ -55,7 +55,7 @@ from ..checkpoint.writer import RankWriter, write_latest, write_manifest
 from ..io.buffers import alloc_aligned
 from ..io.errors import FileWriteError
 from ..io.killpoint import kill_point
-from .load_weights import check_module_keys, custom_loaded_partitions, load_weights_only
+from .load_weights import check_module_keys, check_shapes, custom_loaded_partitions, load_weights_only
 from .optimizer_state import state_of
 from .phase import Phase
 
@@ -642,27 +642,25 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
     load_frozen(opt, reader, names, rank)
 
 
-def load_frozen(opt, reader: CheckpointReader, names: dict, rank: int, custom: dict | None = None) -> None:
-    """Write this rank's partitions of the frozen parameters from the checkpoint (or from ``custom``, ``id(p)`` ->
-    partition, what a ``custom_load_fn`` left); a frozen parameter the checkpoint lacks keeps its value."""
+def load_frozen(opt, reader: CheckpointReader, names: dict, rank: int) -> None:
+    """Write this rank's partitions of the frozen parameters from the checkpoint; a frozen parameter the checkpoint
+    lacks (saved with ``exclude_frozen_parameters``) keeps its value. Partitions our swapper holds are written
+    through it, the others (below ``min_swap_bytes``, or DeepSpeed's with ``offload_param`` cpu) copied in place."""
     rt = opt._aidaptiv.rt
     psw = opt._aidaptiv_param_swapper()
     frozen = [(names[id(p)], p) for p in opt._aidaptiv.module.parameters()
               if not p.requires_grad and getattr(p, "ds_tensor", None) is not None and id(p) in names]
     items = []
     for name, p in frozen:
-        if custom is not None:
-            if id(p) in custom:
-                items.append((p, custom[id(p)]))
-        elif name in reader.params:
+        if name in reader.params:
             n = p.ds_tensor.ds_numel
             items.append((p, reader.read_range(name, rank * n, n)[0].to(p.dtype)))
-    if items:
-        if psw is not None:
-            psw.write_partitions(items)
-        else:
-            for p, t in items:
-                p.ds_tensor.data.copy_(t)
+    held = [(p, t) for p, t in items if psw is not None and psw.holds(p.ds_id)]
+    if held:
+        psw.write_partitions(held)
+    for p, t in items:
+        if psw is None or not psw.holds(p.ds_id):
+            p.ds_tensor.data.copy_(t)
     rt.flush()
 
 
@@ -741,8 +739,11 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
                                         f"{offer_complete(load_dir, tag)}")
     with placeholders():  # the references to our own files in it ([Note: what zero_to_fp32 reads]): not read here
         ms = torch.load(ms_file, map_location="cpu", weights_only=False)
-    # DeepSpeed's module.load_state_dict(strict=load_module_strict) raises before anything changes
-    check_module_keys(engine.module, list(ms.get("module") or {}), load_module_strict)
+    # DeepSpeed's module.load_state_dict(strict=load_module_strict) raises before anything changes (it is not called
+    # where a custom_load_fn is given); a parameter of another shape is refused, strict or not
+    check_module_keys(engine.module, list(ms.get("module") or {}), load_module_strict and custom_load_fn is None)
+    if custom_load_fn is None:
+        check_shapes(engine.module, _names(engine.module), reader)
     opt = engine.optimizer
     buffers = {n for n, _ in engine.module.named_buffers()}
     buf_state = {k: v for k, v in (ms.get("module") or {}).items() if k in buffers}
@@ -753,10 +754,10 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
         load_rank_state(opt, reader, True)
     else:  # the weights only, the optimizer state kept ([Note: what a weights-only load keeps])
         names = _names(engine.module)
-        custom = custom_loaded_partitions(engine.module, names, reader, buf_state, custom_load_fn, rank) \
+        custom = custom_loaded_partitions(engine.module, names, reader, buf_state, custom_load_fn) \
             if custom_load_fn is not None else None
         load_weights_only(opt, reader, names, rank, custom)
-        load_frozen(opt, reader, names, rank, custom)
+        load_frozen(opt, reader, names, rank)  # DeepSpeed copies the saved frozen fragments over, custom fn or not
         opt._aidaptiv.rt.flush()
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and ms.get("lr_scheduler") is not None:

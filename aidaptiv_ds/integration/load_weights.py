@@ -61,13 +61,17 @@ def _partition_of(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     return out
 
 
-def custom_loaded_partitions(module, names: dict, reader, buffers: dict, custom_load_fn, rank: int) -> dict:
+def custom_loaded_partitions(module, names: dict, reader, buffers: dict, custom_load_fn) -> dict:
     """Run ``custom_load_fn(src=state_dict, dst=module)`` as DeepSpeed does with ``load_optimizer_states=False``:
     ``src`` the checkpoint's fp32 weights (each parameter whole, in its shape; a tied one under each of its names,
-    as ``zero_to_fp32`` gives it) and saved buffers, ``dst`` the module
-    with every parameter gathered. Returns this rank's partition of each parameter afterwards (``id(p)`` ->
-    tensor of the parameter's dtype), to set the masters from (:func:`load_weights_only`)."""
+    as ``zero_to_fp32`` gives it) and saved buffers, ``dst`` the module with every parameter gathered, and what
+    rank 0 of each parameter's group left is what every rank gets (DeepSpeed's ``modifier_rank=0``). Returns this
+    rank's partition of each trainable parameter afterwards (``id(p)`` -> tensor of the parameter's dtype), to set
+    the masters from (:func:`load_weights_only`). The gathered copies are released unchanged (nothing is written:
+    the partitions are rebuilt from the masters), and frozen parameters come from the checkpoint afterwards, as
+    DeepSpeed copies its ``frozen_param_fragments`` over what the function left."""
     import deepspeed
+    from deepspeed import comm as dist
 
     src = {name: reader.full(name) for name in reader.params}
     src.update(buffers)
@@ -76,12 +80,39 @@ def custom_loaded_partitions(module, names: dict, reader, buffers: dict, custom_
             src[name] = src[names[id(p)]]
     params = list(module.parameters())
     out = {}
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):  # DeepSpeed's: rank 0's edits are broadcast
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         custom_load_fn(src=src, dst=module)
         for p in params:
-            if getattr(p, "ds_tensor", None) is not None and id(p) in names:
-                out[id(p)] = _partition_of(p.data.detach(), rank, p.ds_tensor.ds_numel).to(p.dtype)
+            if getattr(p, "ds_tensor", None) is None or id(p) not in names or not p.requires_grad:
+                continue
+            group = p.ds_process_group
+            if dist.get_world_size(group=group) > 1:  # rank 0's result, as GatheredParameters(modifier_rank=0)
+                root = 0 if group == dist.get_world_group() else dist.get_global_rank(group, 0)
+                dist.broadcast(p.data, src=root, group=group)
+            out[id(p)] = _partition_of(p.data.detach(), dist.get_rank(group=group), p.ds_tensor.ds_numel) \
+                .to(p.dtype)
     return out
+
+
+def check_shapes(module, names: dict, reader) -> None:
+    """Raise PyTorch's size-mismatch error where a parameter the checkpoint holds has another shape in the module
+    (a resized vocabulary, another width): DeepSpeed's gathered ``load_state_dict`` raises it, strict or not;
+    reading its flat ranges would scramble the weights.
+
+    Raises:
+        RuntimeError: "Error(s) in loading state_dict for <class>: size mismatch for <name>: ...".
+    """
+    errors = []
+    for p in module.parameters():
+        name = names.get(id(p))
+        info = reader.params.get(name) if name is not None else None
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        if info is not None and tuple(info.shape) != shape:
+            errors.append(f"size mismatch for {name}: copying a param with shape {torch.Size(info.shape)} from "
+                          f"checkpoint, the shape in current model is {torch.Size(shape)}.")
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(type(module).__name__,
+                                                                                "\n\t".join(errors)))
 
 
 def load_weights_only(opt, reader, names: dict, rank: int, custom: dict | None = None) -> None:

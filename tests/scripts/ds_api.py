@@ -101,6 +101,7 @@ def parse():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--scheduler", action="store_true", help="DeepSpeed's WarmupDecayLR: the lr changes every step")
     ap.add_argument("--ride", action="store_true", help="aidaptiv.step_rides_forward: true (off by default on CPU)")
+    ap.add_argument("--min-swap", default=None, help="aidaptiv.min_swap_bytes (partitions below stay in DRAM)")
     ap.add_argument("--local_rank", type=int, default=None)
     return ap.parse_args()
 
@@ -126,6 +127,8 @@ def config(a, cache: str, offload_param: bool = True, extra_zero: dict | None = 
         cfg["aidaptiv"] = {"cache_paths": [cache], "dram_budget": a.budget}
         if a.ride:
             cfg["aidaptiv"]["step_rides_forward"] = True
+        if a.min_swap is not None:
+            cfg["aidaptiv"]["min_swap_bytes"] = a.min_swap
     return cfg
 
 
@@ -504,8 +507,9 @@ def scenario_warm_load(a, rank):
         run.checks["frozen_param_fragments"] = len(client["frozen_param_fragments"]) == 9
         loaded = [n for n, p in eng2.module.named_parameters() if p.requires_grad]
     elif a.load == "custom":
-        def embedding_only(src, dst):
-            dst.model.embed_tokens.weight.data.copy_(src["model.embed_tokens.weight"])
+        def embedding_only(src, dst):  # on rank 0 only, as HF's ZeRO-3 loaders do: DeepSpeed broadcasts its result
+            if rank == 0:
+                dst.model.embed_tokens.weight.data.copy_(src["model.embed_tokens.weight"])
 
         eng2.load_checkpoint(ckpt, tag="t2", load_optimizer_states=False, custom_load_fn=embedding_only)
         loaded = ["model.embed_tokens.weight"]
