@@ -308,3 +308,24 @@ def test_a_file_of_many_references_parses_the_manifest_and_header_once(tmp_path)
     assert len(rows) == 60 and all(bool((r == 7.0).all()) for r in rows)
     assert dc._deepspeed_files.cache_info().misses - manifests == 1
     assert dc._header.cache_info().misses - headers == 1
+
+
+def test_a_read_of_the_first_slots_reads_those_rows_only(tmp_path, monkeypatch):
+    """A weights-only load reads the master row alone (``slots=1``), a third of the bytes with Adam's two moments;
+    the rows it returns are those of a whole read."""
+    path = staging_dir(str(tmp_path), "t")
+    w = RankWriter(path, 0, 1)
+    state = torch.arange(24, dtype=torch.float32).reshape(3, 8)  # master, exp_avg, exp_avg_sq: distinct rows
+    w.write_tensors("sg00000.safetensors", [("state", state)], {"aidaptiv": {"names": ["fp32", "a", "b"]}})
+    w.finish({"subgroups": [{"names": ["fp32", "a", "b"], "numel": 8, "step": 1, "step_type": "float",
+                             "file": "sg00000.safetensors",
+                             "params": [{"name": "w", "ds_id": 0, "partition_numel": 8, "offset": 0, "numel": 8,
+                                         "shape": [8], "dtype": "float32"}]}],
+              "frozen": [], "frozen_file": "frozen.safetensors", "loss_scaler": {}, "param_groups": [],
+              "optimizer": "AdamW"})
+    write_manifest(path, 1, {"tag": "t"})
+    r = CheckpointReader(path)
+    whole = r.read_range("w", 0, 8)
+    assert torch.equal(whole, state)
+    assert torch.equal(r.read_range("w", 2, 6, slots=1), state[:1, 2:8])
+    assert torch.equal(r.full("w", 1), state[1]) and torch.equal(r.full("w"), state[0])

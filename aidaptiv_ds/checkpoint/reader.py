@@ -131,8 +131,9 @@ class CheckpointReader:
             h = self._handles[path] = safe_open(path, framework="pt")
         return h
 
-    def read_range(self, name: str, start: int, length: int) -> torch.Tensor:
-        """Elements ``[start, start + length)`` of the flattened parameter ``name``.
+    def read_range(self, name: str, start: int, length: int, slots: int | None = None) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the flattened parameter ``name``; ``slots``: only the first
+        that many rows are read (1: the master weights alone, a third of the bytes with Adam's two moments).
 
         Returns:
             For a trained parameter: fp32 ``[slots, length]`` (row 0 the master weights, then
@@ -140,7 +141,8 @@ class CheckpointReader:
             parameter's end (partition padding) are zero.
         """
         info = self.params[name]
-        rows = len(self.slot_names) if info.trainable else 1
+        rows = (len(self.slot_names) if slots is None else max(1, min(int(slots), len(self.slot_names)))) \
+            if info.trainable else 1
         dtype = torch.float32 if info.trainable else getattr(torch, info.dtype)
         out = torch.zeros(rows, length, dtype=dtype)
         end = min(start + length, info.numel)
@@ -157,7 +159,7 @@ class CheckpointReader:
             take = min(part.numel - local, end - pos)
             sl = self._open(part.file).get_slice(part.tensor)
             if info.trainable:
-                out[:, pos - start:pos - start + take] = sl[:, part.offset + local:part.offset + local + take]
+                out[:, pos - start:pos - start + take] = sl[:rows, part.offset + local:part.offset + local + take]
             else:
                 out[0, pos - start:pos - start + take] = sl[local:local + take]
             pos += take
@@ -179,7 +181,7 @@ class CheckpointReader:
     def full(self, name: str, slot: int = 0) -> torch.Tensor:
         """The whole parameter ``name`` in its original shape: slot 0 = fp32 master (or the frozen values)."""
         info = self.params[name]
-        return self.read_range(name, 0, info.numel)[slot].reshape(info.shape)
+        return self.read_range(name, 0, info.numel, slots=slot + 1)[slot].reshape(info.shape)
 
     def close(self) -> None:
         self._handles.clear()

@@ -617,7 +617,7 @@ def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) 
                 raise KeyError(f"aidaptiv_ds: checkpoint {reader.tag_path} has no parameter {name!r}; it was saved "
                                f"from another model")
             n = p.ds_tensor.ds_numel
-            flat[:, off:off + n] = reader.read_range(name, rank * n, n)[:slots]
+            flat[:, off:off + n] = reader.read_range(name, rank * n, n, slots=slots)
             off += n
         if not g.layout.all_of(torch.float32, slots):
             g.layout.fill(buf, flat)  # bf16 moments saved widened come back exactly

@@ -139,7 +139,7 @@ def load_weights_only(opt, reader, names: dict, rank: int, custom: dict | None =
                 if custom is not None and id(p) in custom:
                     masters[off:off + n] = custom[id(p)].float()
                 elif custom is None and name in reader.params:
-                    masters[off:off + n] = reader.read_range(name, rank * n, n)[0].to(p.dtype).float()
+                    masters[off:off + n] = reader.read_range(name, rank * n, n, slots=1)[0].to(p.dtype).float()
                 elif p.dtype != torch.float32:  # DeepSpeed's masters come from the 16-bit partitions
                     masters[off:off + n] = masters[off:off + n].to(p.dtype).float()
                 off += n
