@@ -41,8 +41,12 @@ already overlaps most of its I/O. Measured side by side (148M fp32 Llama, budget
 ``launch/compare.py --params 150M --dtype fp32 --gradient-clipping 1.0 --backends cpu,aidaptiv0``, one run
 each): riding 3.02 s/step against DeepSpeed's CPU offload 2.27 s (1.33x), in ``step()`` 2.95 s against
 2.10 s (1.40x); riding reads 18.0 B/param/step instead of 21.6 (the updated fp32 parameters stay for the
-forward) but faults 97k pages per step instead of 82k. No gain worth a path less run, so ``"auto"`` keeps
-CPU ranks in ``step()``; ``true`` turns riding on there.
+forward) but faults 97k pages per step instead of 82k. Again on 2026-12-07 in one comparison (backend
+``aidaptiv0_ride``: ``--params 150M --dtype fp32 --seq 256 --steps 6 --warmup 2 --repeats 2 --backends
+cpu,aidaptiv0,aidaptiv0_ride``): riding 4.68 s, in ``step()`` 4.70 s, CPU offload 3.34 s; at 40M riding gains
+(1.29 against 1.54 s, CPU offload 1.10), where the forward is long beside the optimizer's I/O. No gain at the
+benchmark's size worth a path less run, so ``"auto"`` keeps CPU ranks in ``step()``; ``true`` turns riding on
+there.
 
 [Note: a failure in the pipeline] An update that fails (a write that failed for good, a read error) is
 raised by the gather or call that ran it, naming the sub-group, and again by every later wait: the run can
