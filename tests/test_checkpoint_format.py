@@ -246,6 +246,11 @@ def test_a_checkpoint_of_deepspeeds_own_offload_is_named_as_such(tmp_path):
     with pytest.raises(IncompleteCheckpointError, match="saved by DeepSpeed's own ZeRO offload") as e:
         read_manifest(str(tag))
     assert "zero_to_fp32.py" in str(e.value) and "incomplete" not in str(e.value)
+    assert isinstance(e.value, fmt.ForeignCheckpointError)  # complete: load_checkpoint offers no other tag for it
+    (tmp_path / "model.safetensors").write_bytes(b"x")  # HF Trainer's checkpoint-N: its weights beside the tag
+    with pytest.raises(fmt.ForeignCheckpointError, match=r"from_pretrained\(.*model.safetensors") as e:
+        read_manifest(str(tag))
+    assert "zero_to_fp32" not in str(e.value)
     (tag / "aidaptiv").mkdir()  # our directory without its manifest: an unfinished save of ours
     with pytest.raises(IncompleteCheckpointError, match="is incomplete"):
         read_manifest(str(tag))

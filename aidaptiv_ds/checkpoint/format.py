@@ -75,6 +75,16 @@ class IncompleteCheckpointError(AidaptivError, RuntimeError):
     """A checkpoint whose save did not finish (no manifest, or files missing or damaged)."""
 
 
+class ForeignCheckpointError(IncompleteCheckpointError):
+    """A complete checkpoint of DeepSpeed's own offload (no ``aidaptiv/`` directory): not damaged, not ours to load;
+    no other tag is offered in its place."""
+
+
+#: the weights HF Trainer saves beside a ``global_step*`` tag in its ``checkpoint-N`` directory
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+                   "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def rank_dirname(rank: int) -> str:
     return f"rank{rank:05d}"
 
@@ -196,14 +206,18 @@ def read_manifest(tag_path: str, verify_crc: bool = False) -> dict:
     if not os.path.isfile(path):
         have = sorted(os.listdir(base)) if os.path.isdir(base) else []
         if not os.path.isdir(base) and glob.glob(os.path.join(glob.escape(tag_path), "*_model_states.pt")):
-            raise IncompleteCheckpointError(
+            save_dir = os.path.dirname(os.path.abspath(tag_path))
+            hf = [f for f in HF_WEIGHT_FILES if os.path.isfile(os.path.join(save_dir, f))]
+            weights = (f"`from_pretrained({save_dir!r})` (HF Trainer saved its weights there: {hf[0]}) before "
+                       f"deepspeed.initialize / the Trainer, without resume_from_checkpoint" if hf else
+                       f"`python {os.path.join(save_dir, 'zero_to_fp32.py')} {save_dir} OUT_DIR` and load "
+                       f"OUT_DIR/pytorch_model.bin into the model before deepspeed.initialize")
+            raise ForeignCheckpointError(
                 f"aidaptiv_ds: checkpoint {tag_path} was saved by DeepSpeed's own ZeRO offload (its files, no "
-                f"{DIRNAME}/ directory), not by aidaptiv_ds; an engine on aidaptiv_ds loads only its own checkpoints "
-                f"(and DeepSpeed's NVMe offload saves no optimizer state to resume from). Fix: resume it with the "
-                f"configuration that saved it, or start from its weights: "
-                f"`python {os.path.join(os.path.dirname(os.path.abspath(tag_path)), 'zero_to_fp32.py')} "
-                f"{os.path.dirname(os.path.abspath(tag_path))} OUT_DIR` and load OUT_DIR/pytorch_model.bin into the "
-                f"model before deepspeed.initialize.")
+                f"{DIRNAME}/ directory), not by aidaptiv_ds; it is complete, but an engine on aidaptiv_ds loads only "
+                f"its own checkpoints (and DeepSpeed's NVMe offload saves no optimizer state to resume from). Fix: "
+                f"resume it with the configuration that saved it, or start from its weights (a new optimizer "
+                f"state): {weights}.")
         raise IncompleteCheckpointError(
             f"aidaptiv_ds: checkpoint {tag_path} is incomplete: {path} is missing (the save did not finish; found "
             f"{have or 'no aidaptiv files'}). It will not be loaded.")

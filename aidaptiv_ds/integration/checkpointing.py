@@ -44,7 +44,7 @@ import time
 import torch
 
 from ..checkpoint.deepspeed_compat import FROZEN_FILE, SavedTensorRef, placeholders, subgroup_file
-from ..checkpoint.format import IncompleteCheckpointError, adopt_root_files, locate_tag, manifest_ranks, \
+from ..checkpoint.format import ForeignCheckpointError, IncompleteCheckpointError, adopt_root_files, locate_tag, manifest_ranks, \
     offer_complete, publish, read_manifest, recover, staging_dir, staging_root, tag_dir
 from ..checkpoint.parts import Part, apply_plan, choose_tag, claim, cleanup_plan, commit_record, decide, finish_part, \
     group_parts, leftover_tags, prepare_part, rank_view, release_claim, stale_claims, switch_part, write_commit
@@ -722,16 +722,19 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
         return None, None
     decision = decide(views, tag, world)
     path = decision.paths[rank] if decision.loadable else locate_tag(load_dir, tag)
-    err, reader = None, None
+    err, reader, kind = None, None, IncompleteCheckpointError
     try:
         reader = CheckpointReader(path, require_all=not decision.parts)
     except IncompleteCheckpointError as e:
-        err = str(e) if decision.parts else f"{e} {offer_complete(load_dir, tag)}"
+        kind = type(e)  # DeepSpeed's own checkpoint (ForeignCheckpointError) is complete: no other tag offered
+        err = str(e) if decision.parts or isinstance(e, ForeignCheckpointError) else \
+            f"{e} {offer_complete(load_dir, tag)}"
     errs = _gather(err)
     bad = [(r, e) for r, e in enumerate(errs) if e]
     if bad:
-        raise IncompleteCheckpointError(bad[0][1] if len(bad) == 1 and bad[0][0] == rank or len(views) == 1 else
-                                        "; ".join(f"node {views[r]['host']} (rank {r}): {e}" for r, e in bad))
+        raise (kind if err else IncompleteCheckpointError)(
+            bad[0][1] if len(bad) == 1 and bad[0][0] == rank or len(views) == 1 else
+            "; ".join(f"node {views[r]['host']} (rank {r}): {e}" for r, e in bad))
     assert reader is not None
     ms_file = _model_states_file(path, rank)
     if ms_file is None:
