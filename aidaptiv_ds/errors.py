@@ -29,7 +29,9 @@ and keeps the builtin base it had, so ``except ValueError`` / ``except OSError``
     │                                          store turns it into StorageFullError)
     ├── LedgerError (OSError)                  the endurance ledger cannot be written (store/ledger.py)
     ├── IncompleteCheckpointError (RuntimeError)  a checkpoint whose save did not finish
-    │                                          (checkpoint/format.py)
+    │   │                                      (checkpoint/format.py)
+    │   └── ForeignCheckpointError             a complete checkpoint of DeepSpeed's own offload (not
+    │                                          ours to load; no other tag offered)
     ├── ChecksumMismatch (ValueError)          a checked JSON file (rank.json, index.json, a manifest)
     │                                          whose content does not match its CRC (io/atomic.py)
     ├── KVCacheMismatchError (ValueError)      a KV cache directory written for another model, dtype,
@@ -91,6 +93,7 @@ LOCATIONS = {
     "LedgerError": "aidaptiv_ds.store.ledger",
     "LedgerWarning": "aidaptiv_ds.store.ledger",
     "IncompleteCheckpointError": "aidaptiv_ds.checkpoint.format",
+    "ForeignCheckpointError": "aidaptiv_ds.checkpoint.format",
     "NvmlUnavailable": "aidaptiv_ds.telemetry.nvml",
     "DollyFormatError": "aidaptiv_ds.finetune.data",
     "BudgetWarning": "aidaptiv_ds.integration.config",
