@@ -49,3 +49,23 @@ def test_a_partition_is_the_ranks_padded_slice():
     full = torch.arange(10.0).reshape(2, 5)
     assert _partition_of(full, 0, 4).tolist() == [0, 1, 2, 3]
     assert _partition_of(full, 2, 4).tolist() == [8, 9, 0, 0]  # DeepSpeed pads the last partition with zeros
+
+
+def test_a_checkpoint_of_partitions_over_a_smaller_group_is_refused_by_name(monkeypatch):
+    """Saved ranges are read by ``rank * partition_numel`` over the world: an engine partitioned over a smaller
+    group (zero.Init's data_parallel_group, sequence parallelism) would save and read other ranks' slices."""
+    from aidaptiv_ds.errors import AidaptivConfigError
+    from aidaptiv_ds.integration import checkpointing
+
+    world, half = object(), object()
+    fake = types.SimpleNamespace(get_world_size=lambda group=None: 2 if group is half else 4,
+                                 get_rank=lambda group=None: 3)
+    monkeypatch.setattr(checkpointing, "_dist", lambda: fake)
+    m = _model()
+    for p in m.parameters():
+        p.ds_process_group, p.ds_tensor = world, torch.zeros(1)
+    assert checkpointing.partition_rank(m, "save_checkpoint") == 3
+    m[1].bias.ds_process_group = half
+    with pytest.raises(AidaptivConfigError, match=r"save_checkpoint: parameter '1.bias' is partitioned over a "
+                                                  r"group of 2 ranks, not over all 4.*Fix:"):
+        checkpointing.partition_rank(m, "save_checkpoint")

@@ -55,6 +55,7 @@ from ..checkpoint.writer import RankWriter, write_latest, write_manifest
 from ..io.buffers import alloc_aligned
 from ..io.errors import FileWriteError
 from ..io.killpoint import kill_point
+from .config import AidaptivConfigError
 from .load_weights import check_module_keys, check_shapes, custom_loaded_partitions, load_weights_only
 from .optimizer_state import state_of
 from .phase import Phase
@@ -88,6 +89,33 @@ def _dist():
 
 def _names(module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
+
+
+def partition_rank(module, what: str) -> int:
+    """This rank's index in the group every ZeRO-3 partition of ``module`` is split over, which a checkpoint's
+    files are named and its saved ranges read by (``read_range(name, rank * n, n)``): the world, as in data
+    parallelism.
+
+    Raises:
+        AidaptivConfigError: a parameter is partitioned over a smaller group (``zero.Init(data_parallel_group=...)``,
+            sequence parallelism): its ranks would save and read one another's slices. Named before anything is
+            written or changed.
+    """
+    dist = _dist()
+    world = dist.get_world_size()
+    sizes: dict[int, int] = {}
+    for name, p in module.named_parameters():
+        group = getattr(p, "ds_process_group", None)
+        if group is None or getattr(p, "ds_tensor", None) is None:
+            continue
+        size = sizes.setdefault(id(group), dist.get_world_size(group=group))
+        if size != world:
+            raise AidaptivConfigError(
+                f"aidaptiv_ds: {what}: parameter {name!r} is partitioned over a group of {size} ranks, not over "
+                f"all {world} (DeepSpeed's zero.Init data_parallel_group or sequence parallelism); the checkpoint "
+                f"of such an engine is not supported by the \"aidaptiv\" section. Fix: partition over the whole "
+                f"world, or run DeepSpeed's own offload (\"aidaptiv\": {{\"enabled\": false}}).")
+    return dist.get_rank()
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -374,7 +402,7 @@ def save_checkpoint(engine, orig, save_dir, tag=None, client_state={}, save_late
         return orig(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     engine.optimizer._aidaptiv_drain()  # updates riding the forward are part of the state saved
     dist = _dist()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = partition_rank(engine.module, "save_checkpoint"), dist.get_world_size()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     rt = engine.optimizer._aidaptiv.rt
     host = rt.namespace.host
@@ -590,12 +618,12 @@ def restore_param_groups(groups: list[dict], saved: list[dict], tag_path: str) -
                 group[k] = tuple(v) if isinstance(now, tuple) and isinstance(v, list) else v
 
 
-def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool) -> None:
-    """Fill this rank's sub-groups (re-partitioned for the current world) and rebuild the partitions."""
+def load_rank_state(opt, reader: CheckpointReader, load_optimizer_states: bool, rank: int) -> None:
+    """Fill this rank's sub-groups (re-partitioned for the current world; ``rank``: :func:`partition_rank`) and
+    rebuild the partitions."""
     rt, sw = opt._aidaptiv.rt, opt.optimizer_swapper
     rt.flush()
     dist = _dist()
-    rank = dist.get_rank()
     names = _names(opt._aidaptiv.module)
     steps = {}
     for idx in reader.ranks:
@@ -655,12 +683,13 @@ def load_frozen(opt, reader: CheckpointReader, names: dict, rank: int) -> None:
         if name in reader.params:
             n = p.ds_tensor.ds_numel
             items.append((p, reader.read_range(name, rank * n, n)[0].to(p.dtype)))
-    held = [(p, t) for p, t in items if psw is not None and psw.holds(p.ds_id)]
+    held, in_place = [], []
+    for p, t in items:
+        (held if psw is not None and psw.holds(p.ds_id) else in_place).append((p, t))
     if held:
         psw.write_partitions(held)
-    for p, t in items:
-        if psw is None or not psw.holds(p.ds_id):
-            p.ds_tensor.data.copy_(t)
+    for p, t in in_place:
+        p.ds_tensor.data.copy_(t)
     rt.flush()
 
 
@@ -713,7 +742,7 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
                     load_module_only, custom_load_fn)
     engine.optimizer._aidaptiv_drain()  # nothing of the old state may be written after the load
     dist = _dist()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = partition_rank(engine.module, "load_checkpoint"), dist.get_world_size()
     host = engine.optimizer._aidaptiv.rt.namespace.host
     views = _views(load_dir, tag, rank, host)
     tag = choose_tag(views, tag)
@@ -745,8 +774,9 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
     # DeepSpeed's module.load_state_dict(strict=load_module_strict) raises before anything changes (it is not called
     # where a custom_load_fn is given); a parameter of another shape is refused, strict or not
     check_module_keys(engine.module, list(ms.get("module") or {}), load_module_strict and custom_load_fn is None)
+    names = _names(engine.module)
     if custom_load_fn is None:
-        check_shapes(engine.module, _names(engine.module), reader)
+        check_shapes(engine.module, names, reader)
     opt = engine.optimizer
     buffers = {n for n, _ in engine.module.named_buffers()}
     buf_state = {k: v for k, v in (ms.get("module") or {}).items() if k in buffers}
@@ -754,14 +784,12 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
     if load_optimizer_states and not load_module_only:
         if custom_load_fn is not None:  # DeepSpeed calls it on the model-states module (its parameters 0-element
             custom_load_fn(src=ms.get("module") or {}, dst=engine.module)  # there), then loads the ZeRO state
-        load_rank_state(opt, reader, True)
+        load_rank_state(opt, reader, True, rank)
     else:  # the weights only, the optimizer state kept ([Note: what a weights-only load keeps])
-        names = _names(engine.module)
-        custom = custom_loaded_partitions(engine.module, names, reader, buf_state, custom_load_fn) \
+        custom = custom_loaded_partitions(engine.module, names, reader, buf_state, custom_load_fn, rank) \
             if custom_load_fn is not None else None
         load_weights_only(opt, reader, names, rank, custom)
         load_frozen(opt, reader, names, rank)  # DeepSpeed copies the saved frozen fragments over, custom fn or not
-        opt._aidaptiv.rt.flush()
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and ms.get("lr_scheduler") is not None:
             engine.lr_scheduler.load_state_dict(ms["lr_scheduler"])

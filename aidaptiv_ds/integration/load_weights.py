@@ -39,9 +39,9 @@ def check_module_keys(module, saved_keys, strict: bool) -> None:
     if not strict:
         return
     expected = list(module.state_dict(keep_vars=True))  # the module's own keys; nothing is gathered
-    saved = set(saved_keys)
+    saved, own = set(saved_keys), set(expected)
     missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved_keys if k not in set(expected)]
+    unexpected = [k for k in saved_keys if k not in own]
     errors = []
     if missing:
         errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
@@ -61,15 +61,16 @@ def _partition_of(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     return out
 
 
-def custom_loaded_partitions(module, names: dict, reader, buffers: dict, custom_load_fn) -> dict:
+def custom_loaded_partitions(module, names: dict, reader, buffers: dict, custom_load_fn, rank: int) -> dict:
     """Run ``custom_load_fn(src=state_dict, dst=module)`` as DeepSpeed does with ``load_optimizer_states=False``:
     ``src`` the checkpoint's fp32 weights (each parameter whole, in its shape; a tied one under each of its names,
     as ``zero_to_fp32`` gives it) and saved buffers, ``dst`` the module with every parameter gathered, and what
-    rank 0 of each parameter's group left is what every rank gets (DeepSpeed's ``modifier_rank=0``). Returns this
-    rank's partition of each trainable parameter afterwards (``id(p)`` -> tensor of the parameter's dtype), to set
-    the masters from (:func:`load_weights_only`). The gathered copies are released unchanged (nothing is written:
-    the partitions are rebuilt from the masters), and frozen parameters come from the checkpoint afterwards, as
-    DeepSpeed copies its ``frozen_param_fragments`` over what the function left."""
+    rank 0 left is what every rank gets (DeepSpeed's ``modifier_rank=0``). ``rank``: this rank's partition index
+    (``checkpointing.partition_rank``: the partitions are split over the world). Returns this rank's partition of
+    each trainable parameter afterwards (``id(p)`` -> tensor of the parameter's dtype), to set the masters from
+    (:func:`load_weights_only`). The gathered copies are released unchanged (nothing is written: the partitions
+    are rebuilt from the masters), and frozen parameters come from the checkpoint afterwards, as DeepSpeed copies
+    its ``frozen_param_fragments`` over what the function left."""
     import deepspeed
     from deepspeed import comm as dist
 
@@ -85,12 +86,9 @@ def custom_loaded_partitions(module, names: dict, reader, buffers: dict, custom_
         for p in params:
             if getattr(p, "ds_tensor", None) is None or id(p) not in names or not p.requires_grad:
                 continue
-            group = p.ds_process_group
-            if dist.get_world_size(group=group) > 1:  # rank 0's result, as GatheredParameters(modifier_rank=0)
-                root = 0 if group == dist.get_world_group() else dist.get_global_rank(group, 0)
-                dist.broadcast(p.data, src=root, group=group)
-            out[id(p)] = _partition_of(p.data.detach(), dist.get_rank(group=group), p.ds_tensor.ds_numel) \
-                .to(p.dtype)
+            if dist.get_world_size() > 1:  # rank 0's result, as GatheredParameters(modifier_rank=0)
+                dist.broadcast(p.data, src=0)
+            out[id(p)] = _partition_of(p.data.detach(), rank, p.ds_tensor.ds_numel).to(p.dtype)
     return out
 
 
