@@ -142,8 +142,6 @@ def load_weights_only(opt, reader, names: dict, rank: int, custom: dict | None =
                     masters[off:off + n] = masters[off:off + n].to(p.dtype).float()
                 off += n
             opt._reassign_or_swap_out_partitioned_parameters(i)
-            # written back as a state-API setter does (a swap-out while loading writes only what it installed)
-            opt.optimizer_swapper.writeback_optimizer_state_and_gradients(opt.fp32_partitioned_groups_flat[i],
-                                                                           write_opt_state=True, write_gradients=False)
-            opt.fp32_partitioned_groups_flat[i].grad = None
+            opt.optimizer_swapper.mark_changed(opt.fp32_partitioned_groups_flat[i])  # new masters: written back
+            opt._optimizer_states_and_gradient_swap_out(i)
     rt.flush()

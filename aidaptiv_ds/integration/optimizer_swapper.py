@@ -133,6 +133,7 @@ class _Group:
     slice: TieredUnit | None = None
     speculating: bool = False  # a speculative step's new state goes to the shadow extent
     keep_gradient: bool = False  # its gradient outlives the speculative step (a redo may need it)
+    changed: bool = False  # edited outside a step while the state is rebuilt: the next swap-out writes it
 
     @property
     def valid_slots(self) -> int:
@@ -582,8 +583,9 @@ class AidaptivOptimizerSwapper:
         if s is None:
             return
         s = self._adopt_states(g, parameter, s)
-        if not self.phase.rebuilds_state:
+        if not self.phase.rebuilds_state or g.changed:
             self.rt.tier.mark_dirty(s)
+            g.changed = False
         if not g.resident:  # issue the write while the slice is still referenced: releasing a dirty slice
             self.rt.tier.write_back(s)  # first would evict it, and a dirty eviction writes and waits
         self._release(g, parameter, consumed=not self.phase.rebuilds_state and not g.keep_gradient
@@ -673,6 +675,20 @@ class AidaptivOptimizerSwapper:
         g = self._group(parameter)
         self._release(g, parameter)
         self.rt.tier.enforce_budget()
+
+    def mark_changed(self, parameter) -> None:
+        """The caller changed ``parameter``'s swapped-in state while the state is rebuilt (a weights-only load
+        sets the masters in ``Phase.LOADING``): its next swap-out writes it back, where a rebuild's swap-out
+        writes nothing ([Note: phases] in ``phase.py``).
+
+        Raises:
+            RuntimeError: the sub-group is not swapped in (there is nothing of the caller's to write).
+        """
+        g = self._group(parameter)
+        if g.slice is None:
+            raise RuntimeError(f"aidaptiv_ds: mark_changed on sub-group {g.index}, which is not swapped in; "
+                               f"this is a bug, please report it")
+        g.changed = True
 
     def writeback_optimizer_state_and_gradients(self, parameter, write_opt_state: bool, write_gradients: bool
                                                 ) -> None:

@@ -13,7 +13,9 @@ them to re-derive the parameter partitions from loaded masters, a DeepSpeed stat
   gradient is bound or consumed, nothing is marked dirty), and the partitions DeepSpeed writes back are
   the bytes they were made from (the parameter swapper skips those writes);
 * ``LOADING``: a checkpoint's masters installed (``checkpointing.py``): the state is rebuilt as in
-  ``INITIALIZING``, but the partitions written are new (cast from the loaded masters) and are written;
+  ``INITIALIZING``, but the partitions written are new (cast from the loaded masters) and are written; the
+  optimizer state a swap-out releases was written when it was installed, unless the caller changed it while it was
+  swapped in and said so (``optimizer_swapper.mark_changed``: a weights-only load's new masters);
 * ``STATE_API``: a state-API call (``state_api.py``): a swap-out writes changed state back but is no
   optimizer step, so it consumes no gradient.
 
