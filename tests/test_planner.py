@@ -424,7 +424,8 @@ def test_cli_plans_the_deepspeed_config_it_is_given(tmp_path):
     cfg.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
         "zero_optimization": {"stage": 3, "sub_group_size": 5e7, "stage3_max_live_parameters": 1e8,
-                              "stage3_max_reuse_distance": 1e8, "stage3_param_persistence_threshold": 1e4},
+                              "stage3_max_reuse_distance": 1e8, "stage3_param_persistence_threshold": 1e4,
+                              "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}},
         "aidaptiv": {"cache_paths": [str(tmp_path)], "dram_budget": "10GiB", "step_in_backward": False}}))
     flags = ["--dtype", "fp32", "--gradient-clipping", "1.0", "--micro-batch", "2", "--ga", "4",
              "--sub-group-size", "5e7", "--max-live-parameters", "1e8", "--max-reuse-distance", "1e8",
@@ -437,6 +438,20 @@ def test_cli_plans_the_deepspeed_config_it_is_given(tmp_path):
     assert a["dram"] == b["dram"] and a["per_step"]["write_bytes"] > 0
     _, bf16 = run_cli(*common, "--deepspeed", str(cfg), "--dtype", "bf16")  # a flag given wins
     assert json.loads(bf16)["total_state_bytes"] < a["total_state_bytes"]
+    for device in ("cpu", "none"):  # the parameters where DeepSpeed keeps them (left out: "none", DeepSpeed's)
+        d = json.loads(cfg.read_text())
+        d["zero_optimization"]["offload_param"] = {"device": device} if device == "cpu" else None
+        d["zero_optimization"] = {k: v for k, v in d["zero_optimization"].items() if v is not None}
+        cfg.write_text(json.dumps(d))
+        _, by_config = run_cli(*common, "--deepspeed", str(cfg))
+        _, by_flags = run_cli(*common, *flags, "--offload-param", device)
+        c, f = json.loads(by_config), json.loads(by_flags)
+        assert c["per_step"] == f["per_step"] and c["tiers"] == f["tiers"] and c["dram"] == f["dram"]
+        # fp32: the parameters were read from the master slots (forward and backward), never written on their own
+        assert c["tiers"]["parameters"]["cache"] == 0 and c["per_step"]["read_bytes"] < a["per_step"]["read_bytes"]
+        assert c["tiers"]["parameters"]["dram" if device == "cpu" else "vram"] == 7e9 * 4
+    d["zero_optimization"]["offload_param"] = {"device": "nvme"}
+    cfg.write_text(json.dumps(d))
     cfg.write_text(json.dumps({"gradient_clipping": "auto", "bf16": {"enabled": "auto"},
                                "zero_optimization": {"stage": 3}}))
     _, auto = run_cli(*common, "--deepspeed", str(cfg))

@@ -68,8 +68,9 @@ def test_the_gathered_parameters_partitions_are_in_the_pool_and_counted_once():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("sub_group_size", [None, 30_000], ids=["deepspeed-default", "small"])
-def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, sub_group_size):
+@pytest.mark.parametrize("sub_group_size, offload_param", [(None, "nvme"), (30_000, "nvme"), (None, "cpu")],
+                         ids=["deepspeed-default", "small", "params-on-cpu"])
+def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, sub_group_size, offload_param):
     import deepspeed
     from transformers import LlamaForCausalLM
 
@@ -81,6 +82,8 @@ def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, 
     for k in ("sub_group_size", "stage3_param_persistence_threshold"):  # DeepSpeed's defaults unless set
         zero.pop(k)
     zero["offload_param"].pop("max_in_cpu")
+    if offload_param != "nvme":  # DeepSpeed keeps the parameters: no read-ahead, no pooled partitions, no alias
+        zero["offload_param"] = {"device": offload_param}
     if sub_group_size is not None:
         zero["sub_group_size"] = sub_group_size
     torch.manual_seed(0)
@@ -90,6 +93,7 @@ def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, 
         ran_state, policy, ran = engine.optimizer._aidaptiv.working_set
         inp = PlanInput(shape=shape_from_config(SHAPE.hf_config().to_dict(), describe(SHAPE)), gpus=1, vram=0,
                         dram=64 << 30, drives=[CacheDrive(capacity=1 << 40)], cpu_ranks=True, dtype="fp32",
+                        offload_param=offload_param,
                         **({} if sub_group_size is None else {"sub_group_size": sub_group_size}))
         planned = rank_state(inp)
         # the staged partition matters beside an accelerator only (the planner's is the largest slice's)

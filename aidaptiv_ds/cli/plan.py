@@ -38,6 +38,7 @@ from ..planner.plan import (
     DEFAULT_SUB_GROUP_SIZE,
     DEFAULT_WRITE_GBPS,
     MOMENT_BYTES,
+    OFFLOAD_PARAM_DEVICES,
     PARAM_BYTES,
     CacheDrive,
     CapacityPlan,
@@ -209,6 +210,10 @@ def register(subparsers) -> None:
     p.add_argument("--step-in-backward", choices=("auto", "true", "false"), default=None,
                    help="aidaptiv.step_in_backward (default auto: inside backward where the drives hold a second "
                         "copy of the optimizer state)")
+    p.add_argument("--offload-param", choices=OFFLOAD_PARAM_DEVICES, default=None,
+                   help="zero_optimization.offload_param.device: nvme (the parameters go through aidaptiv_ds's tiers), "
+                        "cpu (DeepSpeed keeps them in host memory) or none (on the GPU; host memory on CPU ranks); "
+                        "default: the --deepspeed config's (left out there: none, DeepSpeed's), else nvme")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -316,7 +321,7 @@ def plan_input_from_args(args) -> PlanInput:
         param_persistence_threshold=int(args.param_persistence_threshold),
         reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else CPU_REDUCE_BUCKET_NUMEL, gradient_clipping=args.gradient_clipping,
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward],
-        logits_tokens=args.logits_tokens, assumed=assumed)
+        logits_tokens=args.logits_tokens, offload_param=args.offload_param, assumed=assumed)
     if inp.sub_group_size is None:
         assumed.append(f"sub_group_size {inp.sub_group_numel:,} elements (left out: aidaptiv_ds picks it from a rank's "
                        f"host memory, 5% for the three sub-groups in flight; DeepSpeed's own default is 1e9; give "
@@ -329,7 +334,8 @@ PLAN_DEFAULTS = {"dram_budget": "auto", "micro_batch": 1, "grad_accum": 1, "dtyp
                  "sub_group_size": DEFAULT_SUB_GROUP_SIZE, "max_live_parameters": DEEPSPEED_MAX_LIVE_PARAMETERS,
                  "max_reuse_distance": DEEPSPEED_MAX_REUSE_DISTANCE,
                  "param_persistence_threshold": DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
-                 "reduce_bucket_size": None, "gradient_clipping": 1.0, "step_in_backward": "auto"}
+                 "reduce_bucket_size": None, "gradient_clipping": 1.0, "step_in_backward": "auto",
+                 "offload_param": "nvme"}
 
 
 def _with_config_settings(args, assumed: list) -> argparse.Namespace:
@@ -502,9 +508,15 @@ def format_plan(p: CapacityPlan, strict: bool = False) -> str:
         out.append(f"VRAM/GPU   {_dec(v['total'])} of {_dec(i['vram'])}: gathered slices "
                    f"{_dec(v['gathered_params'])}, "
                    f"slice grads {_dec(v['slice_gradients'])}, activations {_dec(v['activations'])}, "
-                   f"bucket+overhead {_dec(v['reduce_bucket'] + v['overhead'])}")
+                   f"bucket+overhead {_dec(v['reduce_bucket'] + v['overhead'])}"
+                   + (f", parameter partitions {_dec(v['param_partitions'])} (offload_param none)"
+                      if v.get("param_partitions") else ""))
     host = f"DRAM/node  {_dec(d['host_bytes'])}: margin {_dec(d['margin_bytes'])}, working set " \
            f"{_dec(d['working_set_bytes'])}"
+    offload = i.get("offload_param", "nvme")
+    if offload != "nvme" and p.tiers["parameters"]["dram"]:  # DeepSpeed's partitions in host memory
+        host += (f" (of which the parameter partitions DeepSpeed keeps, offload_param {offload}, "
+                 f"{_dec(p.tiers['parameters']['dram'] // max(p.dp // p.local_ranks, 1))})")
     if cpu:
         c = p.cpu_rank_host
         host += (f" (per CPU rank: baseline {_dec(c['baseline'])} + the larger of backward {_dec(c['backward'])} "
@@ -517,13 +529,15 @@ def format_plan(p: CapacityPlan, strict: bool = False) -> str:
         host += (f"; per rank besides the budget, the process's peak {_dec(h['peak'])} (model build under zero.Init "
                  f"{_dec(h['construction'])}, deepspeed.initialize {_dec(h['initialization'])}, steps "
                  f"{_dec(h['steps'])})")
+    params_at = ("yes" if r["params_resident"] else "no") if offload == "nvme" else \
+        f"DeepSpeed's, in {'host memory' if p.tiers['parameters']['dram'] else 'VRAM'} (offload_param {offload})"
     sib = (f"inside backward (a second copy of the state on the drives, {_dec(r['shadow_bytes'])}"
            + ("; gradients consumed at once, never written)" if not i.get("gradient_clipping")
               else "; gradients kept until the clipping norm is known)")) if r.get("step_in_backward") \
         else "after backward"
     out += [host, f"optimizer  steps {sib}",
             f"resident   gradients {'yes' if r['grads_resident'] else 'no'}, parameters "
-            f"{'yes' if r['params_resident'] else 'no'}, {len(r['resident_subgroups'])} optimizer sub-group(s); "
+            f"{params_at}, {len(r['resident_subgroups'])} optimizer sub-group(s); "
             f"prefetch depth {p.prefetch['depth']}",
             f"per step   written {_dec(p.per_step['write_bytes'])}, read {_dec(p.per_step['read_bytes_best'])} "
             f"per node" + (f" ({_dec(p.per_step['read_bytes'])} where no read finds its bytes still in DRAM)"

@@ -134,6 +134,12 @@ def read_config_settings(path: str) -> ConfigSettings:
     if stage not in (None, 3, "3"):
         notes.append(f"zero_optimization.stage {stage!r} in --deepspeed {path}: aidaptiv_ds runs ZeRO-3 only "
                      f"(planned as stage 3)")
+    device = _get(cfg, ("zero_optimization", "offload_param", "device"))
+    device = "none" if device is None else str(device).lower()  # DeepSpeed's default: no parameter offload
+    if device not in ("nvme", "cpu", "none"):
+        raise ValueError(f"--deepspeed {path!r}: zero_optimization.offload_param.device is {device!r}. Fix: give "
+                         f"\"nvme\", \"cpu\" or \"none\"")
+    values["offload_param"] = device
     endurance, moments, cache_paths = {}, None, ()
     nvme = [_get(cfg, ("zero_optimization", k, "nvme_path")) for k in ("offload_param", "offload_optimizer")]
     if section_enabled(cfg):

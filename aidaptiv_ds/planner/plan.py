@@ -120,6 +120,8 @@ from .schedule import (
 from .working_set import RankPolicy, RankState, rank_working_set
 
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: ``zero_optimization.offload_param.device`` values a plan takes (:attr:`PlanInput.offload_param`)
+OFFLOAD_PARAM_DEVICES = ("nvme", "cpu", "none")
 MOMENT_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4}
 #: bytes per element of one optimizer state on the tiers, per ``aidaptiv.optimizer_state.moments`` (int8: the
 #: code and its share of the block's fp32 scale, ``tiers/blockwise.py``)
@@ -228,6 +230,11 @@ class PlanInput:
             :data:`~aidaptiv_ds.planner.schedule.DEFAULT_PCIE` preset).
         gpu_mfu: the fraction of ``gpu_flops`` (or of the default GPU's peak) training sustains, for the
             schedules' compute estimate.
+        offload_param: ``zero_optimization.offload_param.device``: ``"nvme"`` (aidaptiv_ds swaps the parameter
+            partitions through the tiers), ``"cpu"`` (DeepSpeed keeps them in host memory: none of the drives'
+            bytes, and every rank's partitions are host memory beside the budget) or ``"none"`` (DeepSpeed keeps
+            them on the device: VRAM, or host memory on CPU ranks); the optimizer state is ours either way
+            (``integration/stage3.py``: the same split).
         assumed: names of inputs that were defaulted rather than given (reported).
     """
     shape: ModelShape
@@ -268,6 +275,7 @@ class PlanInput:
     schedule: str = "both"
     link_gbps: float | None = None
     gpu_mfu: float = DEFAULT_MFU
+    offload_param: str = "nvme"
     assumed: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -284,6 +292,23 @@ class PlanInput:
     @property
     def dp(self) -> int:
         return self.gpus * self.nodes
+
+    @property
+    def params_swapped(self) -> bool:
+        """The parameter partitions go through aidaptiv_ds's tiers (``offload_param`` on ``nvme``)."""
+        return self.offload_param == "nvme"
+
+    @property
+    def param_partition_bytes(self) -> int:
+        """One rank's parameter partitions, ``ceil(N / dp)`` elements in the parameter dtype (bytes)."""
+        return -(-self.params // max(self.dp, 1)) * PARAM_BYTES.get(self.dtype, 2)
+
+    @property
+    def deepspeed_param_host_bytes(self) -> int:
+        """Host bytes of one rank's parameter partitions that DeepSpeed keeps there itself (``offload_param``
+        ``"cpu"``, or ``"none"`` on CPU ranks); 0 when they are ours or on a GPU."""
+        on_host = self.offload_param == "cpu" or (self.offload_param == "none" and self.cpu_ranks)
+        return self.param_partition_bytes if on_host else 0
 
     @property
     def sub_group_numel(self) -> int:
@@ -318,7 +343,9 @@ class PlanInput:
                    f"use one of {', '.join(SCHEDULE_CHOICES)}"),
                   ("--pcie-gbps", self.link_gbps, self.link_gbps is None or self.link_gbps > 0,
                    f"give positive GB/s or a preset ({', '.join(PCIE_PRESETS_GBPS)})"),
-                  ("--mfu", self.gpu_mfu, 0 < self.gpu_mfu <= 1, "give a fraction in (0, 1], e.g. 0.5")]
+                  ("--mfu", self.gpu_mfu, 0 < self.gpu_mfu <= 1, "give a fraction in (0, 1], e.g. 0.5"),
+                  ("--offload-param", self.offload_param, self.offload_param in OFFLOAD_PARAM_DEVICES,
+                   f"use one of {', '.join(OFFLOAD_PARAM_DEVICES)}")]
         groups = -(-self.params // max(self.dp, 1)) // max(self.sub_group_numel, 1)
         checks.append(("--sub-group-size", self.sub_group_size, groups <= 1_000_000,
                        "give at most a million sub-groups per rank, e.g. 1e9 elements (DeepSpeed's default)"))
@@ -594,6 +621,7 @@ def _host_and_budget(inp: PlanInput, sizes: StateSizes, activations: int) -> tup
                                   largest_subgroup_numel=largest_sg, slot_bytes_per_param=MASTER_BYTES_PER_PARAM + mb,
                                   tensor_on_host=False)
         ws = gpu_host["peak"] * ranks
+    ws += inp.deepspeed_param_host_bytes * ranks  # held before the runtime reads MemAvailable: outside its budget
     auto = explain_dram_budget(inp.dram, ws, total_host_bytes=inp.dram, local_ranks=ranks)
     if inp.dram_budget is not None:
         return cpu, gpu_host, ws, DramBudget(inp.dram, auto.margin_bytes, ws, int(inp.dram_budget), ranks)
@@ -605,6 +633,8 @@ def _core(inp: PlanInput) -> dict:
     shape, N, dp, ranks = inp.shape, inp.params, inp.dp, inp.gpus
     pb, mb = PARAM_BYTES[inp.dtype], inp.moment_bytes
     sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_numel, cpu_ranks=inp.cpu_ranks)
+    if not inp.params_swapped:  # DeepSpeed's partitions (offload_param cpu/none): none of the tiers' bytes, as the
+        sizes.param_bytes, sizes.param_write_bytes, sizes.alias_params = 0, 0, False  # runtime's StateSizes
     slice_numel = shape.largest_slice_params
     if inp.n_params is not None and shape.n_params:
         slice_numel = int(slice_numel * N / shape.n_params)
@@ -615,7 +645,8 @@ def _core(inp: PlanInput) -> dict:
         act = cpu_activation_bytes(inp, act)
     vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
             "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
-            "overhead": inp.vram_overhead}
+            "overhead": inp.vram_overhead,
+            "param_partitions": inp.param_partition_bytes if inp.offload_param == "none" else 0}
     vram["total"] = sum(vram.values())
     resolved = inp  # the input under the path the steps take (step_in_backward resolved below)
     cpu, gpu_host, ws, dram = _host_and_budget(resolved, sizes, act["total"])
@@ -718,11 +749,13 @@ def rank_state(inp: PlanInput) -> RankState:
     largest_param = _largest_param_numel(inp)
     numels = tuple(rank_sub_group_numels(inp))  # DeepSpeed's: up to sub_group_size + a partition
     slice_numel = int(shape.largest_slice_params * scale)
+    ours = inp.params_swapped  # no parameter swapper: nothing staged, no fp32 parameter read from a master slot
     return RankState(subgroup_numels=numels, grad_numels=numels, largest_partition_numel=-(-largest_param // dp),
                      param_bytes=sum(numels) * pb, largest_subgroup_param_bytes=max(numels, default=0) * pb,
-                     staging_partition_bytes=-(-slice_numel // dp) * pb, accum_elsize=grad_accum_bytes(inp.dtype),
+                     staging_partition_bytes=-(-slice_numel // dp) * pb if ours else 0,
+                     accum_elsize=grad_accum_bytes(inp.dtype),
                      state_elsize=MASTER_BYTES_PER_PARAM, states=MOMENT_BYTES[inp.optimizer] // MASTER_BYTES_PER_PARAM,
-                     alias=inp.dtype == "fp32", moments=None if inp.moments == "fp32" else inp.moments)
+                     alias=ours and inp.dtype == "fp32", moments=None if inp.moments == "fp32" else inp.moments)
 
 
 def shape_gathered_numel(shape: ModelShape | None, model_numel: int, *, max_live_numel: int, max_reuse_numel: int,
@@ -761,8 +794,9 @@ def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankP
                                     persistence_threshold=inp.param_persistence_threshold, scale=_shape_scale(inp))
     ds = deepspeed_cpu_rank_bytes(gathered, inp.params, pb, inp.reduce_bucket_size,
                                   grad_accum_bytes(inp.dtype), partition_ranks=inp.dp)
-    live = live_partition_bytes(gathered, inp.params, pb, partition_ranks=inp.dp)
-    return rank_policy(inp, readahead_bytes=auto_prefetch_bytes(2 * state.largest_partition_numel * pb),
+    ours = inp.params_swapped  # the read-ahead and the pooled partitions are our parameter swapper's
+    live = live_partition_bytes(gathered, inp.params, pb, partition_ranks=inp.dp) if ours else 0
+    return rank_policy(inp, readahead_bytes=auto_prefetch_bytes(2 * state.largest_partition_numel * pb) if ours else 0,
                        deepspeed_bytes=ds, live_partition_bytes=live, gather_ranks=inp.dp,
                        activation_bytes=activations)
 
@@ -937,7 +971,8 @@ def rank_traffic(inp: PlanInput, c: dict) -> RankTraffic:
         optimizer_read=res.read_bytes_per_step - 2 * params - res.grad_bytes_per_step, optimizer_read_full=opt,
         optimizer_write=opt, dram_free=res.cache_bytes, window=auto_prefetch_bytes(c["slice_part"]),
         boundary_per_micro_batch=tokens * shape.hidden_size * PARAM_BYTES[inp.dtype] * shape.num_layers,
-        param_partition=sizes.param_bytes, grad_partition=sizes.grad_bytes,
+        param_partition=0 if inp.offload_param == "none" else inp.param_partition_bytes,
+        grad_partition=sizes.grad_bytes,
         flops_micro_batch_major=training_flops_per_token(shape, inp.params, inp.seq_len,
                                                          inp.activation_checkpointing) * tokens,
         flops_layer_major=training_flops_per_token(shape, inp.params, inp.seq_len, True) * tokens)
@@ -1020,7 +1055,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
     sizes: StateSizes = c["sizes"]
     res: ResidencyPlan = c["res"]
     dram: DramBudget = c["dram"]
-    numel = sizes.param_bytes // pb
+    numel = inp.param_partition_bytes // pb  # one rank's partition elements (also where DeepSpeed keeps them)
     per_elem_opt = MASTER_BYTES_PER_PARAM + mb
     res_sg_numel = int(sum(sizes.subgroup_bytes[i] for i in res.resident_subgroups) // per_elem_opt)
     all_ranks = dp
@@ -1028,8 +1063,14 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
     def split(resident: int, total: int) -> dict:
         return {"vram": 0, "dram": resident * all_ranks, "cache": (total - resident) * all_ranks}
 
+    if inp.params_swapped:
+        params_tier = split(sizes.param_bytes if res.params_resident else 0, sizes.param_bytes)
+    else:  # DeepSpeed's: host memory (offload_param cpu, or none on CPU ranks) or VRAM (none beside a GPU)
+        held = inp.param_partition_bytes * all_ranks
+        params_tier = {"vram": 0 if inp.deepspeed_param_host_bytes else held,
+                       "dram": held if inp.deepspeed_param_host_bytes else 0, "cache": 0}
     tiers = {
-        "parameters": split(sizes.param_bytes if res.params_resident else 0, sizes.param_bytes),
+        "parameters": params_tier,
         # gradient slices in DRAM (resident), on the drives (stored), or consumed inside backward (neither)
         "gradients": {"vram": 0, "dram": sum(sizes.grad_slices()[i] for i in res.resident_grad_subgroups) * all_ranks,
                       "cache": 0 if not sizes.grads_stored else
@@ -1041,7 +1082,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
     }
     if inp.cpu_ranks:  # no GPU: activations are host memory
         tiers["activations"] = {"vram": 0, "dram": c["act"]["total"] * dp, "cache": 0}
-    state_total = sizes.total * dp
+    state_total = (sizes.total + (0 if inp.params_swapped else inp.param_partition_bytes)) * dp
     total = state_total + c["act"]["total"] * dp
     prefetch = prefetch_bytes_from_budget(res, c["slice_part"], len(shape.slice_params()))
 
@@ -1104,6 +1145,9 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
             f"{_dec(dram.working_set_bytes)} of {ranks} rank(s)"
             + (f", of which DeepSpeed's gathered parameters and reduce buckets {_dec(cpu['deepspeed'] * ranks)} and "
                f"activations {_dec(cpu['activations'] * ranks)} on the CPU ranks" if cpu else "")
+            + (f", of which the parameter partitions DeepSpeed keeps in host memory (offload_param "
+               f"{inp.offload_param}) {_dec(inp.deepspeed_param_host_bytes * ranks)}"
+               if inp.deepspeed_param_host_bytes else "")
             + (f" + budget {_dec(dram.budget_bytes)}" if inp.dram_budget is not None else "")
             + f") but has {_dec(inp.dram)}")
     if not checks["cache"]:
