@@ -777,6 +777,10 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
     names = _names(engine.module)
     if custom_load_fn is None:
         check_shapes(engine.module, names, reader)
+    fragments = None
+    if ms.get("frozen_param_fragments"):  # references to our files, read as placeholders above: the caller gets the
+        with torch.no_grad():              # tensors, as from DeepSpeed's own checkpoint (read before anything changes)
+            fragments = torch.load(ms_file, map_location="cpu", weights_only=False)["frozen_param_fragments"]
     opt = engine.optimizer
     buffers = {n for n, _ in engine.module.named_buffers()}
     buf_state = {k: v for k, v in (ms.get("module") or {}).items() if k in buffers}
@@ -807,10 +811,8 @@ def load_checkpoint(engine, orig, load_dir, tag=None, load_module_strict=True, l
     consumed |= {k for k, flag in (("lr_scheduler", load_lr_scheduler_states), ("optimizer", load_optimizer_states))
                  if flag}  # appended in both branches
     client = {k: v for k, v in ms.items() if k not in consumed}
-    if client.get("frozen_param_fragments"):  # references to our files, read as placeholders above: the caller
-        with torch.no_grad():                  # gets the tensors, as from DeepSpeed's own checkpoint
-            client["frozen_param_fragments"] = torch.load(ms_file, map_location="cpu",
-                                                          weights_only=False)["frozen_param_fragments"]
+    if fragments is not None and "frozen_param_fragments" in client:
+        client["frozen_param_fragments"] = fragments
     given = os.path.join(load_dir, str(tag), os.path.basename(ms_file))  # as DeepSpeed's _get_ckpt_name builds it
     if os.path.abspath(given) == os.path.abspath(ms_file):
         ms_file = given  # the path as the caller gave it (relative stays relative); a node-local part keeps its own
