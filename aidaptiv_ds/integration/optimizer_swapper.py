@@ -670,6 +670,11 @@ class AidaptivOptimizerSwapper:
                 self.gradients.release(g.index)
         parameter.grad = None
 
+    def refs(self, parameter) -> int:
+        """How many holders ``parameter``'s sub-group slice has now (0: not in DRAM or not held)."""
+        g = self._group(parameter)
+        return g.slice.refs if g.slice is not None else 0
+
     def release_swap_buffers(self, parameter) -> None:
         """Drop the in-memory views without writing (read-only access is over)."""
         g = self._group(parameter)
@@ -722,10 +727,11 @@ class AidaptivOptimizerSwapper:
             step: ``(value, type)`` as saved (``"tensor:float32"``, ``"int"``, ``"float"``), or None for
                 a fresh optimizer state.
         """
-        if g.slice is not None:
-            while g.slice.refs:
-                self.rt.tier.release(g.slice)
-            self.rt.tier.drop(g.slice)
+        old = g.slice
+        if old is not None:  # a release may evict the slice (g.slice None after it): hold on to it here
+            while old.refs:
+                self.rt.tier.release(old)
+            self.rt.tier.drop(old)
         g.state_names = list(state_names)
         s = self._new_slice(g, buf)
         state = {}

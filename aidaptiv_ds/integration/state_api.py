@@ -52,13 +52,24 @@ class StateAPIMixin:
         self._aidaptiv_drain()  # updates riding the forward first (step_pipeline.py)
         self._aidaptiv.phase.check_opens(Phase.STATE_API)  # before a speculative step is undone
         st = self._aidaptiv.stepper
+        groups = sorted({self.grad_position[self.get_param_id(p)][0] for p in params
+                         if p.requires_grad and self.get_param_id(p) in self.grad_position})
         if st is not None:
-            groups = sorted({self.grad_position[self.get_param_id(p)][0] for p in params
-                             if p.requires_grad and self.get_param_id(p) in self.grad_position})
             for i in groups:
                 st.reopen(i, what)
+        sw = self.optimizer_swapper
+        refs = {i: sw.refs(self.fp32_partitioned_groups_flat[i]) for i in groups}
         with self._aidaptiv.phase.during(Phase.STATE_API), span("aidaptiv::state_api", lane="optimizer", call=what):
-            yield
+            try:
+                yield
+            except BaseException:
+                # DeepSpeed's call swapped the sub-group in and raised before releasing it (a moment asked for
+                # before the first step: KeyError, as on CPU offload): let go of what it took, unwritten, so that
+                # the slice is not pinned for good (a later load or step found it half-held)
+                for i in groups:
+                    if sw.refs(self.fp32_partitioned_groups_flat[i]) > refs[i]:
+                        self._release_swap_buffers(i)
+                raise
 
     def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
         """DeepSpeed's (``stage3.py:3150``), but a moment stored narrow comes back as fp32 ([Note: narrow moments
