@@ -68,9 +68,11 @@ def test_the_gathered_parameters_partitions_are_in_the_pool_and_counted_once():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("sub_group_size, offload_param", [(None, "nvme"), (30_000, "nvme"), (None, "cpu")],
-                         ids=["deepspeed-default", "small", "params-on-cpu"])
-def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, sub_group_size, offload_param):
+@pytest.mark.parametrize("sub_group_size, offload_param, frozen_base",
+                         [(None, "nvme", False), (30_000, "nvme", False), (None, "cpu", False), (None, "nvme", True)],
+                         ids=["deepspeed-default", "small", "params-on-cpu", "frozen-base"])
+def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, sub_group_size, offload_param,
+                                                         frozen_base):
     import deepspeed
     from transformers import LlamaForCausalLM
 
@@ -88,14 +90,23 @@ def test_the_planner_derives_the_state_the_runtime_reads(tmp_path, monkeypatch, 
         zero["sub_group_size"] = sub_group_size
     torch.manual_seed(0)
     model = LlamaForCausalLM(SHAPE.hf_config())
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    trainable = None
+    if frozen_base:  # a LoRA-like run: the attention's q and v projections trained, the rest frozen
+        for name, p in model.named_parameters():
+            p.requires_grad = name.endswith(("q_proj.weight", "v_proj.weight"))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg)
     try:
         ran_state, policy, ran = engine.optimizer._aidaptiv.working_set
         inp = PlanInput(shape=shape_from_config(SHAPE.hf_config().to_dict(), describe(SHAPE)), gpus=1, vram=0,
                         dram=64 << 30, drives=[CacheDrive(capacity=1 << 40)], cpu_ranks=True, dtype="fp32",
-                        offload_param=offload_param,
+                        offload_param=offload_param, trainable_params=trainable,
                         **({} if sub_group_size is None else {"sub_group_size": sub_group_size}))
         planned = rank_state(inp)
+        if frozen_base:  # the largest trainable partition (the gradient norm's scratch) is not known from a count
+            assert planned.largest_partition_numel >= ran_state.largest_partition_numel
+            planned = dataclasses.replace(planned, largest_partition_numel=ran_state.largest_partition_numel)
         # the staged partition matters beside an accelerator only (the planner's is the largest slice's)
         assert dataclasses.replace(planned, staging_partition_bytes=0) == \
             dataclasses.replace(ran_state, staging_partition_bytes=0)

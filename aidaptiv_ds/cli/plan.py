@@ -210,6 +210,10 @@ def register(subparsers) -> None:
     p.add_argument("--step-in-backward", choices=("auto", "true", "false"), default=None,
                    help="aidaptiv.step_in_backward (default auto: inside backward where the drives hold a second "
                         "copy of the optimizer state)")
+    p.add_argument("--trainable-params", type=float, default=None, metavar="N",
+                   help="parameters the optimizer updates, e.g. a LoRA run's adapters (PEFT's "
+                        "print_trainable_parameters); the rest are frozen: read each step, written once, no gradient "
+                        "or optimizer state (default: all)")
     p.add_argument("--offload-param", choices=OFFLOAD_PARAM_DEVICES, default=None,
                    help="zero_optimization.offload_param.device: nvme (the parameters go through aidaptiv_ds's tiers), "
                         "cpu (DeepSpeed keeps them in host memory) or none (on the GPU; host memory on CPU ranks); "
@@ -321,7 +325,8 @@ def plan_input_from_args(args) -> PlanInput:
         param_persistence_threshold=int(args.param_persistence_threshold),
         reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else CPU_REDUCE_BUCKET_NUMEL, gradient_clipping=args.gradient_clipping,
         step_in_backward={"auto": "auto", "true": True, "false": False}[args.step_in_backward],
-        logits_tokens=args.logits_tokens, offload_param=args.offload_param, assumed=assumed)
+        logits_tokens=args.logits_tokens, offload_param=args.offload_param,
+        trainable_params=None if args.trainable_params is None else int(args.trainable_params), assumed=assumed)
     if inp.sub_group_size is None:
         assumed.append(f"sub_group_size {inp.sub_group_numel:,} elements (left out: aidaptiv_ds picks it from a rank's "
                        f"host memory, 5% for the three sub-groups in flight; DeepSpeed's own default is 1e9; give "
@@ -485,6 +490,8 @@ def format_plan(p: CapacityPlan, strict: bool = False) -> str:
     m, i = p.model, p.inputs
     cpu = bool(i.get("cpu_ranks"))
     out = [f"model      {m['name']} ({m['model_type']}): {p.n_params:,} parameters"
+           + (f", {i['trainable_params']:,} trainable (the rest frozen: read each step, never written, no optimizer "
+              f"state)" if i.get("trainable_params") is not None else "")
            + ("" if m["shape_source"] == "exact" else f"; {m['shape_source']}"),
            f"run        {i['gpus']} {'CPU rank' if cpu else 'GPU'}(s) x {i['nodes']} node(s) (dp={p.dp}), "
            f"micro-batch {i['micro_batch']}, "

@@ -230,6 +230,11 @@ class PlanInput:
             :data:`~aidaptiv_ds.planner.schedule.DEFAULT_PCIE` preset).
         gpu_mfu: the fraction of ``gpu_flops`` (or of the default GPU's peak) training sustains, for the
             schedules' compute estimate.
+        trainable_params: the parameters the optimizer updates (LoRA: the adapters' count, printed by PEFT's
+            ``print_trainable_parameters``); the rest are frozen: their partitions are read each step and written
+            once, and they have no gradient, master weight or moment. None: all of them. The trainable ones are
+            planned as one tensor (the adapters' sub-groups are DeepSpeed's of their partitions: a few elements of
+            padding apart, the same over one rank).
         offload_param: ``zero_optimization.offload_param.device``: ``"nvme"`` (aidaptiv_ds swaps the parameter
             partitions through the tiers), ``"cpu"`` (DeepSpeed keeps them in host memory: none of the drives'
             bytes, and every rank's partitions are host memory beside the budget) or ``"none"`` (DeepSpeed keeps
@@ -276,6 +281,7 @@ class PlanInput:
     link_gbps: float | None = None
     gpu_mfu: float = DEFAULT_MFU
     offload_param: str = "nvme"
+    trainable_params: int | None = None
     assumed: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -292,6 +298,11 @@ class PlanInput:
     @property
     def dp(self) -> int:
         return self.gpus * self.nodes
+
+    @property
+    def trainable(self) -> int:
+        """Parameters the optimizer updates (:attr:`trainable_params`, all where None)."""
+        return self.params if self.trainable_params is None else min(int(self.trainable_params), self.params)
 
     @property
     def params_swapped(self) -> bool:
@@ -344,6 +355,9 @@ class PlanInput:
                   ("--pcie-gbps", self.link_gbps, self.link_gbps is None or self.link_gbps > 0,
                    f"give positive GB/s or a preset ({', '.join(PCIE_PRESETS_GBPS)})"),
                   ("--mfu", self.gpu_mfu, 0 < self.gpu_mfu <= 1, "give a fraction in (0, 1], e.g. 0.5"),
+                  ("--trainable-params", self.trainable_params,
+                   self.trainable_params is None or 1 <= self.trainable_params <= self.params,
+                   "give the trainable parameter count, from 1 to the model's (PEFT's print_trainable_parameters)"),
                   ("--offload-param", self.offload_param, self.offload_param in OFFLOAD_PARAM_DEVICES,
                    f"use one of {', '.join(OFFLOAD_PARAM_DEVICES)}")]
         groups = -(-self.params // max(self.dp, 1)) // max(self.sub_group_numel, 1)
@@ -359,7 +373,7 @@ class PlanInput:
 
 
 def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes: int | float,
-                         sub_group_size: int, cpu_ranks: bool = False) -> StateSizes:
+                         sub_group_size: int, cpu_ranks: bool = False, trainable: int | None = None) -> StateSizes:
     """One rank's :class:`StateSizes`: its partition ``ceil(N / dp)`` in bytes per tensor kind.
 
     ``param_bytes`` per element for parameters and for gradients (DeepSpeed accumulates gradients in
@@ -367,17 +381,21 @@ def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes:
     ``4 + moment_bytes`` per element for each optimizer sub-group of at most ``sub_group_size``
     elements (item 1 of the module docstring); one gradient slice per sub-group. fp32 parameters
     (``param_bytes`` 4) are read from the fp32 master weights, not written on their own
-    (``StateSizes.alias_params``). ``cpu_ranks`` changes nothing here (kept for the callers).
+    (``StateSizes.alias_params``). ``cpu_ranks`` changes nothing here (kept for the callers). ``trainable``: the
+    parameters the optimizer updates (None: all); only they have gradients and optimizer sub-groups, and only their
+    partitions are written each step (a frozen one is written once and only read after).
     """
     numel = -(-int(n_params) // int(dp))
-    full, rest = divmod(numel, int(sub_group_size))
+    t_numel = numel if trainable is None else -(-min(int(trainable), int(n_params)) // int(dp))
+    full, rest = divmod(t_numel, int(sub_group_size))
     groups = [sub_group_size] * full + ([rest] if rest else [])
     per = MASTER_BYTES_PER_PARAM + moment_bytes
-    return StateSizes(param_bytes=numel * param_bytes, grad_bytes=numel * param_bytes,
+    return StateSizes(param_bytes=numel * param_bytes, grad_bytes=t_numel * param_bytes,
                       subgroup_bytes=[math.ceil(g * per) for g in groups],
                       alias_params=param_bytes == MASTER_BYTES_PER_PARAM,
                       subgroup_param_bytes=[g * param_bytes for g in groups],
-                      subgroup_grad_bytes=[g * param_bytes for g in groups])
+                      subgroup_grad_bytes=[g * param_bytes for g in groups],
+                      param_write_bytes=None if trainable is None else t_numel * param_bytes)
 
 
 def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, flash_attention: bool = True,
@@ -632,7 +650,8 @@ def _core(inp: PlanInput) -> dict:
     """The numbers of the three checks (shared by :func:`make_plan` and the change search)."""
     shape, N, dp, ranks = inp.shape, inp.params, inp.dp, inp.gpus
     pb, mb = PARAM_BYTES[inp.dtype], inp.moment_bytes
-    sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_numel, cpu_ranks=inp.cpu_ranks)
+    sizes = state_sizes_for_rank(N, dp, pb, mb, inp.sub_group_numel, cpu_ranks=inp.cpu_ranks,
+                                 trainable=inp.trainable_params)
     if not inp.params_swapped:  # DeepSpeed's partitions (offload_param cpu/none): none of the tiers' bytes, as the
         sizes.param_bytes, sizes.param_write_bytes, sizes.alias_params = 0, 0, False  # runtime's StateSizes
     slice_numel = shape.largest_slice_params
@@ -700,9 +719,16 @@ def rank_sub_group_numels(inp: PlanInput) -> list[int]:
     """One rank's optimizer sub-groups (elements) as DeepSpeed makes them from the model's parameters in
     module order (:func:`~aidaptiv_ds.planner.auto.deepspeed_sub_group_numels`): each partition
     ``ceil(numel / dp)``, every tensor scaled by ``n_params / shape`` when ``--params`` overrides the count."""
+    if inp.trainable_params is not None:  # the adapters, planned as one tensor
+        return deepspeed_sub_group_numels([-(-inp.trainable // inp.dp)], inp.sub_group_numel)
+    return deepspeed_sub_group_numels(_partition_numels(inp), inp.sub_group_numel)
+
+
+def _partition_numels(inp: PlanInput) -> list[int]:
+    """Each parameter's partition on a rank, ``ceil(numel / dp)`` elements in module order, every tensor scaled by
+    ``n_params / shape`` when ``--params`` overrides the count (frozen ones too)."""
     scale = inp.params / inp.shape.n_params if inp.shape.n_params else 1.0
-    parts = [-(-max(int(t.numel * scale), 1) // inp.dp) for t in inp.shape.tensors()]
-    return deepspeed_sub_group_numels(parts, inp.sub_group_numel)
+    return [-(-max(int(t.numel * scale), 1) // inp.dp) for t in inp.shape.tensors()]
 
 
 def cpu_rank_host_bytes(inp: PlanInput, sizes: StateSizes, activations: int) -> dict:
@@ -750,8 +776,12 @@ def rank_state(inp: PlanInput) -> RankState:
     numels = tuple(rank_sub_group_numels(inp))  # DeepSpeed's: up to sub_group_size + a partition
     slice_numel = int(shape.largest_slice_params * scale)
     ours = inp.params_swapped  # no parameter swapper: nothing staged, no fp32 parameter read from a master slot
-    return RankState(subgroup_numels=numels, grad_numels=numels, largest_partition_numel=-(-largest_param // dp),
-                     param_bytes=sum(numels) * pb, largest_subgroup_param_bytes=max(numels, default=0) * pb,
+    largest_part = -(-largest_param // dp)  # of a trainable parameter (the adapters: at most their count)
+    if inp.trainable_params is not None:
+        largest_part = min(largest_part, -(-inp.trainable // dp))
+    all_parts = sum(_partition_numels(inp)) if inp.trainable_params is not None else sum(numels)
+    return RankState(subgroup_numels=numels, grad_numels=numels, largest_partition_numel=largest_part,
+                     param_bytes=all_parts * pb, largest_subgroup_param_bytes=max(numels, default=0) * pb,
                      staging_partition_bytes=-(-slice_numel // dp) * pb if ours else 0,
                      accum_elsize=grad_accum_bytes(inp.dtype),
                      state_elsize=MASTER_BYTES_PER_PARAM, states=MOMENT_BYTES[inp.optimizer] // MASTER_BYTES_PER_PARAM,
@@ -796,7 +826,8 @@ def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankP
                                   grad_accum_bytes(inp.dtype), partition_ranks=inp.dp)
     ours = inp.params_swapped  # the read-ahead and the pooled partitions are our parameter swapper's
     live = live_partition_bytes(gathered, inp.params, pb, partition_ranks=inp.dp) if ours else 0
-    return rank_policy(inp, readahead_bytes=auto_prefetch_bytes(2 * state.largest_partition_numel * pb) if ours else 0,
+    largest_part = -(-_largest_param_numel(inp) // inp.dp)  # of any parameter the swapper reads, frozen ones too
+    return rank_policy(inp, readahead_bytes=auto_prefetch_bytes(2 * largest_part * pb) if ours else 0,
                        deepspeed_bytes=ds, live_partition_bytes=live, gather_ranks=inp.dp,
                        activation_bytes=activations)
 
@@ -1055,7 +1086,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
     sizes: StateSizes = c["sizes"]
     res: ResidencyPlan = c["res"]
     dram: DramBudget = c["dram"]
-    numel = inp.param_partition_bytes // pb  # one rank's partition elements (also where DeepSpeed keeps them)
+    numel = -(-inp.trainable // dp)  # one rank's trainable elements: the master weights and moments
     per_elem_opt = MASTER_BYTES_PER_PARAM + mb
     res_sg_numel = int(sum(sizes.subgroup_bytes[i] for i in res.resident_subgroups) // per_elem_opt)
     all_ranks = dp
