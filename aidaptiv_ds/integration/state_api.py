@@ -58,7 +58,8 @@ class StateAPIMixin:
             for i in groups:
                 st.reopen(i, what)
         sw = self.optimizer_swapper
-        refs = {i: sw.refs(self.fp32_partitioned_groups_flat[i]) for i in groups}
+        refs = {i: sw.refs(self.fp32_partitioned_groups_flat[i]) for i in groups
+                if self._swappable_optimizer_subgroup(i)}  # those DeepSpeed keeps in host buffers hold nothing
         with self._aidaptiv.phase.during(Phase.STATE_API), span("aidaptiv::state_api", lane="optimizer", call=what):
             try:
                 yield
@@ -66,7 +67,7 @@ class StateAPIMixin:
                 # DeepSpeed's call swapped the sub-group in and raised before releasing it (a moment asked for
                 # before the first step: KeyError, as on CPU offload): let go of what it took, unwritten, so that
                 # the slice is not pinned for good (a later load or step found it half-held)
-                for i in groups:
+                for i in refs:
                     if sw.refs(self.fp32_partitioned_groups_flat[i]) > refs[i]:
                         self._release_swap_buffers(i)
                 raise
