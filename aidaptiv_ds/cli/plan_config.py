@@ -19,6 +19,7 @@ flag                            config key                                      
 ``--reduce-bucket-size``        ``zero_optimization.reduce_bucket_size``          the flag's default
 ``--dram-budget``               ``aidaptiv.dram_budget`` (per rank) x ranks       ``"auto"``
 ``--step-in-backward``          ``aidaptiv.step_in_backward`` (as the runtime reads it) ``"auto"``
+``--offload-param``             ``zero_optimization.offload_param.device``        ``none`` (named among the notes)
 =============================== ================================================= ==========================
 
 Where ``sub_group_size`` is left out (of the config and the command line) the plan uses what the runtime
@@ -135,7 +136,11 @@ def read_config_settings(path: str) -> ConfigSettings:
         notes.append(f"zero_optimization.stage {stage!r} in --deepspeed {path}: aidaptiv_ds runs ZeRO-3 only "
                      f"(planned as stage 3)")
     device = _get(cfg, ("zero_optimization", "offload_param", "device"))
-    device = "none" if device is None else str(device).lower()  # DeepSpeed's default: no parameter offload
+    if device is None:  # DeepSpeed's default: no parameter offload
+        notes.append(f"zero_optimization.offload_param left out of --deepspeed {path}: the parameters stay where "
+                     f"DeepSpeed keeps them (on the GPU; host memory on CPU ranks), planned so; set "
+                     f"\"offload_param\": {{\"device\": \"nvme\"}} for aidaptiv_ds to swap them")
+    device = "none" if device is None else str(device).lower()
     if device not in ("nvme", "cpu", "none"):
         raise ValueError(f"--deepspeed {path!r}: zero_optimization.offload_param.device is {device!r}. Fix: give "
                          f"\"nvme\", \"cpu\" or \"none\"")

@@ -69,6 +69,7 @@ class StateAPIMixin:
                 # the slice is not pinned for good (a later load or step found it half-held)
                 for i in refs:
                     if sw.refs(self.fp32_partitioned_groups_flat[i]) > refs[i]:
+                        self._aidaptiv.narrow_edits.pop(i, None)  # a setter's decoded rows: not written
                         self._release_swap_buffers(i)
                 raise
 

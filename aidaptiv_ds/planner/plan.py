@@ -231,10 +231,12 @@ class PlanInput:
         gpu_mfu: the fraction of ``gpu_flops`` (or of the default GPU's peak) training sustains, for the
             schedules' compute estimate.
         trainable_params: the parameters the optimizer updates (LoRA: the adapters' count, printed by PEFT's
-            ``print_trainable_parameters``); the rest are frozen: their partitions are read each step and written
-            once, and they have no gradient, master weight or moment. None: all of them. The trainable ones are
-            planned as one tensor (the adapters' sub-groups are DeepSpeed's of their partitions: a few elements of
-            padding apart, the same over one rank).
+            ``print_trainable_parameters``), counted in ``n_params``; the rest are frozen: their partitions are read
+            each step and written once, and they have no gradient, master weight or moment. None (or the whole
+            count): all of them. The adapters' partitions are planned in sub-groups of at most ``sub_group_size``
+            (DeepSpeed fills its sub-groups with whole tensors, many small adapters: the same to within one
+            adapter per sub-group); their largest partition, which sizes the gradient norm's scratch, as at most
+            a sub-group.
         offload_param: ``zero_optimization.offload_param.device``: ``"nvme"`` (aidaptiv_ds swaps the parameter
             partitions through the tiers), ``"cpu"`` (DeepSpeed keeps them in host memory: none of the drives'
             bytes, and every rank's partitions are host memory beside the budget) or ``"none"`` (DeepSpeed keeps
@@ -665,7 +667,7 @@ def _core(inp: PlanInput) -> dict:
     vram = {"gathered_params": 2 * slice_numel * pb, "slice_gradients": slice_numel * pb,
             "reduce_bucket": shape.hidden_size ** 2 * 2, "activations": act["total"],
             "overhead": inp.vram_overhead,
-            "param_partitions": inp.param_partition_bytes if inp.offload_param == "none" else 0}
+            "param_partitions": inp.param_partition_bytes if inp.offload_param == "none" and not inp.cpu_ranks else 0}
     vram["total"] = sum(vram.values())
     resolved = inp  # the input under the path the steps take (step_in_backward resolved below)
     cpu, gpu_host, ws, dram = _host_and_budget(resolved, sizes, act["total"])
@@ -719,8 +721,9 @@ def rank_sub_group_numels(inp: PlanInput) -> list[int]:
     """One rank's optimizer sub-groups (elements) as DeepSpeed makes them from the model's parameters in
     module order (:func:`~aidaptiv_ds.planner.auto.deepspeed_sub_group_numels`): each partition
     ``ceil(numel / dp)``, every tensor scaled by ``n_params / shape`` when ``--params`` overrides the count."""
-    if inp.trainable_params is not None:  # the adapters, planned as one tensor
-        return deepspeed_sub_group_numels([-(-inp.trainable // inp.dp)], inp.sub_group_numel)
+    if inp.trainable < inp.params:  # the adapters: their count in sub-groups of at most sub_group_size
+        full, rest = divmod(-(-inp.trainable // inp.dp), inp.sub_group_numel)
+        return [inp.sub_group_numel] * full + ([rest] if rest else [])
     return deepspeed_sub_group_numels(_partition_numels(inp), inp.sub_group_numel)
 
 
@@ -776,10 +779,10 @@ def rank_state(inp: PlanInput) -> RankState:
     numels = tuple(rank_sub_group_numels(inp))  # DeepSpeed's: up to sub_group_size + a partition
     slice_numel = int(shape.largest_slice_params * scale)
     ours = inp.params_swapped  # no parameter swapper: nothing staged, no fp32 parameter read from a master slot
-    largest_part = -(-largest_param // dp)  # of a trainable parameter (the adapters: at most their count)
-    if inp.trainable_params is not None:
-        largest_part = min(largest_part, -(-inp.trainable // dp))
-    all_parts = sum(_partition_numels(inp)) if inp.trainable_params is not None else sum(numels)
+    largest_part = -(-largest_param // dp)  # of a trainable parameter (the adapters: at most a sub-group of them)
+    if inp.trainable < N:
+        largest_part = min(largest_part, max(numels, default=0))
+    all_parts = sum(_partition_numels(inp)) if inp.trainable < N else sum(numels)
     return RankState(subgroup_numels=numels, grad_numels=numels, largest_partition_numel=largest_part,
                      param_bytes=all_parts * pb, largest_subgroup_param_bytes=max(numels, default=0) * pb,
                      staging_partition_bytes=-(-slice_numel // dp) * pb if ours else 0,
@@ -815,7 +818,8 @@ def shape_gathered_numel(shape: ModelShape | None, model_numel: int, *, max_live
 
 def cpu_rank_policy(inp: PlanInput, state: RankState, activations: int) -> RankPolicy:
     """A CPU rank's :class:`~aidaptiv_ds.planner.working_set.RankPolicy` as the runtime fills it: the read-ahead
-    window the parameter swapper asks for (2 x the largest partition, ``prefetch_bytes: "auto"``), DeepSpeed's
+    window the parameter swapper asks for (2 x the largest partition, ``prefetch_bytes: "auto"``; none, and no
+    pooled partitions, where DeepSpeed keeps the parameters: ``offload_param`` cpu or none), DeepSpeed's
     working set from ``--max-live-parameters``, ``--max-reuse-distance``, ``--param-persistence-threshold`` and
     ``--reduce-bucket-size`` (a module being the largest parameter tensor), and ``activations`` (bytes)."""
     pb = PARAM_BYTES[inp.dtype]
@@ -982,8 +986,10 @@ def rank_traffic(inp: PlanInput, c: dict) -> RankTraffic:
     written and read per step less the gradient and optimizer terms (so ``Or`` keeps its fp32
     master-weight credit); ``F`` = ``ResidencyPlan.cache_bytes``; ``W`` = the runtime's read-ahead window
     (``auto_prefetch_bytes`` of the largest slice partition); ``a`` = ``micro_batch x seq_len x hidden x``
-    the parameter dtype's bytes ``x`` blocks (the activation dtype is the parameters'); ``Pp`` / ``Gp`` =
-    ``StateSizes.param_bytes`` / ``grad_bytes``; FLOPs per micro-batch = :func:`training_flops_per_token` x
+    the parameter dtype's bytes ``x`` blocks (the activation dtype is the parameters'); ``Pp`` =
+    :attr:`PlanInput.param_partition_bytes` (every rank's partitions cross the link wherever the host keeps them:
+    the drives or, with ``offload_param`` cpu, DeepSpeed's host memory; 0 with ``offload_param`` none, where they
+    stay on the GPU); ``Gp`` = ``StateSizes.grad_bytes``; FLOPs per micro-batch = :func:`training_flops_per_token` x
     ``micro_batch x seq_len`` (layer-major with checkpointing always: it recomputes each block's forward).
     """
     sizes: StateSizes = c["sizes"]
@@ -1168,7 +1174,10 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
         problems.append(
             f"vram: one GPU needs {_dec(v['total'])} (gathered slice {_dec(v['gathered_params'])}, activations "
             f"{_dec(v['activations'])}, gradients/buckets/overhead "
-            f"{_dec(v['slice_gradients'] + v['reduce_bucket'] + v['overhead'])}) but has {_dec(inp.vram)}")
+            f"{_dec(v['slice_gradients'] + v['reduce_bucket'] + v['overhead'])}"
+            + (f", the parameter partitions DeepSpeed keeps there with offload_param none "
+               f"{_dec(v['param_partitions'])}" if v.get("param_partitions") else "")
+            + f") but has {_dec(inp.vram)}")
     if not checks["dram"]:
         cpu = c["cpu_rank"]
         problems.append(
