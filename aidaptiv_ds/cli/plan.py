@@ -552,6 +552,9 @@ def format_plan(p: CapacityPlan, strict: bool = False) -> str:
             + f" ({p.per_step['write_bytes_per_param']:.2f} B/param written"
             + (f"; {_dec(p.per_step['write_bytes_if_clipped'])} on a step the clipping norm redoes"
                if p.per_step['write_bytes_if_clipped'] != p.per_step['write_bytes'] else "")
+            + (f"; the steps after backward that follow it read {_dec(p.per_step['read_bytes_after_backward'])}"
+               if p.per_step.get('read_bytes_after_backward', p.per_step['read_bytes_best'])
+               != p.per_step['read_bytes_best'] else "")
             + f"); {p.per_step['tokens']:,} tokens",
             f"step time  >= {_secs(p.step_time['lower_bound_s'])} (bound by {p.step_time['bound_by']}; compute "
             f"{_secs(p.step_time['compute_s'])}, reads {_secs(p.step_time['io_read_s'])}, writes "

@@ -555,7 +555,9 @@ class CapacityPlan:
         dram: :class:`~aidaptiv_ds.planner.auto.DramBudget` as a dict (per node).
         residency: one rank's :class:`~aidaptiv_ds.planner.residency.ResidencyPlan` as a dict.
         prefetch: depth and bytes of parameter read-ahead per rank.
-        per_step: per node: bytes written, read, read (best case), tokens per step.
+        per_step: per node: bytes written, read, read (best case), tokens per step; ``write_bytes_if_clipped``: a step
+            inside backward the clipping norm redoes; ``read_bytes_after_backward``: the steps after backward that
+            follow a clipped one (the kept gradients read back: HF's default clipping 1.0 clips much of a run).
         step_time: ``{"compute_s", "io_read_s", "io_write_s", "lower_bound_s", "bound_by", "pace_s"}``.
         cpu_rank_host: with ``cpu_ranks``, one rank's :func:`cpu_rank_host_bytes` (else None).
         rank_host: one rank's host memory besides the DRAM budget in each phase of the process
@@ -1135,6 +1137,10 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
     # read-ahead window (integration/runtime.py prefetch_bytes: max(2 x the largest slice, 256 MiB)),
     # besides what the budget caches (schedule.micro_batch_major's read_hits)
     read_step, read_best = mbm["read_bytes"], mbm["read_bytes_best"]
+    # a step whose norm clipped is never followed by a step inside backward: the steps after it run after backward
+    # and read the kept gradients back from the drives (where the write-back has not left them in DRAM)
+    read_after_backward = read_best + rank_traffic(inp, c).grad_final_write * ranks \
+        if c["step_in_backward"] and inp.gradient_clipping > 0 else read_best
     tokens_step = inp.micro_batch * inp.seq_len * inp.grad_accum * dp
 
     # step time (item 7)
@@ -1215,6 +1221,7 @@ def make_plan(inp: PlanInput, wear: bool = True) -> CapacityPlan:
         prefetch=dataclasses.asdict(prefetch),
         per_step={"write_bytes": write_step, "write_bytes_if_clipped": write_redone,
                   "read_bytes": read_step, "read_bytes_best": read_best,
+                  "read_bytes_after_backward": read_after_backward,
                   "tokens": tokens_step, "write_bytes_per_param": write_step * nodes / N},
         step_time={"compute_s": compute_s, "io_read_s": max(rt), "io_write_s": max(wt), "lower_bound_s": lower,
                    "bound_by": bound_by, "pace_s": pace,
