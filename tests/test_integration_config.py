@@ -86,6 +86,9 @@ def test_missing_path_that_cannot_be_created(tmp_path):
     (tmp_path / "a_file").write_text("x")
     msg = refused(good(tmp_path, cache_paths=[str(tmp_path / "a_file" / "cache")]))
     assert "aidaptiv.cache_paths" in msg and "cannot be created" in msg and "mkdir -p" in msg
+    # where it would be: a new-user trial's path under /proc was offered "mkdir -p" alone
+    msg = refused(good(tmp_path, cache_paths=["/proc/aidaptiv_no_such_dir"]))
+    assert "it would be on proc mounted at /proc" in msg, msg
 
 
 def test_unwritable_path(tmp_path, monkeypatch):

@@ -685,8 +685,9 @@ def create_cache_path(path: str, field: str = f"{SECTION}.cache_paths") -> bool:
     try:
         os.makedirs(ap, exist_ok=True)
     except OSError as e:
-        raise CachePathError(f"{field}: {path!r} does not exist and cannot be created ({e.strerror}). "
-                             f"Fix: create it (mkdir -p {ap}) or list an existing directory on the cache drive.") from None
+        raise CachePathError(f"{field}: {path!r} does not exist and cannot be created ({e.strerror}; it would be on "
+                             f"{filesystem_of(ap)}). Fix: create it (mkdir -p {ap}) or list an existing directory "
+                             f"on the cache drive.") from None
     if ap not in _CREATED:
         _CREATED.add(ap)
         on_root = os.stat(ap).st_dev == os.stat("/").st_dev
