@@ -90,6 +90,7 @@ def read_config_settings(path: str) -> ConfigSettings:
             (naming the key, the value and the fix); AidaptivConfigError: the ``"aidaptiv"`` section is invalid.
     """
     from ..integration.config import load_ds_dict, parse_section, section_enabled
+    from ..planner.plan import OFFLOAD_PARAM_DEVICES
 
     if not os.path.isfile(path):
         raise ValueError(f"--deepspeed {path!r}: no such file. Fix: give the path of your DeepSpeed JSON config")
@@ -141,7 +142,7 @@ def read_config_settings(path: str) -> ConfigSettings:
                      f"DeepSpeed keeps them (on the GPU; host memory on CPU ranks), planned so; set "
                      f"\"offload_param\": {{\"device\": \"nvme\"}} for aidaptiv_ds to swap them")
     device = "none" if device is None else str(device).lower()
-    if device not in ("nvme", "cpu", "none"):
+    if device not in OFFLOAD_PARAM_DEVICES:
         raise ValueError(f"--deepspeed {path!r}: zero_optimization.offload_param.device is {device!r}. Fix: give "
                          f"\"nvme\", \"cpu\" or \"none\"")
     values["offload_param"] = device

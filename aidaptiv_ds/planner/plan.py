@@ -374,6 +374,12 @@ class PlanInput:
                 raise AidaptivConfigError(f"{flag}: {value!r} does not make a plan; fix: {fix}")
 
 
+def even_sub_groups(numel: int, sub_group_size: int) -> list[int]:
+    """``numel`` elements cut into sub-groups of ``sub_group_size`` and the rest (elements each)."""
+    full, rest = divmod(int(numel), int(sub_group_size))
+    return [int(sub_group_size)] * full + ([rest] if rest else [])
+
+
 def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes: int | float,
                          sub_group_size: int, cpu_ranks: bool = False, trainable: int | None = None) -> StateSizes:
     """One rank's :class:`StateSizes`: its partition ``ceil(N / dp)`` in bytes per tensor kind.
@@ -389,8 +395,7 @@ def state_sizes_for_rank(n_params: int, dp: int, param_bytes: int, moment_bytes:
     """
     numel = -(-int(n_params) // int(dp))
     t_numel = numel if trainable is None else -(-min(int(trainable), int(n_params)) // int(dp))
-    full, rest = divmod(t_numel, int(sub_group_size))
-    groups = [sub_group_size] * full + ([rest] if rest else [])
+    groups = even_sub_groups(t_numel, int(sub_group_size))
     per = MASTER_BYTES_PER_PARAM + moment_bytes
     return StateSizes(param_bytes=numel * param_bytes, grad_bytes=t_numel * param_bytes,
                       subgroup_bytes=[math.ceil(g * per) for g in groups],
@@ -724,8 +729,7 @@ def rank_sub_group_numels(inp: PlanInput) -> list[int]:
     module order (:func:`~aidaptiv_ds.planner.auto.deepspeed_sub_group_numels`): each partition
     ``ceil(numel / dp)``, every tensor scaled by ``n_params / shape`` when ``--params`` overrides the count."""
     if inp.trainable < inp.params:  # the adapters: their count in sub-groups of at most sub_group_size
-        full, rest = divmod(-(-inp.trainable // inp.dp), inp.sub_group_numel)
-        return [inp.sub_group_numel] * full + ([rest] if rest else [])
+        return even_sub_groups(-(-inp.trainable // inp.dp), inp.sub_group_numel)
     return deepspeed_sub_group_numels(_partition_numels(inp), inp.sub_group_numel)
 
 
